@@ -1,0 +1,148 @@
+"""The MMEngine runner hook that puts a config's ``comm_hook`` on the model."""
+from typing import List, Optional, Tuple
+
+import torch
+from mmengine.dist import is_main_process
+from mmengine.hooks import Hook
+from mmengine.model import MMSeparateDistributedDataParallel, is_model_wrapper
+from mmengine.registry import HOOKS
+from torch.nn.parallel import DistributedDataParallel
+
+from ..registry import CommHookSpec, build_comm_hook, check_comm_hook_cfg
+
+__all__ = ['CommHookRegistrationHook']
+
+
+def _describe_cfg(cfg: dict) -> str:
+    return 'dict(' + ', '.join(f'{k}={v!r}' for k, v in cfg.items()) + ')'
+
+
+@HOOKS.register_module()
+class CommHookRegistrationHook(Hook):
+    """Register the config's DDP communication hook before training starts.
+
+    Registered in MMEngine's root ``HOOKS`` registry, so it builds under
+    MMSegmentation's scope as well as in plain MMEngine and any other
+    OpenMMLab codebase. A config turns it on with::
+
+        custom_imports = dict(imports=['mmcv_custom'],
+                              allow_failed_imports=False)
+        custom_hooks = [dict(type='CommHookRegistrationHook')]
+        comm_hook = dict(type='bf16_compress')
+
+    (``configs/_base_/comm_hook.py`` holds the first two lines.)
+
+    What it does, and when:
+
+    * ``before_run`` (every ``train()``, ``val()`` and ``test()``): checks the
+      ``comm_hook`` config once, even when the run is not distributed, so a
+      typo fails on a one-GPU debugging run too.
+    * ``before_train`` (after resuming, before the first backward): builds
+      the hook and registers it once on the ``DistributedDataParallel``
+      model; on each inner DDP module of
+      ``MMSeparateDistributedDataParallel``, each with its own state. A
+      ``val()`` or ``test()`` run registers nothing, since it has no
+      backward.
+    * Logs one line on rank 0 saying exactly what was registered.
+
+    A model that is not distributed gets one INFO line and trains on; a
+    model wrapped by something other than DDP (FSDP, DeepSpeed) is an error,
+    since those reduce gradients without DDP communication hooks.
+
+    Args:
+        comm_hook (dict, optional): The hook config, for runners built
+            without a config file. Defaults to None, meaning the config's
+            top-level ``comm_hook``. Setting both to different values is an
+            error.
+    """
+
+    priority = 'VERY_HIGH'
+
+    def __init__(self, comm_hook: Optional[dict] = None) -> None:
+        if comm_hook is not None:
+            check_comm_hook_cfg(comm_hook)
+        self._hook_arg = comm_hook
+        self._cfg: Optional[dict] = None
+        self._checked = False
+        self._registered = False
+
+    def _resolve_cfg(self, runner) -> Optional[dict]:
+        from_config = runner.cfg.get('comm_hook', None)
+        if from_config is not None and not isinstance(from_config, dict):
+            # Let the checker name the bad value.
+            check_comm_hook_cfg(from_config)
+        if from_config is not None:
+            from_config = dict(from_config)
+        if (from_config is not None and self._hook_arg is not None
+                and from_config != dict(self._hook_arg)):
+            raise ValueError(
+                'comm_hook is set twice with different values: the config '
+                f'says {_describe_cfg(from_config)}, the '
+                'CommHookRegistrationHook argument says '
+                f'{_describe_cfg(dict(self._hook_arg))}. Keep one.')
+        return from_config if from_config is not None else self._hook_arg
+
+    def before_run(self, runner) -> None:
+        if self._checked:
+            return
+        self._cfg = self._resolve_cfg(runner)
+        if self._cfg is None:
+            runner.logger.warning(
+                'CommHookRegistrationHook is enabled but the config sets no '
+                "`comm_hook` (e.g. comm_hook = dict(type='bf16_compress')); "
+                'DDP keeps its default full-precision all-reduce.')
+        else:
+            check_comm_hook_cfg(self._cfg)
+        self._checked = True
+
+    def before_train(self, runner) -> None:
+        if self._registered or self._cfg is None:
+            return
+        self._registered = True
+        targets = self._ddp_modules(runner.model)
+        if not targets:
+            runner.logger.info(
+                f'comm_hook={_describe_cfg(self._cfg)} not registered: the '
+                f'model ({type(runner.model).__name__}) is not wrapped in '
+                'DistributedDataParallel, so there is no gradient all-reduce '
+                'to change.')
+            return
+
+        specs: List[Tuple[str, CommHookSpec]] = []
+        for name, ddp in targets:
+            param = next(ddp.module.parameters(), None)
+            device = param.device if param is not None else None
+            spec = build_comm_hook(
+                self._cfg, process_group=ddp.process_group, device=device)
+            ddp.register_comm_hook(spec.state, spec.hook)
+            specs.append((name, spec))
+
+        if is_main_process():
+            ddp = targets[0][1]
+            group = ddp.process_group
+            where = type(runner.model).__name__
+            if isinstance(runner.model, MMSeparateDistributedDataParallel):
+                where += ' submodules ' + ', '.join(n for n, _ in specs)
+            runner.logger.info(
+                f'Registered DDP communication hook on {where}: '
+                f'{specs[0][1].describe()}; process group: {group.size()} '
+                f'ranks, backend {torch.distributed.get_backend(group)}.')
+
+    @staticmethod
+    def _ddp_modules(model) -> List[Tuple[str, DistributedDataParallel]]:
+        """The DDP modules to register on; empty when not distributed."""
+        if isinstance(model, MMSeparateDistributedDataParallel):
+            # It has no reducer of its own: each trainable submodule is a
+            # DDP of its own (frozen ones are left unwrapped).
+            return [(name, m) for name, m in model.module.named_children()
+                    if isinstance(m, DistributedDataParallel)]
+        if isinstance(model, DistributedDataParallel):
+            return [('', model)]
+        if is_model_wrapper(model):
+            raise TypeError(
+                'comm_hook needs a DistributedDataParallel model, but the '
+                f'model is wrapped by {type(model).__name__}, which does '
+                'not reduce gradients through DDP communication hooks. '
+                'Remove comm_hook, or use model_wrapper_cfg='
+                "dict(type='MMDistributedDataParallel').")
+        return []

@@ -1,0 +1,312 @@
+"""Config names for DDP communication hooks, and building them from a config.
+
+A config chooses a hook with a dict::
+
+    comm_hook = dict(type='powerSGD', wrapper='bf16',
+                     matrix_approximation_rank=2, start_powerSGD_iter=1000)
+
+It keeps PyTorch's three separate pieces apart (as Lightning does): the
+*hook* function, looked up by ``type`` in :data:`COMM_HOOKS`; its *state*,
+built from the remaining keys by a factory registered under the same name in
+:data:`COMM_HOOK_STATES` (hooks without one get the process group as state
+and accept no extra keys); and an optional half-precision *wrapper*.
+
+Users add their own hooks the MMEngine way::
+
+    from mmcv_custom import COMM_HOOKS
+
+    @COMM_HOOKS.register_module()
+    def my_hook(process_group, bucket):
+        ...
+
+and, for a stateful hook, a state factory
+``@COMM_HOOK_STATES.register_module(name='my_hook')`` taking
+``(process_group, **config_keys)``.
+"""
+import dataclasses
+import inspect
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from mmengine.registry import Registry
+from torch.distributed.algorithms.ddp_comm_hooks import \
+    powerSGD_hook as powerSGD
+
+from .ddp_hooks import (_uses_nccl, allreduce_hook, bf16_compress_hook,
+                        bf16_compress_wrapper, check_bf16_support,
+                        fp16_compress_hook, fp16_compress_wrapper)
+
+__all__ = [
+    'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommHookSpec', 'build_comm_hook',
+    'check_comm_hook_cfg'
+]
+
+COMM_HOOKS = Registry('DDP communication hook', scope='mmcv_custom')
+COMM_HOOK_STATES = Registry('DDP communication hook state',
+                            scope='mmcv_custom')
+
+COMM_HOOKS.register_module(name='allreduce', module=allreduce_hook)
+COMM_HOOKS.register_module(name='fp16_compress', module=fp16_compress_hook)
+COMM_HOOKS.register_module(name='bf16_compress', module=bf16_compress_hook)
+COMM_HOOKS.register_module(name='powerSGD', module=powerSGD.powerSGD_hook)
+COMM_HOOKS.register_module(
+    name='batched_powerSGD', module=powerSGD.batched_powerSGD_hook)
+
+_WRAPPERS: Dict[str, Callable] = {
+    'fp16': fp16_compress_wrapper,
+    'bf16': bf16_compress_wrapper,
+}
+_WRAPPER_DTYPES = {'fp16': torch.float16, 'bf16': torch.bfloat16}
+
+# Hooks that already reduce in half precision: a wrapper around them would
+# round twice for nothing.
+_HALF_PRECISION_HOOKS = {
+    fp16_compress_hook: 'fp16',
+    bf16_compress_hook: 'bf16',
+}
+
+# PyTorch's PowerSGD hooks start their second all-reduce from inside a future
+# callback. Gloo runs callbacks on its own worker threads, so with several
+# buckets in flight the ranks issue collectives in different orders and gloo
+# aborts ("Received data size doesn't match expected size") or hangs. On gloo
+# we therefore finish each bucket before DDP hands over the next one.
+_CALLBACK_COLLECTIVE_HOOKS = {
+    powerSGD.powerSGD_hook,
+    powerSGD.batched_powerSGD_hook,
+}
+
+# Registered so the name is known, but refused with the reason.
+_UNSUPPORTED_HOOKS = {
+    powerSGD.batched_powerSGD_hook:
+    f'its batched_powerSGD_hook in torch {torch.__version__} fails with an '
+    'AssertionError at the first compressed step (it hands a 2-d matrix to '
+    'an orthogonalization that expects a batch of matrices)',
+}
+
+# PyTorch's PowerSGD default orthogonalization_epsilon=0 divides 0 by 0 when
+# a gradient matrix has an all-zero column (a layer whose loss gradient is
+# zero for a step), which puts NaN into every parameter of the bucket. A tiny
+# epsilon avoids it; fp16 needs one above its smallest subnormal (6e-8), or
+# the addition rounds back to zero.
+_POWERSGD_EPSILON = {None: 1e-8, 'bf16': 1e-8, 'fp16': 1e-6}
+
+
+@COMM_HOOK_STATES.register_module(name='powerSGD')
+def _powersgd_state(process_group: Optional[dist.ProcessGroup],
+                    **kwargs) -> powerSGD.PowerSGDState:
+    """Build PyTorch's ``PowerSGDState`` from the config keys."""
+    return powerSGD.PowerSGDState(process_group=process_group, **kwargs)
+
+
+# Only so that config keys can be checked against PowerSGDState's arguments.
+_powersgd_state.__signature__ = inspect.signature(powerSGD.PowerSGDState)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommHookSpec:
+    """A communication hook ready for ``ddp.register_comm_hook(state, hook)``.
+
+    Attributes:
+        type (str): The config name, e.g. ``'powerSGD'``.
+        hook (Callable): The composed hook to register.
+        state (Any): The state to register it with.
+        base_hook (Callable): The hook ``type`` names, before composition.
+        wrapper (str, optional): ``'fp16'``, ``'bf16'`` or None.
+        state_kwargs (dict): The state arguments in effect, including the
+            defaults this project sets (see ``defaults_set``).
+        defaults_set (tuple[str]): Names in ``state_kwargs`` that the user
+            did not write and this project chose.
+        serialized (bool): True when buckets are reduced one at a time
+            (PowerSGD off NCCL, see ``_CALLBACK_COLLECTIVE_HOOKS``).
+    """
+    type: str
+    hook: Callable
+    state: Any
+    base_hook: Callable
+    wrapper: Optional[str] = None
+    state_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    defaults_set: tuple = ()
+    serialized: bool = False
+
+    def describe(self) -> str:
+        """One line saying what is registered, for the training log."""
+        base = getattr(self.base_hook, '__qualname__', repr(self.base_hook))
+        parts = [f"type='{self.type}' ({base})"]
+        parts.append(f"wrapper={self.wrapper!r}")
+        if self.state_kwargs:
+            args = ', '.join(
+                f'{k}={v!r}' + (' (default set by mmcv_custom)'
+                                if k in self.defaults_set else '')
+                for k, v in self.state_kwargs.items())
+            parts.append(f'state: {type(self.state).__name__}({args})')
+        if self.serialized:
+            parts.append('buckets reduced one at a time (not NCCL)')
+        return ', '.join(parts)
+
+
+def _valid_types() -> str:
+    return ', '.join(sorted(COMM_HOOKS.module_dict))
+
+
+def _lookup_hook(hook_type: Any) -> Callable:
+    if callable(hook_type):
+        return hook_type
+    if not isinstance(hook_type, str):
+        raise TypeError('comm_hook type should be a registered name or a '
+                        f'callable, but got {type(hook_type).__name__}: '
+                        f'{hook_type!r}. Valid names: {_valid_types()}')
+    hook = COMM_HOOKS.get(hook_type)
+    if hook is None:
+        raise KeyError(
+            f"comm_hook type {hook_type!r} is not in the "
+            f'{COMM_HOOKS.scope}::{COMM_HOOKS.name} registry. Valid types: '
+            f'{_valid_types()}. Register your own with '
+            '@COMM_HOOKS.register_module().')
+    return hook
+
+
+def _lookup_state_factory(hook_type: Any) -> Optional[Callable]:
+    if isinstance(hook_type, str):
+        return COMM_HOOK_STATES.get(hook_type)
+    return None
+
+
+def check_comm_hook_cfg(cfg: Any) -> dict:
+    """Check a ``comm_hook`` config without building anything.
+
+    Needs no process group, so the runner hook calls it at the start of
+    every run, distributed or not: a typo in a config fails on a one-GPU
+    debugging run as it would on 64 GPUs.
+
+    Args:
+        cfg (dict): e.g. ``dict(type='powerSGD', wrapper='bf16',
+            matrix_approximation_rank=2)``.
+
+    Returns:
+        dict: A copy of the config with the state keys, including the
+        defaults this project sets, under ``state_kwargs`` and the names
+        of those defaults under ``defaults_set``.
+
+    Raises:
+        TypeError: ``cfg`` is not a dict, or carries keys the hook's state
+            does not take.
+        KeyError: ``type`` is missing or not a registered name.
+        ValueError: ``wrapper`` is not ``'fp16'``, ``'bf16'`` or None, or
+            wraps a hook that already compresses.
+    """
+    if not isinstance(cfg, dict):
+        raise TypeError(
+            "comm_hook should be a dict such as dict(type='bf16_compress'), "
+            f'but got {type(cfg).__name__}: {cfg!r}')
+    cfg = dict(cfg)
+    if 'type' not in cfg:
+        raise KeyError(
+            f'comm_hook needs a `type` key, but got {cfg!r}. Valid types: '
+            f'{_valid_types()}')
+    hook_type = cfg.pop('type')
+    hook = _lookup_hook(hook_type)
+    if hook in _UNSUPPORTED_HOOKS:
+        raise NotImplementedError(
+            f'comm_hook type {hook_type!r} is not supported: '
+            f"{_UNSUPPORTED_HOOKS[hook]}. Use type='powerSGD' instead.")
+    wrapper = cfg.pop('wrapper', None)
+    if wrapper is not None and wrapper not in _WRAPPERS:
+        raise ValueError(
+            "comm_hook wrapper should be 'fp16', 'bf16' or None, but got "
+            f'{wrapper!r}')
+    if wrapper is not None and hook in _HALF_PRECISION_HOOKS:
+        raise ValueError(
+            f"comm_hook type {hook_type!r} already reduces in "
+            f'{_HALF_PRECISION_HOOKS[hook]}, so wrapper={wrapper!r} would '
+            "round twice. Use type='allreduce' with the wrapper, or drop "
+            'the wrapper.')
+
+    factory = _lookup_state_factory(hook_type)
+    defaults_set = []
+    if factory is None:
+        if cfg:
+            raise TypeError(
+                f'comm_hook type {hook_type!r} takes no arguments besides '
+                f'type and wrapper, but got {sorted(cfg)}. Register a state '
+                f'factory in COMM_HOOK_STATES under {hook_type!r} for a '
+                'stateful hook.')
+    else:
+        params = inspect.signature(factory).parameters
+        valid = [n for n, p in params.items()
+                 if n != 'process_group' and p.kind in (
+                     p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        unknown = sorted(k for k in cfg if k not in valid)
+        if 'process_group' in cfg or (unknown and not takes_any):
+            raise TypeError(
+                f'comm_hook type {hook_type!r} got unexpected keys '
+                f'{unknown}. Valid keys: type, wrapper, {", ".join(valid)} '
+                '(the process group is the DDP model\'s own).')
+        if hook in _CALLBACK_COLLECTIVE_HOOKS and (
+                'orthogonalization_epsilon' not in cfg):
+            cfg['orthogonalization_epsilon'] = _POWERSGD_EPSILON[wrapper]
+            defaults_set.append('orthogonalization_epsilon')
+    return dict(type=hook_type, wrapper=wrapper, state_kwargs=cfg,
+                defaults_set=tuple(defaults_set))
+
+
+def _one_bucket_at_a_time(hook: Callable) -> Callable:
+    """Make ``hook`` finish its bucket before DDP can start the next one."""
+
+    def _serialized_hook(state, bucket: dist.GradBucket):
+        result = hook(state, bucket).wait()
+        fut = torch.futures.Future()
+        fut.set_result(result)
+        return fut
+
+    _serialized_hook.__qualname__ = getattr(hook, '__qualname__', 'hook')
+    _serialized_hook.__wrapped__ = hook
+    return _serialized_hook
+
+
+def build_comm_hook(cfg: dict,
+                    process_group: Optional[dist.ProcessGroup] = None,
+                    device: Optional[torch.device] = None) -> CommHookSpec:
+    """Build the hook and state a ``comm_hook`` config describes.
+
+    Args:
+        cfg (dict): See :func:`check_comm_hook_cfg`.
+        process_group (ProcessGroup, optional): The group the DDP model
+            reduces over. Defaults to None (WORLD). A process group must be
+            initialised.
+        device (torch.device, optional): Device of the gradients, for the
+            bf16 backend check. Defaults to None.
+
+    Returns:
+        CommHookSpec: register it with
+        ``ddp.register_comm_hook(spec.state, spec.hook)``. Build one per DDP
+        module: stateful hooks must not share state between models.
+    """
+    checked = check_comm_hook_cfg(cfg)
+    hook_type, wrapper = checked['type'], checked['wrapper']
+    base_hook = _lookup_hook(hook_type)
+    factory = _lookup_state_factory(hook_type)
+    state_kwargs = checked['state_kwargs']
+    state = (process_group if factory is None else factory(
+        process_group, **state_kwargs))
+
+    if wrapper == 'bf16' or base_hook is bf16_compress_hook:
+        check_bf16_support(process_group, device)
+    hook = base_hook if wrapper is None else _WRAPPERS[wrapper](base_hook)
+
+    serialized = (base_hook in _CALLBACK_COLLECTIVE_HOOKS
+                  and not _uses_nccl(process_group, device))
+    if serialized:
+        hook = _one_bucket_at_a_time(hook)
+    name = hook_type if isinstance(hook_type, str) else getattr(
+        hook_type, '__qualname__', repr(hook_type))
+    return CommHookSpec(
+        type=name,
+        hook=hook,
+        state=state,
+        base_hook=base_hook,
+        wrapper=wrapper,
+        state_kwargs=state_kwargs,
+        defaults_set=checked['defaults_set'],
+        serialized=serialized)

@@ -1,0 +1,44 @@
+"""Install mmcv_custom: ``pip install -e .`` (add ``[seg]`` for MMSegmentation).
+
+torch is required without a version pin, so pip keeps whatever torch (CUDA
+or CPU) is already installed.
+"""
+import os.path as osp
+
+from setuptools import find_packages, setup
+
+
+def _read(*parts):
+    with open(osp.join(osp.dirname(osp.abspath(__file__)), *parts)) as f:
+        return f.read()
+
+
+def _requirements(name):
+    lines = _read('requirements', name).splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.startswith('#')]
+
+
+def _version():
+    scope = {}
+    exec(_read('mmcv_custom', 'version.py'), scope)
+    return scope['__version__']
+
+
+setup(
+    name='mmcv_custom',
+    version=_version(),
+    description='Half-precision DDP gradient communication hooks for '
+    'MMEngine / MMSegmentation training',
+    long_description=_read('README.md'),
+    long_description_content_type='text/markdown',
+    packages=find_packages(include=['mmcv_custom', 'mmcv_custom.*']),
+    python_requires='>=3.8',
+    install_requires=_requirements('runtime.txt'),
+    extras_require={
+        'seg': ['mmcv>=2.0.0rc4,<2.2.0', 'mmsegmentation>=1.0.0', 'ftfy',
+                'regex'],
+        'tests': ['pytest'],
+    },
+    license='Apache-2.0',
+    zip_safe=False,
+)

@@ -1,0 +1,68 @@
+"""Run a test body on real gloo ranks, one process each.
+
+Processes are forked (the pytest process never initialises a process group,
+so forking is safe and saves re-importing torch) and meet through a
+``FileStore`` in a temporary folder, so there are no ports to clash. Each
+rank's return value comes back to the test; an exception on any rank fails
+the test with that rank's traceback.
+"""
+import os
+import tempfile
+import time
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ['run_ranks']
+
+
+def _entry(rank: int, world_size: int, folder: str, fn: Callable,
+           args: tuple) -> None:
+    # MMEngine reads these (Runner.wrap_model and get_dist_info).
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    torch.manual_seed(1234 + rank)
+    store = dist.FileStore(os.path.join(folder, 'store'), world_size)
+    dist.init_process_group('gloo', store=store, rank=rank,
+                            world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(folder, f'rank{rank}.pt'))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable,
+              *args: Any,
+              world_size: int = 2,
+              timeout: float = 120) -> List[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
+
+    A collective that hangs (ranks issuing collectives in different orders)
+    fails the test after ``timeout`` seconds instead of blocking the suite.
+
+    Returns:
+        list: ``fn``'s return value of each rank, by rank.
+    """
+    with tempfile.TemporaryDirectory() as folder:
+        context = mp.start_processes(
+            _entry,
+            args=(world_size, folder, fn, args),
+            nprocs=world_size,
+            join=False,
+            start_method='fork')
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(
+                    f'{getattr(fn, "__name__", fn)} did not finish on '
+                    f'{world_size} ranks within {timeout} s (a hung '
+                    'collective?)')
+        return [
+            torch.load(os.path.join(folder, f'rank{r}.pt'),
+                       weights_only=False) for r in range(world_size)
+        ]
