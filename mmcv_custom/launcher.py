@@ -1,0 +1,82 @@
+"""Start distributed training where MMEngine's own start-up cannot: CPUs.
+
+MMEngine's ``init_dist`` calls ``torch.cuda.set_device`` and its DDP wrapper
+passes ``device_ids=[LOCAL_RANK]``; both fail on a CPU-only torch. The tools
+call :func:`setup_distributed` before building the runner: with CUDA it
+leaves everything to MMEngine (NCCL, unchanged behaviour); without, it
+starts a gloo process group itself (the runner skips ``init_dist`` when a
+group exists) and makes the DDP wrapper CPU-friendly.
+"""
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from mmengine.config import Config
+from mmengine.logging import print_log
+
+__all__ = ['setup_distributed']
+
+_ENV_FROM_SLURM = {
+    'RANK': 'SLURM_PROCID',
+    'WORLD_SIZE': 'SLURM_NTASKS',
+    'LOCAL_RANK': 'SLURM_LOCALID',
+}
+
+
+def _init_gloo(launcher: str) -> None:
+    if launcher == 'slurm':
+        for ours, slurm in _ENV_FROM_SLURM.items():
+            os.environ.setdefault(ours, os.environ[slurm])
+        os.environ.setdefault('MASTER_PORT', '29500')
+        if 'MASTER_ADDR' not in os.environ:
+            raise RuntimeError(
+                'MASTER_ADDR is not set: on CPU nodes the Slurm launcher '
+                'needs it (e.g. the first host of $SLURM_NODELIST); '
+                'tools/slurm_train.sh sets it.')
+    elif launcher not in ('pytorch', 'mpi'):
+        raise ValueError(f"launcher should be 'none', 'pytorch', 'slurm' or "
+                         f"'mpi', but got {launcher!r}")
+    if launcher == 'mpi':
+        os.environ.setdefault('RANK', os.environ['OMPI_COMM_WORLD_RANK'])
+        os.environ.setdefault('WORLD_SIZE', os.environ['OMPI_COMM_WORLD_SIZE'])
+        os.environ.setdefault('LOCAL_RANK',
+                              os.environ['OMPI_COMM_WORLD_LOCAL_RANK'])
+    dist.init_process_group(backend='gloo', init_method='env://')
+
+
+def setup_distributed(cfg: Config, launcher: str,
+                      cuda: Optional[bool] = None) -> Config:
+    """Prepare ``cfg`` and the process group for ``launcher``.
+
+    Args:
+        cfg (Config): The training config; changed in place.
+        launcher (str): ``'none'``, ``'pytorch'``, ``'slurm'`` or ``'mpi'``.
+        cuda (bool, optional): Whether to use GPUs. Defaults to None,
+            meaning ``torch.cuda.is_available()``.
+
+    Returns:
+        Config: ``cfg``.
+    """
+    cfg.launcher = launcher
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if launcher == 'none' or cuda:
+        return cfg
+    if not dist.is_initialized():
+        _init_gloo(launcher)
+    wrapper_cfg = cfg.get('model_wrapper_cfg') or dict(
+        type='MMDistributedDataParallel')
+    wrapper_cfg.setdefault('broadcast_buffers', False)
+    wrapper_cfg.setdefault(
+        'find_unused_parameters', cfg.get('find_unused_parameters', False))
+    # CPU modules take no device_ids.
+    wrapper_cfg['device_ids'] = None
+    cfg.model_wrapper_cfg = wrapper_cfg
+    env_cfg = cfg.setdefault('env_cfg', dict())
+    env_cfg.setdefault('dist_cfg', dict())['backend'] = 'gloo'
+    print_log(
+        f'No CUDA: started a gloo process group of {dist.get_world_size()} '
+        'ranks on CPU (DDP without device_ids).',
+        logger='current')
+    return cfg

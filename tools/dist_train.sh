@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Usage: tools/dist_train.sh CONFIG NPROC_PER_NODE [train.py args...]
+# Multi-node: set NNODES, NODE_RANK, MASTER_ADDR and PORT on every node.
+CONFIG=$1
+NPROC=$2
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+PORT=${PORT:-29500}
+MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
+HERE=$(cd "$(dirname "$0")" && pwd)
+
+PYTHONPATH="$HERE/..":$PYTHONPATH \
+exec python -m torch.distributed.run \
+    --nnodes="$NNODES" \
+    --node_rank="$NODE_RANK" \
+    --master_addr="$MASTER_ADDR" \
+    --nproc_per_node="$NPROC" \
+    --master_port="$PORT" \
+    "$HERE/train.py" \
+    "$CONFIG" \
+    --launcher pytorch "${@:3}"

@@ -1,0 +1,122 @@
+"""Train with MMEngine's Runner, the MMSegmentation way, on GPUs or CPUs.
+
+Same arguments as MMSegmentation 1.x's ``tools/train.py``. Additionally:
+
+* ``mmcv_custom`` is imported, so ``comm_hook`` configs work without
+  ``custom_imports``; a config that sets ``comm_hook`` but forgot the runner
+  hook in ``custom_hooks`` gets it added (with one log line);
+* without CUDA, a distributed launch starts a gloo process group and a
+  CPU DDP (see :mod:`mmcv_custom.launcher`).
+
+Examples:
+    python tools/train.py CONFIG
+    bash tools/dist_train.sh CONFIG 8 --cfg-options comm_hook.type=fp16_compress
+"""
+import argparse
+import logging
+import os
+import os.path as osp
+
+from mmengine.config import Config, DictAction
+from mmengine.logging import print_log
+from mmengine.runner import Runner
+
+import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
+from mmcv_custom.launcher import setup_distributed
+
+RUNNER_HOOK = 'CommHookRegistrationHook'
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description='Train a model')
+    parser.add_argument('config', help='train config file path')
+    parser.add_argument('--work-dir', help='the dir to save logs and models')
+    parser.add_argument(
+        '--resume',
+        action='store_true',
+        default=False,
+        help='resume from the latest checkpoint in the work_dir automatically')
+    parser.add_argument(
+        '--amp',
+        action='store_true',
+        default=False,
+        help='enable automatic-mixed-precision training')
+    parser.add_argument(
+        '--cfg-options',
+        nargs='+',
+        action=DictAction,
+        help='override some settings in the used config, the key-value pair '
+        'in xxx=yyy format will be merged into config file. If the value to '
+        'be overwritten is a list, it should be like key="[a,b]" or key=a,b '
+        'It also allows nested list/tuple values, e.g. key="[(a,b),(c,d)]" '
+        'Note that the quotation marks are necessary and that no white space '
+        'is allowed.')
+    parser.add_argument(
+        '--launcher',
+        choices=['none', 'pytorch', 'slurm', 'mpi'],
+        default='none',
+        help='job launcher')
+    # torch.distributed.launch passed --local_rank; torchrun sets LOCAL_RANK.
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = parser.parse_args()
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    return args
+
+
+def add_comm_hook_runner_hook(cfg: Config) -> None:
+    """Add the runner hook when ``comm_hook`` is set but the hook is not."""
+    if cfg.get('comm_hook') is None:
+        return
+    hooks = cfg.get('custom_hooks') or []
+    if any(h.get('type') in (RUNNER_HOOK, f'mmcv_custom.{RUNNER_HOOK}')
+           for h in hooks):
+        return
+    cfg.custom_hooks = list(hooks) + [dict(type=RUNNER_HOOK)]
+    print_log(
+        f'The config sets comm_hook but not {RUNNER_HOOK} in custom_hooks: '
+        'added it.',
+        logger='current',
+        level=logging.INFO)
+
+
+def main():
+    args = parse_args()
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+
+    # work_dir: command line > config > ./work_dirs/<config name>
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = osp.join('./work_dirs',
+                                osp.splitext(osp.basename(args.config))[0])
+
+    if args.amp:
+        optim_wrapper = cfg.optim_wrapper.get('type', 'OptimWrapper')
+        if optim_wrapper == 'AmpOptimWrapper':
+            print_log('AMP training is already enabled in your config.',
+                      logger='current', level=logging.WARNING)
+        else:
+            if optim_wrapper != 'OptimWrapper':
+                raise ValueError('--amp is only supported with '
+                                 "optim_wrapper type 'OptimWrapper', but got "
+                                 f'{optim_wrapper!r}')
+            cfg.optim_wrapper.type = 'AmpOptimWrapper'
+            cfg.optim_wrapper.loss_scale = 'dynamic'
+
+    cfg.resume = args.resume
+    add_comm_hook_runner_hook(cfg)
+    setup_distributed(cfg, args.launcher)
+
+    if 'runner_type' not in cfg:
+        runner = Runner.from_cfg(cfg)
+    else:
+        from mmengine.registry import RUNNERS
+        runner = RUNNERS.build(cfg)
+    runner.train()
+
+
+if __name__ == '__main__':
+    main()
