@@ -7,12 +7,13 @@ configs use ``type='MLPRegressor'`` and ``type='SyntheticRegressionDataset'``
 with ``custom_imports=dict(imports=['mmcv_custom.demo'])``.
 """
 import torch
+from mmengine.evaluator import BaseMetric
 from mmengine.model import BaseModel
-from mmengine.registry import DATASETS, MODELS
+from mmengine.registry import DATASETS, METRICS, MODELS
 from torch import nn
 from torch.utils.data import Dataset
 
-__all__ = ['MLPRegressor', 'SyntheticRegressionDataset']
+__all__ = ['MLPRegressor', 'SyntheticRegressionDataset', 'RegressionMSE']
 
 
 @MODELS.register_module()
@@ -48,6 +49,8 @@ class MLPRegressor(BaseModel):
             if isinstance(data_samples, (list, tuple)):
                 data_samples = torch.stack(data_samples)
             return dict(loss=nn.functional.mse_loss(outputs, data_samples))
+        if mode == 'predict':
+            return list(outputs)
         return outputs
 
 
@@ -84,3 +87,17 @@ class SyntheticRegressionDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         return dict(inputs=self.inputs[index], data_samples=self.targets[index])
+
+
+@METRICS.register_module()
+class RegressionMSE(BaseMetric):
+    """Mean squared error of :class:`MLPRegressor` predictions."""
+    default_prefix = 'regression'
+
+    def process(self, data_batch: dict, data_samples) -> None:
+        targets = data_batch['data_samples']
+        for pred, target in zip(data_samples, targets):
+            self.results.append(float(((pred - target)**2).mean()))
+
+    def compute_metrics(self, results: list) -> dict:
+        return dict(mse=sum(results) / max(len(results), 1))

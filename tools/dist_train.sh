@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Usage: tools/dist_train.sh CONFIG NPROC_PER_NODE [train.py args...]
 # Multi-node: set NNODES, NODE_RANK, MASTER_ADDR and PORT on every node.
+# PYTHON picks the interpreter (default: python on PATH).
 CONFIG=$1
 NPROC=$2
 NNODES=${NNODES:-1}
@@ -10,7 +11,7 @@ MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
 HERE=$(cd "$(dirname "$0")" && pwd)
 
 PYTHONPATH="$HERE/..":$PYTHONPATH \
-exec python -m torch.distributed.run \
+exec "${PYTHON:-python}" -m torch.distributed.run \
     --nnodes="$NNODES" \
     --node_rank="$NODE_RANK" \
     --master_addr="$MASTER_ADDR" \

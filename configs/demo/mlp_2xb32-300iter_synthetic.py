@@ -13,8 +13,15 @@ train_dataloader = dict(
     num_workers=0,
     sampler=dict(type='InfiniteSampler', shuffle=True),
     dataset=dict(type='SyntheticRegressionDataset', num_samples=2048))
+val_dataloader = dict(
+    batch_size=64,
+    num_workers=0,
+    sampler=dict(type='DefaultSampler', shuffle=False),
+    dataset=dict(type='SyntheticRegressionDataset', num_samples=512, seed=1))
+val_evaluator = dict(type='RegressionMSE')
 optim_wrapper = dict(optimizer=dict(type='AdamW', lr=1e-3))
-train_cfg = dict(by_epoch=False, max_iters=300)
+train_cfg = dict(by_epoch=False, max_iters=300, val_interval=300)
+val_cfg = dict()
 default_hooks = dict(
     logger=dict(type='LoggerHook', interval=50),
     checkpoint=dict(type='CheckpointHook', by_epoch=False, interval=300))

@@ -35,8 +35,8 @@ class CommHookRegistrationHook(Hook):
     What it does, and when:
 
     * ``before_run`` (every ``train()``, ``val()`` and ``test()``): checks the
-      ``comm_hook`` config once, even when the run is not distributed, so a
-      typo fails on a one-GPU debugging run too.
+      ``comm_hook`` config and the model wrapper once, even when the run is
+      not distributed, so a typo fails on a one-GPU debugging run too.
     * ``before_train`` (after resuming, before the first backward): builds
       the hook and registers it once on the ``DistributedDataParallel``
       model; on each inner DDP module of
@@ -93,6 +93,8 @@ class CommHookRegistrationHook(Hook):
                 'DDP keeps its default full-precision all-reduce.')
         else:
             check_comm_hook_cfg(self._cfg)
+            # Raises for FSDP, DeepSpeed & co. before any heavy work starts.
+            self._ddp_modules(runner.model)
         self._checked = True
 
     def before_train(self, runner) -> None:

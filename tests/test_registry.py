@@ -1,0 +1,158 @@
+"""The comm-hook registry: config names, errors, user hooks, PowerSGD."""
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import \
+    powerSGD_hook as powerSGD
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mmcv_custom import (COMM_HOOK_STATES, COMM_HOOKS, allreduce_hook,
+                         bf16_compress_hook, build_comm_hook,
+                         check_comm_hook_cfg)
+from tests.dist_utils import run_ranks
+
+BUILTIN = ['allreduce', 'batched_powerSGD', 'bf16_compress', 'fp16_compress',
+           'powerSGD']
+
+
+def test_builtin_names():
+    assert sorted(COMM_HOOKS.module_dict) == BUILTIN
+    assert COMM_HOOKS.get('bf16_compress') is bf16_compress_hook
+    assert COMM_HOOKS.get('powerSGD') is powerSGD.powerSGD_hook
+
+
+@pytest.mark.parametrize('cfg,error,patterns', [
+    ('bf16', TypeError, ["should be a dict", "got str: 'bf16'"]),
+    (dict(wrapper='bf16'), KeyError, ['needs a `type` key', 'allreduce']),
+    (dict(type='bf16'), KeyError,
+     ["'bf16' is not in the", ', '.join(BUILTIN)]),
+    (dict(type=3), TypeError, ['got int: 3', 'bf16_compress']),
+    (dict(type='bf16_compress', wrapper='int8'), ValueError,
+     ["'fp16', 'bf16' or None", "'int8'"]),
+    (dict(type='fp16_compress', wrapper='bf16'), ValueError,
+     ['already reduces in fp16', 'round twice']),
+    (dict(type='powerSGD', rank=2, lr=1), TypeError,
+     ["unexpected keys ['lr', 'rank']", 'matrix_approximation_rank']),
+    (dict(type='powerSGD', process_group=None), TypeError,
+     ["unexpected keys ['process_group']", "the DDP model's own"]),
+    (dict(type='allreduce', foo=1), TypeError,
+     ["takes no arguments besides type and wrapper", "['foo']"]),
+    (dict(type='batched_powerSGD'), NotImplementedError,
+     ['AssertionError', "type='powerSGD'"]),
+])
+def test_bad_configs_name_the_value_and_the_choices(cfg, error, patterns):
+    with pytest.raises(error) as info:
+        check_comm_hook_cfg(cfg)
+    for pattern in patterns:
+        assert pattern in str(info.value)
+
+
+def test_powersgd_gets_a_safe_epsilon_unless_given():
+    for wrapper, eps, dtype in [(None, 1e-8, torch.float32),
+                                ('bf16', 1e-8, torch.bfloat16),
+                                ('fp16', 1e-6, torch.float16)]:
+        checked = check_comm_hook_cfg(
+            dict(type='powerSGD', wrapper=wrapper))
+        assert checked['state_kwargs'] == dict(orthogonalization_epsilon=eps)
+        assert checked['defaults_set'] == ('orthogonalization_epsilon', )
+        # The format PowerSGD computes in must represent it, or adding it
+        # rounds back to 0 (1e-8 does in fp16).
+        assert torch.tensor(eps, dtype=dtype) > 0
+    checked = check_comm_hook_cfg(
+        dict(type='powerSGD', orthogonalization_epsilon=0))
+    assert checked['state_kwargs'] == dict(orthogonalization_epsilon=0)
+    assert checked['defaults_set'] == ()
+
+
+def _user_hook_rank(rank, world_size):
+    calls = []
+
+    @COMM_HOOK_STATES.register_module(name='counting_allreduce', force=True)
+    def counting_state(process_group, tag='none'):
+        return dict(group=process_group, tag=tag)
+
+    @COMM_HOOKS.register_module(force=True)
+    def counting_allreduce(state, bucket):
+        calls.append((state['tag'], bucket.buffer().dtype))
+        return allreduce_hook(state['group'], bucket)
+
+    spec = build_comm_hook(
+        dict(type='counting_allreduce', wrapper='bf16', tag='mine'))
+    model = DDP(nn.Linear(4, 2))
+    model.register_comm_hook(spec.state, spec.hook)
+    model(torch.ones(2, 4) * (rank + 1)).sum().backward()
+    return calls, spec.describe(), model.module.weight.grad
+
+
+def test_user_hook_with_state_and_wrapper_on_ddp():
+    (calls, described, grad), _ = run_ranks(_user_hook_rank)
+    # The wrapper handed the user hook a bf16 bucket.
+    assert calls == [('mine', torch.bfloat16)]
+    assert "type='counting_allreduce'" in described
+    assert "wrapper='bf16'" in described
+    assert "tag='mine'" in described
+    # Two rows of (rank + 1): gradient 2 and 4, averaged to 3.
+    assert torch.equal(grad, torch.full((2, 4), 3.0))
+
+
+def _callable_type(rank, world_size):
+    spec = build_comm_hook(dict(type=allreduce_hook))
+    model = DDP(nn.Linear(4, 2))
+    model.register_comm_hook(spec.state, spec.hook)
+    model(torch.ones(2, 4) * (rank + 1)).sum().backward()
+    return spec.type, model.module.weight.grad
+
+
+def test_type_may_be_a_callable():
+    (name, grad), _ = run_ranks(_callable_type)
+    assert name == 'allreduce_hook'
+    assert torch.equal(grad, torch.full((2, 4), 3.0))
+
+
+class _WithSilentLayer(nn.Module):
+    """Several buckets, and one layer whose gradient is all zero."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+        self.silent = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.body(x).sum() + 0 * self.silent(x).sum()
+
+
+def _powersgd_rank(rank, world_size, wrapper):
+    torch.manual_seed(0)
+    model = DDP(_WithSilentLayer(), bucket_cap_mb=0.02)
+    spec = build_comm_hook(
+        dict(
+            type='powerSGD',
+            wrapper=wrapper,
+            start_powerSGD_iter=2,
+            min_compression_rate=0.5))
+    model.register_comm_hook(spec.state, spec.hook)
+    grads = []
+    for step in range(4):
+        model.zero_grad()
+        torch.manual_seed(10 * step + rank)
+        model(torch.randn(8, 64)).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return grads, spec.serialized, spec.state.iter, spec.describe()
+
+
+@pytest.mark.parametrize('wrapper', [None, 'bf16', 'fp16'])
+def test_powersgd_on_gloo_with_several_buckets(wrapper):
+    """PyTorch's PowerSGD hook aborts or hangs on gloo with several buckets;
+    through the registry it completes, with finite gradients even where a
+    layer's gradient is zero."""
+    (grads, serialized, iters, described), (grads1, *_) = run_ranks(
+        _powersgd_rank, wrapper, timeout=60)
+    assert serialized and iters == 4
+    assert 'one at a time' in described
+    assert 'orthogonalization_epsilon' in described
+    for step, step1 in zip(grads, grads1):
+        for g, g1 in zip(step, step1):
+            assert torch.isfinite(g).all()
+            assert torch.equal(g, g1)
+    # The silent layer's gradient stays zero rather than NaN.
+    assert all((g == 0).all() for g in grads[-1][-2:])
