@@ -2,16 +2,21 @@
 
 ``import mmcv_custom`` (or ``custom_imports=dict(imports=['mmcv_custom'])``
 in a config) registers the communication-hook registry and the
-``CommHookRegistrationHook`` runner hook. The hook functions themselves live
-in :mod:`mmcv_custom.ddp_hooks`, which needs only torch.
+``CommHookRegistrationHook`` runner hook, and lets torch's safe loader read
+MMEngine's own checkpoints (see :mod:`mmcv_custom.checkpoint`), so
+``--resume`` works on torch >= 2.6. The hook functions themselves live in
+:mod:`mmcv_custom.ddp_hooks`, which needs only torch.
 """
+from .checkpoint import allow_mmengine_checkpoints, check_checkpoint
 from .ddp_hooks import (allreduce_hook, bf16_compress_hook,
                         bf16_compress_wrapper, check_bf16_support,
                         fp16_compress_hook, fp16_compress_wrapper)
-from .engine import CommHookRegistrationHook
+from .engine import CommHookRegistrationHook, CPUAmpOptimWrapper
 from .registry import (COMM_HOOK_STATES, COMM_HOOKS, CommHookSpec,
                        build_comm_hook, check_comm_hook_cfg)
 from .version import __version__
+
+allow_mmengine_checkpoints()
 
 __all__ = [
     '__version__',
@@ -27,4 +32,7 @@ __all__ = [
     'build_comm_hook',
     'check_comm_hook_cfg',
     'CommHookRegistrationHook',
+    'CPUAmpOptimWrapper',
+    'allow_mmengine_checkpoints',
+    'check_checkpoint',
 ]

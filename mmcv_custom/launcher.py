@@ -1,12 +1,14 @@
-"""Start distributed training where MMEngine's own start-up cannot: CPUs.
+"""Start training where MMEngine's own start-up cannot: CPUs.
 
-MMEngine's ``init_dist`` calls ``torch.cuda.set_device`` and its DDP wrapper
-passes ``device_ids=[LOCAL_RANK]``; both fail on a CPU-only torch. The tools
-call :func:`setup_distributed` before building the runner: with CUDA it
-leaves everything to MMEngine (NCCL, unchanged behaviour); without, it
-starts a gloo process group itself (the runner skips ``init_dist`` when a
-group exists) and makes the DDP wrapper CPU-friendly.
+MMEngine's ``init_dist`` calls ``torch.cuda.set_device``, its DDP wrapper
+passes ``device_ids=[LOCAL_RANK]``, and SyncBN needs CUDA; all three fail on
+a CPU-only machine. The tools call :func:`prepare_launch` before building
+the runner: with CUDA it leaves everything to MMEngine (NCCL, unchanged
+behaviour); without, it starts a gloo process group itself (the runner skips
+``init_dist`` when a group exists), makes the DDP wrapper CPU-friendly and
+turns SyncBN into BN.
 """
+import logging
 import os
 from typing import Optional
 
@@ -15,7 +17,7 @@ import torch.distributed as dist
 from mmengine.config import Config
 from mmengine.logging import print_log
 
-__all__ = ['setup_distributed']
+__all__ = ['prepare_launch']
 
 _ENV_FROM_SLURM = {
     'RANK': 'SLURM_PROCID',
@@ -45,8 +47,23 @@ def _init_gloo(launcher: str) -> None:
     dist.init_process_group(backend='gloo', init_method='env://')
 
 
-def setup_distributed(cfg: Config, launcher: str,
-                      cuda: Optional[bool] = None) -> Config:
+def _sync_bn_to_bn(node) -> int:
+    """Replace ``type='SyncBN'`` in a config tree in place; count them."""
+    count = 0
+    if isinstance(node, dict):
+        if node.get('type') == 'SyncBN':
+            node['type'] = 'BN'
+            count += 1
+        for value in node.values():
+            count += _sync_bn_to_bn(value)
+    elif isinstance(node, (list, tuple)):
+        for value in node:
+            count += _sync_bn_to_bn(value)
+    return count
+
+
+def prepare_launch(cfg: Config, launcher: str,
+                   cuda: Optional[bool] = None) -> Config:
     """Prepare ``cfg`` and the process group for ``launcher``.
 
     Args:
@@ -61,13 +78,22 @@ def setup_distributed(cfg: Config, launcher: str,
     cfg.launcher = launcher
     if cuda is None:
         cuda = torch.cuda.is_available()
-    if launcher == 'none' or cuda:
+    if cuda:
+        return cfg
+    if _sync_bn_to_bn(cfg.get('model')):
+        print_log(
+            'No CUDA: SyncBN needs GPUs, so the model uses BN (statistics '
+            'per rank) instead.',
+            logger='current',
+            level=logging.WARNING)
+    if launcher == 'none':
         return cfg
     if not dist.is_initialized():
         _init_gloo(launcher)
     wrapper_cfg = cfg.get('model_wrapper_cfg') or dict(
         type='MMDistributedDataParallel')
-    wrapper_cfg.setdefault('broadcast_buffers', False)
+    # No SyncBN on CPU: keep DDP's default broadcast_buffers=True so every
+    # rank uses rank 0's BN statistics, as the saved checkpoint will.
     wrapper_cfg.setdefault(
         'find_unused_parameters', cfg.get('find_unused_parameters', False))
     # CPU modules take no device_ids.

@@ -1,5 +1,4 @@
 """CommHookRegistrationHook inside real MMEngine Runners on gloo ranks."""
-import logging
 import os.path as osp
 import tempfile
 
@@ -11,58 +10,9 @@ from torch import nn
 import mmcv_custom.demo  # noqa: F401  (registers MLPRegressor & co.)
 from mmcv_custom import CommHookRegistrationHook
 from tests.dist_utils import run_ranks
+from tests.runner_utils import build_runner as _runner
 
 REGISTERED = 'Registered DDP communication hook'
-
-
-class _Records(logging.Handler):
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append((record.levelname, record.getMessage()))
-
-
-def _runner(work_dir, comm_hook=None, launcher='pytorch', hook_args=None,
-            wrapper=None, max_iters=3, model=None):
-    dataset = dict(type='SyntheticRegressionDataset', num_samples=64)
-    loader = dict(
-        dataset=dataset,
-        sampler=dict(type='DefaultSampler', shuffle=False),
-        batch_size=8,
-        num_workers=0)
-    # MMEngine sleeps 2 s whenever an iteration-based loop restarts a
-    # finite dataloader; an infinite sampler never restarts.
-    train_loader = dict(loader, sampler=dict(type='InfiniteSampler'))
-    if wrapper is None and launcher != 'none':
-        wrapper = dict(type='MMDistributedDataParallel', device_ids=None)
-    runner = Runner(
-        model=model or dict(type='MLPRegressor', hidden=32, depth=2),
-        work_dir=work_dir,
-        train_dataloader=train_loader,
-        val_dataloader=loader,
-        val_evaluator=dict(type='RegressionMSE'),
-        test_dataloader=loader,
-        test_evaluator=dict(type='RegressionMSE'),
-        optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
-        train_cfg=dict(by_epoch=False, max_iters=max_iters, val_interval=100),
-        val_cfg=dict(),
-        test_cfg=dict(),
-        launcher=launcher,
-        env_cfg=dict(dist_cfg=dict(backend='gloo')),
-        default_hooks=dict(logger=dict(type='LoggerHook', interval=1)),
-        custom_hooks=[
-            dict(type='CommHookRegistrationHook', **(hook_args or {}))
-        ],
-        experiment_name='exp',
-        randomness=dict(seed=0),
-        # Where Runner.from_cfg puts the keys it has no argument for.
-        cfg=dict(model_wrapper_cfg=wrapper, comm_hook=comm_hook))
-    records = _Records()
-    runner.logger.addHandler(records)
-    return runner, records
 
 
 def _train_val_test(rank, world_size, work_dir, comm_hook):

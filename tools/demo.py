@@ -1,52 +1,69 @@
-"""Run the quick-start demo and print a short summary.
+"""Run the quick-start demo: train, evaluate, and print a short summary.
 
-Trains ``configs/demo/...`` on ``--nproc`` CPU (or GPU) ranks through
-``tools/dist_train.sh``, then reads the run's own log and scalars back to say
-what was registered, the final loss and the wall time. ``make demo`` calls
-this.
+Trains a config (by default the toy segmenter with ``bf16_compress``) on
+``--nproc`` ranks through ``tools/dist_train.sh`` (gloo on CPU, NCCL on
+GPUs), evaluates the final checkpoint with ``tools/dist_test.sh``, then
+reads the runs' own logs back to say which hook was registered, the final
+loss, the evaluation metrics and the wall time. ``make demo`` calls this.
 """
 import argparse
 import glob
 import json
 import os
 import os.path as osp
+import socket
 import subprocess
 import sys
 import time
 
 HERE = osp.dirname(osp.abspath(__file__))
 ROOT = osp.dirname(HERE)
-DEFAULT_CONFIG = osp.join(ROOT, 'configs', 'demo',
-                          'mlp_2xb32-300iter_synthetic.py')
+DEFAULT_CONFIG = osp.join(ROOT, 'configs', 'fcn',
+                          'fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py')
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--config', default=DEFAULT_CONFIG)
     parser.add_argument('--nproc', type=int, default=2)
-    parser.add_argument('--work-dir', default=osp.join('work_dirs', 'demo'))
+    parser.add_argument(
+        '--work-dir', default=osp.join('work_dirs', 'demo'))
+    parser.add_argument(
+        '--no-eval', action='store_true', help='skip tools/test.py')
     parser.add_argument(
         '--cfg-options', nargs='+', default=[],
-        help='passed on to tools/train.py')
+        help='passed on to tools/train.py and tools/test.py')
     return parser.parse_args()
 
 
 def _free_port() -> str:
-    import socket
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         return str(s.getsockname()[1])
 
 
-def _latest_run(work_dir: str) -> str:
-    runs = sorted(glob.glob(osp.join(work_dir, '2*_*')))
-    if not runs:
-        raise FileNotFoundError(f'no run folder under {work_dir}')
-    return runs[-1]
+def _runs(work_dir: str):
+    """Run folders (``YYYYmmdd_HHMMSS``) under ``work_dir``, oldest first."""
+    return sorted(
+        d for d in glob.glob(osp.join(work_dir, '2*_*')) if osp.isdir(d))
 
 
-def summarize(work_dir: str, wall: float) -> str:
-    run = _latest_run(work_dir)
+def _run(cmd, what: str) -> None:
+    env = dict(os.environ, PORT=_free_port(), PYTHON=sys.executable)
+    code = subprocess.call(cmd, env=env, cwd=os.getcwd())
+    if code != 0:
+        sys.exit(f'{what} failed with exit code {code}; logs and '
+                 'checkpoints are kept under the work dir')
+
+
+def _last_checkpoint(work_dir: str) -> str:
+    with open(osp.join(work_dir, 'last_checkpoint')) as f:
+        return f.read().strip()
+
+
+def summarize(train_dir: str, eval_dir: str, wall: float) -> str:
+    """The summary block, read from the runs' logs and scalars."""
+    run = _runs(train_dir)[-1]
     log = open(glob.glob(osp.join(run, '*.log'))[0]).read()
     registered = [
         ln.split(' - INFO - ', 1)[-1] for ln in log.splitlines()
@@ -57,7 +74,16 @@ def summarize(work_dir: str, wall: float) -> str:
         for ln in open(osp.join(run, 'vis_data', 'scalars.json'))
     ]
     losses = [s for s in scalars if 'loss' in s]
-    metrics = [s for s in scalars if 'loss' not in s and 'step' in s]
+    metrics = {}
+    evals = _runs(eval_dir) if eval_dir else []
+    if evals:
+        found = glob.glob(osp.join(evals[-1], '*.json'))
+        if found:
+            metrics = json.load(open(found[0]))
+    elif [s for s in scalars if 'loss' not in s]:
+        metrics = [s for s in scalars if 'loss' not in s][-1]
+    shown = {k: round(v, 2) for k, v in metrics.items()
+             if k not in ('step', 'time', 'data_time')}
     lines = ['', '=' * 72, 'Demo summary']
     lines.append('  comm hook : ' +
                  (registered[0] if registered else 'none registered'))
@@ -65,31 +91,27 @@ def summarize(work_dir: str, wall: float) -> str:
         lines.append(f"  loss      : {losses[0]['loss']:.4f} (iter "
                      f"{losses[0]['step']}) -> {losses[-1]['loss']:.4f} "
                      f"(iter {losses[-1]['step']})")
-    for m in metrics[-1:]:
-        shown = {k: v for k, v in m.items() if k not in ('step', 'time',
-                                                          'data_time')}
+    if shown:
         lines.append(f'  eval      : {shown}')
-    lines.append(f'  wall time : {wall:.1f} s')
-    lines.append(f'  work dir  : {osp.abspath(work_dir)}')
+    lines.append(f'  wall time : {wall:.1f} s (training and evaluation)')
+    lines.append(f'  work dir  : {osp.abspath(train_dir)}')
     lines.append('=' * 72)
     return '\n'.join(lines)
 
 
 def main():
     args = parse_args()
-    env = dict(os.environ, PORT=os.environ.get('PORT', _free_port()),
-               PYTHON=sys.executable)
-    cmd = ['bash', osp.join(HERE, 'dist_train.sh'), args.config,
-           str(args.nproc), '--work-dir', args.work_dir]
-    if args.cfg_options:
-        cmd += ['--cfg-options', *args.cfg_options]
+    options = ['--cfg-options', *args.cfg_options] if args.cfg_options else []
     start = time.time()
-    code = subprocess.call(cmd, env=env)
-    wall = time.time() - start
-    if code != 0:
-        sys.exit(f'training failed with exit code {code}; see the log '
-                 f'under {args.work_dir}')
-    print(summarize(args.work_dir, wall))
+    _run(['bash', osp.join(HERE, 'dist_train.sh'), args.config,
+          str(args.nproc), '--work-dir', args.work_dir, *options], 'training')
+    eval_dir = None
+    if not args.no_eval:
+        eval_dir = osp.join(args.work_dir, 'eval')
+        _run(['bash', osp.join(HERE, 'dist_test.sh'), args.config,
+              _last_checkpoint(args.work_dir), str(args.nproc),
+              '--work-dir', eval_dir, *options], 'evaluation')
+    print(summarize(args.work_dir, eval_dir, time.time() - start))
 
 
 if __name__ == '__main__':

@@ -6,7 +6,7 @@ Same arguments as MMSegmentation 1.x's ``tools/train.py``. Additionally:
   ``custom_imports``; a config that sets ``comm_hook`` but forgot the runner
   hook in ``custom_hooks`` gets it added (with one log line);
 * without CUDA, a distributed launch starts a gloo process group and a
-  CPU DDP (see :mod:`mmcv_custom.launcher`).
+  CPU DDP, and SyncBN becomes BN (see :mod:`mmcv_custom.launcher`).
 
 Examples:
     python tools/train.py CONFIG
@@ -22,7 +22,8 @@ from mmengine.logging import print_log
 from mmengine.runner import Runner
 
 import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
-from mmcv_custom.launcher import setup_distributed
+from mmcv_custom.checkpoint import check_checkpoint
+from mmcv_custom.launcher import prepare_launch
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
 
@@ -103,12 +104,23 @@ def main():
                 raise ValueError('--amp is only supported with '
                                  "optim_wrapper type 'OptimWrapper', but got "
                                  f'{optim_wrapper!r}')
-            cfg.optim_wrapper.type = 'AmpOptimWrapper'
+            # MMEngine's AmpOptimWrapper refuses CPUs.
+            import torch
+            cfg.optim_wrapper.type = ('AmpOptimWrapper'
+                                      if torch.cuda.is_available() else
+                                      'CPUAmpOptimWrapper')
             cfg.optim_wrapper.loss_scale = 'dynamic'
 
     cfg.resume = args.resume
+    if args.resume:
+        # Name what a safe load would refuse before any work starts.
+        from mmengine.runner import find_latest_checkpoint
+        checkpoint = cfg.get('load_from') or find_latest_checkpoint(
+            cfg.work_dir)
+        if checkpoint:
+            check_checkpoint(checkpoint)
     add_comm_hook_runner_hook(cfg)
-    setup_distributed(cfg, args.launcher)
+    prepare_launch(cfg, args.launcher)
 
     if 'runner_type' not in cfg:
         runner = Runner.from_cfg(cfg)

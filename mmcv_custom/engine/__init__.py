@@ -1,4 +1,5 @@
 """MMEngine glue: thin adapters between the runner and the hook math."""
 from .comm_hook_registration_hook import CommHookRegistrationHook
+from .cpu_amp_optim_wrapper import CPUAmpOptimWrapper
 
-__all__ = ['CommHookRegistrationHook']
+__all__ = ['CommHookRegistrationHook', 'CPUAmpOptimWrapper']

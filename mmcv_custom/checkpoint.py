@@ -1,0 +1,94 @@
+"""Let torch's safe loader read MMEngine checkpoints, and nothing more.
+
+Since torch 2.6, ``torch.load`` defaults to ``weights_only=True``: it only
+rebuilds tensors, containers and globals on an allow-list. MMEngine 0.10.7
+calls ``torch.load`` without ``weights_only``, and its checkpoints also hold
+the message hub's ``HistoryBuffer`` objects, numpy arrays and dtypes, so
+``--resume`` fails with "Weights only load failed". Turning safe loading off
+would let any checkpoint run code on load. Instead, :func:`allow_mmengine_checkpoints`
+(run on ``import mmcv_custom``) adds exactly the globals MMEngine's own
+checkpoints need to torch's allow-list; anything else in a file is still
+refused, and :func:`check_checkpoint` names it before a run starts.
+
+``builtins.getattr`` is on the list because MMEngine pickles the statistics
+methods of ``HistoryBuffer`` as ``getattr(HistoryBuffer, 'min')``. The safe
+loader still only *calls* allow-listed functions, so an attribute fetched
+this way cannot be executed.
+"""
+import builtins
+from typing import Dict, List
+
+import numpy as np
+import torch
+from mmengine.logging import HistoryBuffer
+
+__all__ = [
+    'SAFE_CHECKPOINT_GLOBALS', 'allow_mmengine_checkpoints',
+    'check_checkpoint', 'UnsafeCheckpointError'
+]
+
+
+def _numpy_globals() -> List:
+    reconstruct = np._core.multiarray._reconstruct if hasattr(
+        np, '_core') else np.core.multiarray._reconstruct
+    scalar = np._core.multiarray.scalar if hasattr(
+        np, '_core') else np.core.multiarray.scalar
+    found = [np.ndarray, np.dtype, reconstruct, scalar]
+    # numpy >= 1.25 gives every dtype a class of its own (Float64DType...).
+    dtypes = getattr(np, 'dtypes', None)
+    if dtypes is not None:
+        found += [
+            getattr(dtypes, n) for n in dir(dtypes) if n.endswith('DType')
+        ]
+    return found
+
+
+def _name(obj) -> str:
+    return f'{obj.__module__}.{obj.__qualname__}'
+
+
+#: Name -> object of every global an MMEngine checkpoint may contain.
+SAFE_CHECKPOINT_GLOBALS: Dict[str, object] = {
+    _name(obj): obj
+    for obj in [HistoryBuffer, builtins.getattr, *_numpy_globals()]
+}
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint holds objects outside :data:`SAFE_CHECKPOINT_GLOBALS`."""
+
+
+def allow_mmengine_checkpoints() -> None:
+    """Add :data:`SAFE_CHECKPOINT_GLOBALS` to torch's safe-loading list.
+
+    Idempotent. Does nothing on a torch without ``add_safe_globals`` (older
+    than 2.4), which loads everything anyway.
+    """
+    add = getattr(torch.serialization, 'add_safe_globals', None)
+    if add is not None:
+        add(list(SAFE_CHECKPOINT_GLOBALS.values()))
+
+
+def check_checkpoint(path: str) -> None:
+    """Raise :class:`UnsafeCheckpointError` if ``path`` holds anything a
+    safe load would refuse, naming it; nothing in the file is executed.
+
+    Args:
+        path (str): A checkpoint written by ``torch.save``.
+    """
+    scan = getattr(torch.serialization, 'get_unsafe_globals_in_checkpoint',
+                   None)
+    if scan is None:
+        return
+    allowed = set(SAFE_CHECKPOINT_GLOBALS) | {
+        _name(g) if not isinstance(g, tuple) else g[1]
+        for g in torch.serialization.get_safe_globals()
+    }
+    unsafe = sorted(set(scan(path)) - allowed)
+    if unsafe:
+        raise UnsafeCheckpointError(
+            f'Refusing to load {path}: it contains {", ".join(unsafe)}, '
+            'which is not on the allow-list of safe checkpoint contents '
+            '(tensors, containers, MMEngine HistoryBuffer, numpy arrays and '
+            'dtypes). If you trust this file, add those globals with '
+            'torch.serialization.add_safe_globals([...]) before loading.')

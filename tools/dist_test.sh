@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Usage: tools/dist_test.sh CONFIG CHECKPOINT NPROC_PER_NODE [test.py args...]
+# Multi-node: set NNODES, NODE_RANK, MASTER_ADDR and PORT on every node.
+# PYTHON picks the interpreter (default: python on PATH).
+CONFIG=$1
+CHECKPOINT=$2
+NPROC=$3
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+PORT=${PORT:-29500}
+MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
+HERE=$(cd "$(dirname "$0")" && pwd)
+
+PYTHONPATH="$HERE/..":$PYTHONPATH \
+exec "${PYTHON:-python}" -m torch.distributed.run \
+    --nnodes="$NNODES" \
+    --node_rank="$NODE_RANK" \
+    --master_addr="$MASTER_ADDR" \
+    --nproc_per_node="$NPROC" \
+    --master_port="$PORT" \
+    "$HERE/test.py" \
+    "$CONFIG" \
+    "$CHECKPOINT" \
+    --launcher pytorch "${@:4}"

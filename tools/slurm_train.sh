@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Usage: [GPUS=16 GPUS_PER_NODE=8 CPUS_PER_TASK=5] \
+#   tools/slurm_train.sh PARTITION JOB_NAME CONFIG [WORK_DIR] [train.py args...]
+# One task per GPU; MMEngine reads SLURM_* for rank and world size. On CPU
+# nodes (no CUDA) set GPUS to the number of ranks: train.py starts gloo.
+set -x
+PARTITION=$1
+JOB_NAME=$2
+CONFIG=$3
+GPUS=${GPUS:-4}
+GPUS_PER_NODE=${GPUS_PER_NODE:-4}
+CPUS_PER_TASK=${CPUS_PER_TASK:-5}
+SRUN_ARGS=${SRUN_ARGS:-""}
+# CPU nodes: GRES= (empty) to ask for no GPUs.
+GRES=${GRES-"--gres=gpu:${GPUS_PER_NODE}"}
+PY_ARGS=${@:4}
+HERE=$(cd "$(dirname "$0")" && pwd)
+# MASTER_ADDR for gloo on CPU nodes: the first host of the allocation.
+export MASTER_PORT=${MASTER_PORT:-29500}
+
+PYTHONPATH="$HERE/..":$PYTHONPATH \
+srun -p "${PARTITION}" \
+    --job-name="${JOB_NAME}" \
+    ${GRES} \
+    --ntasks="${GPUS}" \
+    --ntasks-per-node="${GPUS_PER_NODE}" \
+    --cpus-per-task="${CPUS_PER_TASK}" \
+    --kill-on-bad-exit=1 \
+    ${SRUN_ARGS} \
+    bash -c 'export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}; exec "${PYTHON:-python}" -u "$0" "$@" --launcher slurm' \
+    "$HERE/train.py" "${CONFIG}" ${PY_ARGS}

@@ -1,0 +1,116 @@
+"""Evaluate a checkpoint, the MMSegmentation way, on GPUs or CPUs.
+
+Same arguments as MMSegmentation 1.x's ``tools/test.py``; without CUDA a
+distributed launch runs on gloo (see :mod:`mmcv_custom.launcher`). The
+checkpoint is checked against the safe-loading allow-list first
+(:mod:`mmcv_custom.checkpoint`).
+
+Examples:
+    python tools/test.py CONFIG CHECKPOINT
+    bash tools/dist_test.sh CONFIG CHECKPOINT 8 --out results/
+"""
+import argparse
+import os
+import os.path as osp
+
+from mmengine.config import Config, DictAction
+from mmengine.runner import Runner
+
+import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
+from mmcv_custom.checkpoint import check_checkpoint
+from mmcv_custom.launcher import prepare_launch
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(
+        description='Test (and eval) a model')
+    parser.add_argument('config', help='test config file path')
+    parser.add_argument('checkpoint', help='checkpoint file')
+    parser.add_argument(
+        '--work-dir',
+        help='if specified, the evaluation metric results will be dumped '
+        'into the directory as json')
+    parser.add_argument(
+        '--out',
+        type=str,
+        help='The directory to save output prediction for offline evaluation')
+    parser.add_argument(
+        '--show', action='store_true', help='show prediction results')
+    parser.add_argument(
+        '--show-dir',
+        help='directory where painted images will be saved. '
+        'If specified, it will be automatically saved '
+        'to the work_dir/timestamp/show_dir')
+    parser.add_argument(
+        '--wait-time', type=float, default=2, help='the interval of show (s)')
+    parser.add_argument(
+        '--cfg-options',
+        nargs='+',
+        action=DictAction,
+        help='override some settings in the used config, the key-value pair '
+        'in xxx=yyy format will be merged into config file.')
+    parser.add_argument(
+        '--launcher',
+        choices=['none', 'pytorch', 'slurm', 'mpi'],
+        default='none',
+        help='job launcher')
+    parser.add_argument(
+        '--tta', action='store_true', help='Test time augmentation')
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = parser.parse_args()
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    return args
+
+
+def trigger_visualization_hook(cfg, args):
+    default_hooks = cfg.default_hooks
+    if 'visualization' not in default_hooks:
+        raise RuntimeError(
+            'VisualizationHook must be included in default_hooks to use '
+            '--show or --show-dir; refer to the default_runtime.py of '
+            'MMSegmentation for an example.')
+    visualization_hook = default_hooks['visualization']
+    visualization_hook['draw'] = True
+    if args.show:
+        visualization_hook['show'] = True
+        visualization_hook['wait_time'] = args.wait_time
+    if args.show_dir:
+        visualizer = cfg.visualizer
+        visualizer['save_dir'] = args.show_dir
+    return cfg
+
+
+def main():
+    args = parse_args()
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+
+    # work_dir: command line > config > ./work_dirs/<config name>
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = osp.join('./work_dirs',
+                                osp.splitext(osp.basename(args.config))[0])
+
+    check_checkpoint(args.checkpoint)
+    cfg.load_from = args.checkpoint
+
+    if args.show or args.show_dir:
+        cfg = trigger_visualization_hook(cfg, args)
+    if args.tta:
+        cfg.test_dataloader.dataset.pipeline = cfg.tta_pipeline
+        cfg.tta_model.module = cfg.model
+        cfg.model = cfg.tta_model
+    if args.out is not None:
+        cfg.test_evaluator['output_dir'] = args.out
+        cfg.test_evaluator['keep_results'] = True
+
+    prepare_launch(cfg, args.launcher)
+    runner = Runner.from_cfg(cfg)
+    runner.test()
+
+
+if __name__ == '__main__':
+    main()
