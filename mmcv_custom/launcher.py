@@ -80,29 +80,34 @@ def prepare_launch(cfg: Config, launcher: str,
         cuda = torch.cuda.is_available()
     if cuda:
         return cfg
-    if _sync_bn_to_bn(cfg.get('model')):
+    if launcher != 'none' and not dist.is_initialized():
+        _init_gloo(launcher)
+    # One line per run, not per rank.
+    main_process = not dist.is_initialized() or dist.get_rank() == 0
+    if _sync_bn_to_bn(cfg.get('model')) and main_process:
         print_log(
-            'No CUDA: SyncBN needs GPUs, so the model uses BN (statistics '
-            'per rank) instead.',
+            'No CUDA: SyncBN needs GPUs, so the model uses BN instead '
+            '(statistics per rank; DDP broadcasts rank 0\'s buffers).',
             logger='current',
             level=logging.WARNING)
     if launcher == 'none':
         return cfg
-    if not dist.is_initialized():
-        _init_gloo(launcher)
     wrapper_cfg = cfg.get('model_wrapper_cfg') or dict(
         type='MMDistributedDataParallel')
-    # No SyncBN on CPU: keep DDP's default broadcast_buffers=True so every
-    # rank uses rank 0's BN statistics, as the saved checkpoint will.
     wrapper_cfg.setdefault(
         'find_unused_parameters', cfg.get('find_unused_parameters', False))
-    # CPU modules take no device_ids.
+    # CPU modules take no device_ids. Without SyncBN, keep DDP's default
+    # broadcast_buffers=True so every rank uses rank 0's BN statistics, as
+    # the saved checkpoint will.
     wrapper_cfg['device_ids'] = None
     cfg.model_wrapper_cfg = wrapper_cfg
-    env_cfg = cfg.setdefault('env_cfg', dict())
-    env_cfg.setdefault('dist_cfg', dict())['backend'] = 'gloo'
-    print_log(
-        f'No CUDA: started a gloo process group of {dist.get_world_size()} '
-        'ranks on CPU (DDP without device_ids).',
-        logger='current')
+    # What the saved config says matches what runs.
+    env_cfg = dict(cfg.get('env_cfg') or {})
+    env_cfg['dist_cfg'] = dict(env_cfg.get('dist_cfg') or {}, backend='gloo')
+    cfg.env_cfg = env_cfg
+    if main_process:
+        print_log(
+            f'No CUDA: started a gloo process group of '
+            f'{dist.get_world_size()} ranks on CPU (DDP without device_ids).',
+            logger='current')
     return cfg

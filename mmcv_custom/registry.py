@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 from mmengine.registry import Registry
+from mmengine.utils import get_object_from_string
 from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
@@ -156,19 +157,28 @@ def _lookup_hook(hook_type: Any) -> Callable:
         raise TypeError('comm_hook type should be a registered name or a '
                         f'callable, but got {type(hook_type).__name__}: '
                         f'{hook_type!r}. Valid names: {_valid_types()}')
-    hook = COMM_HOOKS.get(hook_type)
+    # Not Registry.get: for a name it does not know, it imports whatever
+    # module of that name it finds (a folder called 'allreduce' in the
+    # working directory, say). Only a dotted path is imported, on purpose.
+    hook = COMM_HOOKS.module_dict.get(hook_type)
+    if hook is None and '.' in hook_type:
+        hook = get_object_from_string(hook_type)
+        if hook is not None and not callable(hook):
+            raise TypeError(f'comm_hook type {hook_type!r} should name a '
+                            f'callable hook, but it is {hook!r}')
     if hook is None:
         raise KeyError(
             f"comm_hook type {hook_type!r} is not in the "
             f'{COMM_HOOKS.scope}::{COMM_HOOKS.name} registry. Valid types: '
             f'{_valid_types()}. Register your own with '
-            '@COMM_HOOKS.register_module().')
+            '@COMM_HOOKS.register_module(), or give an import path such as '
+            "'my_pkg.hooks.my_hook'.")
     return hook
 
 
 def _lookup_state_factory(hook_type: Any) -> Optional[Callable]:
     if isinstance(hook_type, str):
-        return COMM_HOOK_STATES.get(hook_type)
+        return COMM_HOOK_STATES.module_dict.get(hook_type)
     return None
 
 

@@ -27,6 +27,10 @@ def test_builtin_names():
     (dict(type='bf16'), KeyError,
      ["'bf16' is not in the", ', '.join(BUILTIN)]),
     (dict(type=3), TypeError, ['got int: 3', 'bf16_compress']),
+    # A bare name is never imported, even where a module of that name exists.
+    (dict(type='os'), KeyError, ["'os' is not in the"]),
+    (dict(type='mmcv_custom.ddp_hooks'), TypeError,
+     ['should name a callable hook']),
     (dict(type='bf16_compress', wrapper='int8'), ValueError,
      ["'fp16', 'bf16' or None", "'int8'"]),
     (dict(type='fp16_compress', wrapper='bf16'), ValueError,
@@ -62,6 +66,16 @@ def test_powersgd_gets_a_safe_epsilon_unless_given():
         dict(type='powerSGD', orthogonalization_epsilon=0))
     assert checked['state_kwargs'] == dict(orthogonalization_epsilon=0)
     assert checked['defaults_set'] == ()
+
+
+def test_type_may_be_an_import_path():
+    checked = check_comm_hook_cfg(
+        dict(type='mmcv_custom.ddp_hooks.fp16_compress_hook'))
+    assert checked['state_kwargs'] == {}
+    with pytest.raises(ValueError, match='already reduces in fp16'):
+        check_comm_hook_cfg(
+            dict(type='mmcv_custom.ddp_hooks.fp16_compress_hook',
+                 wrapper='bf16'))
 
 
 def _user_hook_rank(rank, world_size):

@@ -78,11 +78,8 @@ def generate_toy_shapes(root: str,
     """
     spec = dict(version=_VERSION, num_train=num_train, num_val=num_val,
                 size=size, seed=seed)
-    marker = osp.join(root, 'toy_shapes.json')
-    if osp.isfile(marker):
-        with open(marker) as f:
-            if json.load(f) == spec:
-                return root
+    if _generated_with(root) == spec:
+        return root
     parent = osp.dirname(osp.abspath(root)) or '.'
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix='.toy_shapes-', dir=parent)
@@ -100,6 +97,8 @@ def generate_toy_shapes(root: str,
                 label.save(osp.join(ann_dir, f'{i:04d}.png'))
         with open(osp.join(tmp, 'toy_shapes.json'), 'w') as f:
             json.dump(spec, f)
+        if _generated_with(root) == spec:
+            return root  # another rank finished first
         if osp.isdir(root):
             # Generated with other parameters: replace it.
             stale = tempfile.mkdtemp(prefix='.toy_shapes-stale-', dir=parent)
@@ -115,6 +114,14 @@ def generate_toy_shapes(root: str,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return root
+
+
+def _generated_with(root: str):
+    marker = osp.join(root, 'toy_shapes.json')
+    if not osp.isfile(marker):
+        return None
+    with open(marker) as f:
+        return json.load(f)
 
 
 @DATASETS.register_module()
