@@ -17,13 +17,22 @@ import torch.distributed as dist
 from mmengine.config import Config
 from mmengine.logging import print_log
 
-__all__ = ['prepare_launch']
+__all__ = ['prepare_launch', 'is_launch_rank0']
 
 _ENV_FROM_SLURM = {
     'RANK': 'SLURM_PROCID',
     'WORLD_SIZE': 'SLURM_NTASKS',
     'LOCAL_RANK': 'SLURM_LOCALID',
 }
+
+
+def is_launch_rank0() -> bool:
+    """Whether this process is global rank 0, before or after the process
+    group starts (torchrun sets ``RANK``, Slurm ``SLURM_PROCID``), so the
+    tools log configuration facts once per run rather than once per rank."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get('RANK', os.environ.get('SLURM_PROCID', 0))) == 0
 
 
 def _init_gloo(launcher: str) -> None:
@@ -83,7 +92,7 @@ def prepare_launch(cfg: Config, launcher: str,
     if launcher != 'none' and not dist.is_initialized():
         _init_gloo(launcher)
     # One line per run, not per rank.
-    main_process = not dist.is_initialized() or dist.get_rank() == 0
+    main_process = is_launch_rank0()
     if _sync_bn_to_bn(cfg.get('model')) and main_process:
         print_log(
             'No CUDA: SyncBN needs GPUs, so the model uses BN instead '

@@ -299,3 +299,20 @@ def test_stock_mmseg_train_tool_with_custom_imports(tmp_path):
     assert ("comm_hook=dict(type='bf16_compress') not registered: the model "
             '(EncoderDecoder) is not wrapped in DistributedDataParallel') in log
     assert 'mIoU' in log
+
+
+@pytest.mark.slow
+def test_train_tool_adds_the_runner_hook_a_config_forgot(tmp_path):
+    config = tmp_path / 'forgot_hook.py'
+    config.write_text(f'_base_ = [{DEMO!r}]\n'
+                      'custom_hooks = []\n'
+                      "comm_hook = dict(type='fp16_compress')\n")
+    out = _tool([
+        'bash', osp.join(ROOT, 'tools', 'dist_train.sh'), str(config), '2',
+        '--work-dir', str(tmp_path / 'work'), '--cfg-options', *SHORT,
+        'train_cfg.max_iters=2', 'train_cfg.val_interval=10'
+    ], str(tmp_path))
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    assert log.count('CommHookRegistrationHook in custom_hooks: added it') == 1
+    assert "type='fp16_compress' (fp16_compress_hook)" in log

@@ -23,7 +23,7 @@ from mmengine.runner import Runner
 
 import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
 from mmcv_custom.checkpoint import check_checkpoint
-from mmcv_custom.launcher import prepare_launch
+from mmcv_custom.launcher import is_launch_rank0, prepare_launch
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
 
@@ -74,11 +74,12 @@ def add_comm_hook_runner_hook(cfg: Config) -> None:
            for h in hooks):
         return
     cfg.custom_hooks = list(hooks) + [dict(type=RUNNER_HOOK)]
-    print_log(
-        f'The config sets comm_hook but not {RUNNER_HOOK} in custom_hooks: '
-        'added it.',
-        logger='current',
-        level=logging.INFO)
+    if is_launch_rank0():
+        print_log(
+            f'The config sets comm_hook but not {RUNNER_HOOK} in '
+            'custom_hooks: added it.',
+            logger='current',
+            level=logging.INFO)
 
 
 def main():
