@@ -5,9 +5,9 @@ rebuilds tensors, containers and globals on an allow-list. MMEngine 0.10.7
 calls ``torch.load`` without ``weights_only``, and its checkpoints also hold
 the message hub's ``HistoryBuffer`` objects, numpy arrays and dtypes, so
 ``--resume`` fails with "Weights only load failed". Turning safe loading off
-would let any checkpoint run code on load. Instead, :func:`allow_mmengine_checkpoints`
-(run on ``import mmcv_custom``) adds exactly the globals MMEngine's own
-checkpoints need to torch's allow-list; anything else in a file is still
+would let any checkpoint run code on load. Instead,
+:func:`allow_mmengine_checkpoints` (run on ``import mmcv_custom``) adds
+exactly the globals MMEngine's own checkpoints need to torch's allow-list; anything else in a file is still
 refused, and :func:`check_checkpoint` names it before a run starts.
 
 ``builtins.getattr`` is on the list because MMEngine pickles the statistics

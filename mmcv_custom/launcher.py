@@ -17,13 +17,32 @@ import torch.distributed as dist
 from mmengine.config import Config
 from mmengine.logging import print_log
 
-__all__ = ['prepare_launch', 'is_launch_rank0']
+__all__ = ['load_config', 'prepare_launch', 'is_launch_rank0']
 
 _ENV_FROM_SLURM = {
     'RANK': 'SLURM_PROCID',
     'WORLD_SIZE': 'SLURM_NTASKS',
     'LOCAL_RANK': 'SLURM_LOCALID',
 }
+
+
+def load_config(path: str,
+                cfg_options: Optional[dict] = None,
+                work_dir: Optional[str] = None) -> Config:
+    """Read a config as MMSegmentation's tools do.
+
+    ``--cfg-options`` are merged in, and the work dir is the command line's,
+    else the config's, else ``./work_dirs/<config name>``.
+    """
+    cfg = Config.fromfile(path)
+    if cfg_options is not None:
+        cfg.merge_from_dict(cfg_options)
+    if work_dir is not None:
+        cfg.work_dir = work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = os.path.join(
+            './work_dirs', os.path.splitext(os.path.basename(path))[0])
+    return cfg
 
 
 def is_launch_rank0() -> bool:

@@ -4,10 +4,8 @@ import tempfile
 
 import pytest
 import torch
-from mmengine.runner import Runner
 from torch import nn
 
-import mmcv_custom.demo  # noqa: F401  (registers MLPRegressor & co.)
 from mmcv_custom import CommHookRegistrationHook
 from tests.dist_utils import run_ranks
 from tests.runner_utils import build_runner as _runner

@@ -11,14 +11,13 @@ Examples:
 """
 import argparse
 import os
-import os.path as osp
 
-from mmengine.config import Config, DictAction
+from mmengine.config import DictAction
 from mmengine.runner import Runner
 
 import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
 from mmcv_custom.checkpoint import check_checkpoint
-from mmcv_custom.launcher import prepare_launch
+from mmcv_custom.launcher import load_config, prepare_launch
 
 
 def parse_args():
@@ -83,16 +82,7 @@ def trigger_visualization_hook(cfg, args):
 
 def main():
     args = parse_args()
-    cfg = Config.fromfile(args.config)
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-
-    # work_dir: command line > config > ./work_dirs/<config name>
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs',
-                                osp.splitext(osp.basename(args.config))[0])
+    cfg = load_config(args.config, args.cfg_options, args.work_dir)
 
     check_checkpoint(args.checkpoint)
     cfg.load_from = args.checkpoint

@@ -15,7 +15,6 @@ Examples:
 import argparse
 import logging
 import os
-import os.path as osp
 
 from mmengine.config import Config, DictAction
 from mmengine.logging import print_log
@@ -23,7 +22,7 @@ from mmengine.runner import Runner
 
 import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
 from mmcv_custom.checkpoint import check_checkpoint
-from mmcv_custom.launcher import is_launch_rank0, prepare_launch
+from mmcv_custom.launcher import is_launch_rank0, load_config, prepare_launch
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
 
@@ -84,16 +83,7 @@ def add_comm_hook_runner_hook(cfg: Config) -> None:
 
 def main():
     args = parse_args()
-    cfg = Config.fromfile(args.config)
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-
-    # work_dir: command line > config > ./work_dirs/<config name>
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs',
-                                osp.splitext(osp.basename(args.config))[0])
+    cfg = load_config(args.config, args.cfg_options, args.work_dir)
 
     if args.amp:
         optim_wrapper = cfg.optim_wrapper.get('type', 'OptimWrapper')
