@@ -137,13 +137,24 @@ def _compress_hook(dtype: torch.dtype,
     buffer = bucket.buffer()
     _require_dtype_support(dtype, group, buffer.device)
 
-    # Divide in the buffer's own precision and cast in the same kernel: the
-    # quotient is computed in fp32 and only then rounded to half. Casting
-    # first (as PyTorch's hooks do) turns a gradient above 65504 into inf in
-    # fp16 even when the average across ranks is well inside the range. One
-    # pass, no fp32 temporary.
-    compressed = torch.empty_like(buffer, dtype=dtype)
-    torch.div(buffer, group.size(), out=compressed)
+    # Divide in the buffer's own precision, then cast: the quotient is
+    # computed in fp32 and only then rounded to half. Casting first (as
+    # PyTorch's hooks do) turns a gradient above 65504 into inf in fp16 even
+    # when the average across ranks is well inside the range.
+    world_size = group.size()
+    if buffer.device.type == 'cpu':
+        # On CPU a division that converts dtype on the fly takes a slow,
+        # unvectorised path (about 2.2x a plain copy of the bucket); dividing
+        # in place and casting in a second pass is faster. The buffer is
+        # overwritten with the result anyway.
+        if world_size > 1:
+            buffer.div_(world_size)
+        compressed = buffer.to(dtype)
+    else:
+        # On GPUs one fused kernel reads fp32 and writes half: no fp32
+        # temporary and no second pass.
+        compressed = torch.empty_like(buffer, dtype=dtype)
+        torch.div(buffer, world_size, out=compressed)
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         # Write the result back into the bucket's own buffer instead of
