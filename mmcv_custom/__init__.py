@@ -8,12 +8,13 @@ MMEngine's own checkpoints (see :mod:`mmcv_custom.checkpoint`), so
 :mod:`mmcv_custom.ddp_hooks`, which needs only torch.
 """
 from .checkpoint import allow_mmengine_checkpoints, check_checkpoint
-from .ddp_hooks import (allreduce_hook, bf16_compress_hook,
+from .ddp_hooks import (CompressState, allreduce_hook, bf16_compress_hook,
                         bf16_compress_wrapper, check_bf16_support,
-                        fp16_compress_hook, fp16_compress_wrapper)
+                        default_predivide_factor, fp16_compress_hook,
+                        fp16_compress_wrapper)
 from .engine import CommHookRegistrationHook, CPUAmpOptimWrapper
-from .registry import (COMM_HOOK_STATES, COMM_HOOKS, CommHookSpec,
-                       build_comm_hook, check_comm_hook_cfg)
+from .registry import (COMM_HOOK_STATES, COMM_HOOKS, CommCounter,
+                       CommHookSpec, build_comm_hook, check_comm_hook_cfg)
 from .version import __version__
 
 allow_mmengine_checkpoints()
@@ -26,8 +27,11 @@ __all__ = [
     'fp16_compress_wrapper',
     'bf16_compress_wrapper',
     'check_bf16_support',
+    'CompressState',
+    'default_predivide_factor',
     'COMM_HOOKS',
     'COMM_HOOK_STATES',
+    'CommCounter',
     'CommHookSpec',
     'build_comm_hook',
     'check_comm_hook_cfg',

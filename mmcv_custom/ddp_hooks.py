@@ -28,7 +28,7 @@ Example:
 """
 import functools
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,8 @@ __all__ = [
     'fp16_compress_wrapper',
     'bf16_compress_wrapper',
     'check_bf16_support',
+    'CompressState',
+    'default_predivide_factor',
 ]
 
 logger = logging.getLogger(__name__)
@@ -128,39 +130,133 @@ def allreduce_hook(
     return fut.then(lambda f: f.value()[0])
 
 
-def _compress_hook(dtype: torch.dtype,
-                   process_group: Optional[dist.ProcessGroup],
-                   bucket: dist.GradBucket) -> torch.futures.Future:
+def default_predivide_factor(world_size: int) -> int:
+    """FSDP's split of the averaging division around an fp16 all-reduce.
+
+    ``f`` starts at 1 and doubles while it divides ``world_size`` and is
+    below ``world_size / f``, ending near the square root: gradients are
+    divided by ``f`` before the reduction and by ``world_size / f`` after
+    it. Dividing
+    everything before (``f = world_size``) can never overflow a sum whose
+    mean fits, but flushes gradients below about ``6e-8 * world_size`` to
+    zero; dividing everything after keeps small values but overflows once
+    the *sum* passes 65504. The split bounds both. For two ranks it is 2:
+    everything before.
+    """
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return factor
+
+
+class CompressState:
+    """Optional state of the compressing hooks: range guard and counters.
+
+    Pass it where the hooks take ``process_group``:
+    ``ddp.register_comm_hook(CompressState(group), fp16_compress_hook)``.
+    The MMEngine runner hook builds one from
+    ``comm_hook = dict(type='fp16_compress', predivide_factor=..., ...)``.
+
+    Args:
+        process_group (ProcessGroup, optional): Group to average over.
+            Defaults to None (WORLD).
+        predivide_factor (float, optional): fp16 only: divide by this before
+            the all-reduce and by ``world_size / predivide_factor`` after.
+            Defaults to None, meaning :func:`default_predivide_factor`. Set
+            it to the world size to rule out overflow of the sum, at the
+            cost of flushing more small gradients to zero. bf16, which has
+            fp32's range, always divides everything before.
+        check_finite (bool): Record buckets whose averaged gradients hold
+            inf or NaN; :meth:`pop_nonfinite` returns them. The check stays
+            on the device (no synchronisation in the hook). Defaults to
+            False; the runner hook turns it on for fp16 and reports every
+            occurrence.
+    """
+
+    def __init__(self,
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 predivide_factor: Optional[float] = None,
+                 check_finite: bool = False) -> None:
+        if predivide_factor is not None and not predivide_factor > 0:
+            raise ValueError('predivide_factor should be a positive number '
+                             f'or None, but got {predivide_factor!r}')
+        self.process_group = process_group
+        self.predivide_factor = predivide_factor
+        self.check_finite = check_finite
+        # bucket index -> (parameters, flag on the device). One entry per
+        # bucket, or-ed until popped, so memory stays bounded.
+        self._nonfinite: dict = {}
+
+    def __repr__(self) -> str:
+        factor = ('default' if self.predivide_factor is None else
+                  repr(self.predivide_factor))
+        return (f'CompressState(predivide_factor={factor}, '
+                f'check_finite={self.check_finite})')
+
+    def factors(self, dtype: torch.dtype, world_size: int):
+        """``(before, after)`` divisors of the average for ``dtype``."""
+        if dtype is not torch.float16:
+            return world_size, 1
+        before = (self.predivide_factor if self.predivide_factor is not None
+                  else default_predivide_factor(world_size))
+        return before, world_size / before
+
+    def pop_nonfinite(self) -> list:
+        """Buckets found non-finite since the last call, and forget them.
+
+        Returns:
+            list[tuple[int, list[Tensor]]]: ``(bucket index, parameters)``
+            for each occurrence. Synchronises with the device once.
+        """
+        found = [(index, params)
+                 for index, (params, flag) in sorted(self._nonfinite.items())
+                 if bool(flag)]
+        self._nonfinite.clear()
+        return found
+
+
+def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
     """Average ``bucket`` on the wire in ``dtype``; the shared core of the
-    fp16 and bf16 hooks."""
-    group = _group_or_world(process_group)
+    fp16 and bf16 hooks. ``state`` is a process group, None or a
+    :class:`CompressState`."""
+    if not isinstance(state, CompressState):
+        state = CompressState(state, check_finite=False)
+    group = _group_or_world(state.process_group)
     buffer = bucket.buffer()
     _require_dtype_support(dtype, group, buffer.device)
+    before, after = state.factors(dtype, group.size())
 
     # Divide in the buffer's own precision, then cast: the quotient is
     # computed in fp32 and only then rounded to half. Casting first (as
     # PyTorch's hooks do) turns a gradient above 65504 into inf in fp16 even
     # when the average across ranks is well inside the range.
-    world_size = group.size()
     if buffer.device.type == 'cpu':
         # On CPU a division that converts dtype on the fly takes a slow,
         # unvectorised path (about 2.2x a plain copy of the bucket); dividing
         # in place and casting in a second pass is faster. The buffer is
         # overwritten with the result anyway.
-        if world_size > 1:
-            buffer.div_(world_size)
+        if before != 1:
+            buffer.div_(before)
         compressed = buffer.to(dtype)
     else:
         # On GPUs one fused kernel reads fp32 and writes half: no fp32
         # temporary and no second pass.
         compressed = torch.empty_like(buffer, dtype=dtype)
-        torch.div(buffer, world_size, out=compressed)
+        torch.div(buffer, before, out=compressed)
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         # Write the result back into the bucket's own buffer instead of
         # returning a new fp32 tensor: this avoids a second full-size copy at
         # peak memory (pytorch/pytorch#45968).
         buffer.copy_(fut.value()[0])
+        if after != 1:
+            buffer.div_(after)
+        if state.check_finite:
+            flag = ~torch.isfinite(buffer).all()
+            seen = state._nonfinite.get(bucket.index())
+            if seen is not None:
+                flag = flag | seen[1]
+            state._nonfinite[bucket.index()] = (bucket.parameters(), flag)
         return buffer
 
     fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
@@ -168,18 +264,23 @@ def _compress_hook(dtype: torch.dtype,
 
 
 def fp16_compress_hook(
-    process_group: Optional[dist.ProcessGroup], bucket: dist.GradBucket
+    process_group: Union[dist.ProcessGroup, 'CompressState', None],
+    bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket as float16 on the wire, keeping it fp32 locally.
 
-    The division by the world size happens in fp32 before the cast, so the
-    hook only overflows when the *mean* itself exceeds fp16's 65504;
-    gradients below fp16's subnormal range (about 6e-8 after division) are
-    flushed to zero. Prefer bf16 when gradients span a wide range.
+    The division by the world size happens in fp32 before the cast, split
+    around the reduction for large groups (see
+    :func:`default_predivide_factor`): with two ranks all of it before, so
+    the hook only overflows when the *mean* itself exceeds fp16's 65504.
+    Gradients below fp16's subnormal range (about 6e-8 after division) are
+    flushed to zero. Pass a :class:`CompressState` as ``process_group`` to
+    choose the split and to record non-finite buckets. Prefer bf16 when
+    gradients span a wide range.
 
     Args:
-        process_group (ProcessGroup, optional): Group to average over; None
-            means WORLD.
+        process_group (ProcessGroup | CompressState, optional): Group to
+            average over, or a state holding it; None means WORLD.
         bucket (GradBucket): The flattened gradients DDP hands to the hook.
 
     Returns:
@@ -193,7 +294,8 @@ def fp16_compress_hook(
 
 
 def bf16_compress_hook(
-    process_group: Optional[dist.ProcessGroup], bucket: dist.GradBucket
+    process_group: Union[dist.ProcessGroup, 'CompressState', None],
+    bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket as bfloat16 on the wire, keeping it fp32 locally.
 
@@ -203,8 +305,8 @@ def bf16_compress_hook(
     raises ``TypeError`` at the first bucket.
 
     Args:
-        process_group (ProcessGroup, optional): Group to average over; None
-            means WORLD.
+        process_group (ProcessGroup | CompressState, optional): Group to
+            average over, or a state holding it; None means WORLD.
         bucket (GradBucket): The flattened gradients DDP hands to the hook.
 
     Returns:

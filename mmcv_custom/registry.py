@@ -34,13 +34,14 @@ from mmengine.utils import get_object_from_string
 from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
-from .ddp_hooks import (_uses_nccl, allreduce_hook, bf16_compress_hook,
-                        bf16_compress_wrapper, check_bf16_support,
-                        fp16_compress_hook, fp16_compress_wrapper)
+from .ddp_hooks import (CompressState, _uses_nccl, allreduce_hook,
+                        bf16_compress_hook, bf16_compress_wrapper,
+                        check_bf16_support, fp16_compress_hook,
+                        fp16_compress_wrapper)
 
 __all__ = [
-    'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommHookSpec', 'build_comm_hook',
-    'check_comm_hook_cfg'
+    'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommCounter', 'CommHookSpec',
+    'build_comm_hook', 'check_comm_hook_cfg'
 ]
 
 COMM_HOOKS = Registry('DDP communication hook', scope='mmcv_custom')
@@ -93,6 +94,23 @@ _UNSUPPORTED_HOOKS = {
 _POWERSGD_EPSILON = {None: 1e-8, 'bf16': 1e-8, 'fp16': 1e-6}
 
 
+@COMM_HOOK_STATES.register_module(name='fp16_compress')
+def _fp16_state(process_group: Optional[dist.ProcessGroup],
+                predivide_factor: Optional[float] = None,
+                check_finite: bool = True) -> CompressState:
+    """fp16's range guard: where to divide, and whether to look for inf
+    and NaN after the reduction (on by default: fp16 is the format that
+    overflows)."""
+    return CompressState(process_group, predivide_factor, check_finite)
+
+
+@COMM_HOOK_STATES.register_module(name='bf16_compress')
+def _bf16_state(process_group: Optional[dist.ProcessGroup],
+                check_finite: bool = False) -> CompressState:
+    """bf16 keeps fp32's range: it always divides before the reduction."""
+    return CompressState(process_group, check_finite=check_finite)
+
+
 @COMM_HOOK_STATES.register_module(name='powerSGD')
 def _powersgd_state(process_group: Optional[dist.ProcessGroup],
                     **kwargs) -> powerSGD.PowerSGDState:
@@ -135,7 +153,9 @@ class CommHookSpec:
         base = getattr(self.base_hook, '__qualname__', repr(self.base_hook))
         parts = [f"type='{self.type}' ({base})"]
         parts.append(f"wrapper={self.wrapper!r}")
-        if self.state_kwargs:
+        if isinstance(self.state, CompressState):
+            parts.append(f'state: {self.state!r}')
+        elif self.state_kwargs:
             args = ', '.join(
                 f'{k}={v!r}' + (' (default set by mmcv_custom)'
                                 if k in self.defaults_set else '')
@@ -261,6 +281,69 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
                 defaults_set=tuple(defaults_set))
 
 
+class CommCounter:
+    """Bytes a rank handed to its hooks and sent on the wire.
+
+    Counted in Python per bucket as the hooks run: no collective, no device
+    synchronisation. ``wire_bytes`` is what the hook passes to
+    ``all_reduce`` (for PowerSGD, the P and Q factors plus the tensors it
+    leaves uncompressed); ``fp32_bytes`` is what an fp32 all-reduce of the
+    same buckets would have sent. ``wire_known`` is False when a user hook
+    of unknown traffic ran.
+    """
+
+    def __init__(self) -> None:
+        self.fp32_bytes = 0
+        self.wire_bytes = 0
+        self.wire_known = True
+
+    def pop(self):
+        """``(fp32_bytes, wire_bytes or None)`` since the last call."""
+        out = (self.fp32_bytes, self.wire_bytes if self.wire_known else None)
+        self.fp32_bytes = self.wire_bytes = 0
+        return out
+
+
+def _count_fp32(hook: Callable, counter: CommCounter) -> Callable:
+    """Outermost: the bucket as DDP hands it over, at fp32 size."""
+
+    def _counted_hook(state, bucket: dist.GradBucket):
+        counter.fp32_bytes += bucket.buffer().numel() * 4
+        return hook(state, bucket)
+
+    _counted_hook.__qualname__ = getattr(hook, '__qualname__', 'hook')
+    _counted_hook.__wrapped__ = hook
+    return _counted_hook
+
+
+def _count_wire(hook: Callable, counter: CommCounter) -> Callable:
+    """Innermost, around the named hook: what it puts on the wire."""
+
+    def _counted_hook(state, bucket: dist.GradBucket):
+        buffer = bucket.buffer()
+        size = buffer.numel() * buffer.element_size()
+        if hook in _HALF_PRECISION_HOOKS:
+            counter.wire_bytes += buffer.numel() * 2
+        elif hook is allreduce_hook:
+            counter.wire_bytes += size
+        elif hook in _CALLBACK_COLLECTIVE_HOOKS:
+            before = state.total_numel_after_compression
+            fut = hook(state, bucket)
+            sent = state.total_numel_after_compression - before
+            # Before start_powerSGD_iter PowerSGD all-reduces the bucket as
+            # is and leaves its counters alone.
+            counter.wire_bytes += (sent * buffer.element_size()
+                                   if sent else size)
+            return fut
+        else:
+            counter.wire_known = False
+        return hook(state, bucket)
+
+    _counted_hook.__qualname__ = getattr(hook, '__qualname__', 'hook')
+    _counted_hook.__wrapped__ = hook
+    return _counted_hook
+
+
 def _one_bucket_at_a_time(hook: Callable) -> Callable:
     """Make ``hook`` finish its bucket before DDP can start the next one."""
 
@@ -277,7 +360,8 @@ def _one_bucket_at_a_time(hook: Callable) -> Callable:
 
 def build_comm_hook(cfg: dict,
                     process_group: Optional[dist.ProcessGroup] = None,
-                    device: Optional[torch.device] = None) -> CommHookSpec:
+                    device: Optional[torch.device] = None,
+                    counter: Optional[CommCounter] = None) -> CommHookSpec:
     """Build the hook and state a ``comm_hook`` config describes.
 
     Args:
@@ -287,6 +371,8 @@ def build_comm_hook(cfg: dict,
             initialised.
         device (torch.device, optional): Device of the gradients, for the
             bf16 backend check. Defaults to None.
+        counter (CommCounter, optional): Count the bytes through the hook
+            into this. Defaults to None.
 
     Returns:
         CommHookSpec: register it with
@@ -303,12 +389,16 @@ def build_comm_hook(cfg: dict,
 
     if wrapper == 'bf16' or base_hook is bf16_compress_hook:
         check_bf16_support(process_group, device)
-    hook = base_hook if wrapper is None else _WRAPPERS[wrapper](base_hook)
+    hook = base_hook if counter is None else _count_wire(base_hook, counter)
+    if wrapper is not None:
+        hook = _WRAPPERS[wrapper](hook)
 
     serialized = (base_hook in _CALLBACK_COLLECTIVE_HOOKS
                   and not _uses_nccl(process_group, device))
     if serialized:
         hook = _one_bucket_at_a_time(hook)
+    if counter is not None:
+        hook = _count_fp32(hook, counter)
     name = hook_type if isinstance(hook_type, str) else getattr(
         hook_type, '__qualname__', repr(hook_type))
     return CommHookSpec(

@@ -8,7 +8,9 @@ from mmengine.model import MMSeparateDistributedDataParallel, is_model_wrapper
 from mmengine.registry import HOOKS
 from torch.nn.parallel import DistributedDataParallel
 
-from ..registry import CommHookSpec, build_comm_hook, check_comm_hook_cfg
+from ..ddp_hooks import CompressState
+from ..registry import (CommCounter, CommHookSpec, build_comm_hook,
+                        check_comm_hook_cfg)
 
 __all__ = ['CommHookRegistrationHook']
 
@@ -44,6 +46,14 @@ class CommHookRegistrationHook(Hook):
       ``val()`` or ``test()`` run registers nothing, since it has no
       backward.
     * Logs one line on rank 0 saying exactly what was registered.
+    * ``after_train_iter``: publishes this rank's traffic through the
+      message hub, so it shows in the log line and in the visualizer
+      backends (TensorBoard...): ``comm_MB`` (MiB sent through the hook in
+      the iteration; 0 on gradient-accumulation steps) and ``comm_ratio``
+      (that, over what an fp32 all-reduce would have sent). Counted in
+      Python as buckets pass: no collective, no synchronisation. Then warns,
+      once per occurrence, about buckets whose fp16 average is not finite,
+      naming the bucket and its parameters.
 
     A model that is not distributed gets one INFO line and trains on; a
     model wrapped by something other than DDP (FSDP, DeepSpeed) is an error,
@@ -54,17 +64,27 @@ class CommHookRegistrationHook(Hook):
             without a config file. Defaults to None, meaning the config's
             top-level ``comm_hook``. Setting both to different values is an
             error.
+        telemetry (bool): Publish ``comm_MB`` and ``comm_ratio``. Defaults
+            to True.
     """
 
     priority = 'VERY_HIGH'
 
-    def __init__(self, comm_hook: Optional[dict] = None) -> None:
+    def __init__(self,
+                 comm_hook: Optional[dict] = None,
+                 telemetry: bool = True) -> None:
         if comm_hook is not None:
             check_comm_hook_cfg(comm_hook)
+        if not isinstance(telemetry, bool):
+            raise TypeError('telemetry should be True or False, but got '
+                            f'{telemetry!r}')
         self._hook_arg = comm_hook
+        self._telemetry = telemetry
         self._cfg: Optional[dict] = None
         self._checked = False
         self._registered = False
+        # (where, spec, counter, parameter names by id) per DDP module.
+        self._installed: list = []
 
     def _resolve_cfg(self, runner) -> Optional[dict]:
         from_config = runner.cfg.get('comm_hook', None)
@@ -114,10 +134,20 @@ class CommHookRegistrationHook(Hook):
         for name, ddp in targets:
             param = next(ddp.module.parameters(), None)
             device = param.device if param is not None else None
+            counter = CommCounter() if self._telemetry else None
             spec = build_comm_hook(
-                self._cfg, process_group=ddp.process_group, device=device)
+                self._cfg,
+                process_group=ddp.process_group,
+                device=device,
+                counter=counter)
             ddp.register_comm_hook(spec.state, spec.hook)
             specs.append((name, spec))
+            prefix = f'{name}.' if name else ''
+            names = {
+                id(p): prefix + n
+                for n, p in ddp.module.named_parameters()
+            }
+            self._installed.append((name, spec, counter, names))
 
         if is_main_process():
             ddp = targets[0][1]
@@ -129,6 +159,45 @@ class CommHookRegistrationHook(Hook):
                 f'Registered DDP communication hook on {where}: '
                 f'{specs[0][1].describe()}; process group: {group.size()} '
                 f'ranks, backend {torch.distributed.get_backend(group)}.')
+
+    def after_train_iter(self,
+                         runner,
+                         batch_idx: int,
+                         data_batch=None,
+                         outputs=None) -> None:
+        if not self._installed:
+            return
+        if self._telemetry:
+            fp32_bytes, wire_bytes = 0, 0
+            for _, _, counter, _ in self._installed:
+                fp32, wire = counter.pop()
+                fp32_bytes += fp32
+                wire_bytes = None if wire is None or wire_bytes is None else (
+                    wire_bytes + wire)
+            if wire_bytes is not None:
+                runner.message_hub.update_scalar('train/comm_MB',
+                                                 wire_bytes / 2**20)
+                if fp32_bytes:
+                    runner.message_hub.update_scalar(
+                        'train/comm_ratio', wire_bytes / fp32_bytes)
+        for name, spec, _, names in self._installed:
+            state = spec.state
+            if not (isinstance(state, CompressState) and state.check_finite):
+                continue
+            for index, params in state.pop_nonfinite():
+                shown = [names.get(id(p), '?') for p in params]
+                more = (f' and {len(shown) - 5} more'
+                        if len(shown) > 5 else '')
+                where = f' of {name}' if name else ''
+                runner.logger.warning(
+                    f'Iteration {runner.iter + 1}: non-finite gradients '
+                    f'after the {spec.type} all-reduce in DDP bucket '
+                    f'{index}{where} (parameters: '
+                    f'{", ".join(shown[:5])}{more}). In fp16 the sum of '
+                    'the ranks\' shares overflows above 65504: use '
+                    'predivide_factor=<world size> or bf16_compress, or '
+                    'check the loss (with AMP, the loss scaler skips such '
+                    'steps).')
 
     @staticmethod
     def _ddp_modules(model) -> List[Tuple[str, DistributedDataParallel]]:
