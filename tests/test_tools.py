@@ -22,8 +22,10 @@ def test_demo_trains_evaluates_and_summarizes(tmp_path):
                 'default_hooks.logger.interval=10', cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     summary = out.stdout[out.stdout.index('Demo summary'):]
-    assert ("type='bf16_compress' (bf16_compress_hook), wrapper=None; "
-            'process group: 2 ranks, backend gloo') in summary
+    assert ("type='bf16_compress' (bf16_compress_hook), wrapper=None, "
+            'state: CompressState(predivide_factor=default, '
+            'check_finite=False); process group: 2 ranks, backend gloo'
+            ) in summary
     assert '(iter 20)' in summary
     assert "'mIoU'" in summary
     assert (tmp_path / 'work' / 'iter_20.pth').is_file()

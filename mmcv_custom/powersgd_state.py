@@ -1,0 +1,248 @@
+"""PowerSGD state that survives DDP's bucket layouts and checkpoints.
+
+PyTorch's ``PowerSGDState`` keys its error feedback and warm-start matrices by
+*bucket index*, in the layout of that bucket. DDP lays buckets out once for
+the first iteration and again after it, and a resumed run builds a fresh DDP
+whose first layout differs from the one the checkpoint was taken in. Restored
+as is, every residual lands on the wrong parameters.
+
+:class:`PowerSGDRelayout` keeps the state correct across layouts: it wraps
+the hook, notices when a bucket's parameters change, and moves each
+parameter's residual and warm-start ``Q`` into the bucket that now holds it.
+The same per-parameter form is what :meth:`PowerSGDRelayout.state_dict`
+saves, keyed by parameter name, so it can be laid out again for whatever
+buckets a resumed run builds. Imports only torch (and numpy through
+PyTorch's PowerSGD).
+"""
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import \
+    powerSGD_hook as powerSGD
+
+__all__ = ['PowerSGDRelayout']
+
+_VERSION = 1
+# PowerSGDState settings that must match for saved residuals to mean the same.
+_SETTINGS = ('matrix_approximation_rank', 'min_compression_rate',
+             'use_error_feedback', 'warm_start')
+
+
+class _Layout:
+    """Where each parameter's state sits inside one bucket's flat tensors.
+
+    Mirrors PowerSGD's own bookkeeping: residuals follow the bucket buffer
+    (parameters in bucket order); ``Q`` matrices exist only for compressed
+    parameters, grouped by matrix shape in order of first appearance.
+    """
+
+    def __init__(self, state: powerSGD.PowerSGDState,
+                 params: List[torch.Tensor]) -> None:
+        self.ids = tuple(id(p) for p in params)
+        self.error = {}  # id -> (offset, numel)
+        self.q = {}  # id -> (offset, numel)
+        self.p_size = 0
+        offset = 0
+        groups: Dict[tuple, list] = {}
+        for p in params:
+            self.error[id(p)] = (offset, p.numel())
+            offset += p.numel()
+            n = p.shape[0] if p.dim() > 0 else 1
+            m = p.numel() // max(n, 1)
+            rank = min(n, m, state.matrix_approximation_rank)
+            if powerSGD._should_compress(n, m, rank,
+                                         state.min_compression_rate)[0]:
+                groups.setdefault((n, m), []).append((id(p), m * rank))
+                self.p_size += n * rank
+        offset = 0
+        for members in groups.values():
+            for pid, numel in members:
+                self.q[pid] = (offset, numel)
+                offset += numel
+        self.q_size = offset
+
+
+class PowerSGDRelayout:
+    """Keep a ``PowerSGDState`` per parameter across bucket layouts.
+
+    Args:
+        state (PowerSGDState): The state the hook runs with.
+        names (dict): Parameter -> name, e.g.
+            ``{p: n for n, p in ddp.module.named_parameters()}``; names are
+            what :meth:`state_dict` is keyed by.
+
+    Example:
+        >>> relayout = PowerSGDRelayout(state, names)
+        >>> ddp.register_comm_hook(state, relayout.wrap(powerSGD_hook))
+        >>> torch.save(relayout.state_dict(), path)        # later
+        >>> relayout.load_state_dict(torch.load(path))     # new run
+    """
+
+    def __init__(self, state: powerSGD.PowerSGDState,
+                 names: Dict[torch.Tensor, str]) -> None:
+        self.state = state
+        self._names = {id(p): n for p, n in names.items()}
+        self._ids = {n: pid for pid, n in self._names.items()}
+        self._layouts: Dict[int, _Layout] = {}
+        # Parameter id -> index of the bucket that holds its state.
+        self._where: Dict[int, int] = {}
+        # Parameter id -> {'error': Tensor, 'q': Tensor or None}, for
+        # parameters whose state is not in any bucket right now.
+        self._pending: Dict[int, dict] = {}
+
+    # -- keeping buckets right -------------------------------------------
+    def wrap(self, hook: Callable) -> Callable:
+        """``hook`` with the state laid out for each bucket first."""
+
+        def _relayout_hook(state, bucket: dist.GradBucket):
+            self._prepare(bucket)
+            return hook(state, bucket)
+
+        _relayout_hook.__qualname__ = getattr(hook, '__qualname__', 'hook')
+        _relayout_hook.__wrapped__ = hook
+        return _relayout_hook
+
+    def _prepare(self, bucket: dist.GradBucket) -> None:
+        index = bucket.index()
+        params = bucket.parameters()
+        old = self._layouts.get(index)
+        if old is not None and old.ids == tuple(id(p) for p in params):
+            return
+        if old is not None:
+            self._evict(index, old)
+        layout = _Layout(self.state, params)
+        self._layouts[index] = layout
+        self._install(index, layout, params)
+
+    def _evict(self, index: int, layout: _Layout) -> None:
+        """Move bucket ``index``'s state into per-parameter form."""
+        for pid in layout.ids:
+            if self._where.get(pid) != index:
+                continue  # already taken by its new bucket
+            del self._where[pid]
+            entry = self._slice(index, layout, pid)
+            if entry is not None:
+                self._pending[pid] = entry
+        for table in (self.state.error_dict, self.state.p_memory_dict,
+                      self.state.q_memory_dict):
+            table.pop(index, None)
+        del self._layouts[index]
+
+    def _slice(self, index: int, layout: _Layout, pid: int) -> Optional[dict]:
+        error = self.state.error_dict.get(index)
+        q = self.state.q_memory_dict.get(index)
+        if error is None and q is None:
+            return None
+        entry = dict(error=None, q=None)
+        if error is not None:
+            off, numel = layout.error[pid]
+            entry['error'] = error[off:off + numel].clone()
+        if q is not None and pid in layout.q and q.numel() == layout.q_size:
+            off, numel = layout.q[pid]
+            entry['q'] = q[off:off + numel].clone()
+        return entry
+
+    def _take(self, pid: int) -> Optional[dict]:
+        """A parameter's state: pending, or still in its old bucket."""
+        if pid in self._pending:
+            return self._pending.pop(pid)
+        index = self._where.pop(pid, None)
+        if index is None:
+            return None
+        # Its old bucket has not been laid out again yet; it gives the
+        # parameter up now.
+        return self._slice(index, self._layouts[index], pid)
+
+    def _install(self, index: int, layout: _Layout, params) -> None:
+        entries = {pid: self._take(pid) for pid in layout.ids}
+        for pid in layout.ids:
+            self._where[pid] = index
+        if not any(entries.values()):
+            return  # nothing known yet: PowerSGD starts this bucket itself
+        ref = params[0]
+        errors, have_all_q = [], True
+        q = torch.empty(layout.q_size, dtype=ref.dtype, device=ref.device)
+        for p in params:
+            entry = entries[id(p)] or {}
+            error = entry.get('error')
+            errors.append(
+                error.to(ref.device, ref.dtype) if error is not None else
+                torch.zeros(p.numel(), dtype=ref.dtype, device=ref.device))
+            if id(p) in layout.q:
+                off, numel = layout.q[id(p)]
+                saved = entry.get('q')
+                if saved is None or saved.numel() != numel:
+                    have_all_q = False
+                else:
+                    q[off:off + numel].copy_(saved)
+        if any(entry and entry.get('error') is not None
+               for entry in entries.values()):
+            self.state.error_dict[index] = torch.cat(errors)
+        if have_all_q and layout.q_size:
+            # P is recomputed from Q before use; only its size matters (a
+            # bucket without P memory would draw new random Qs).
+            self.state.q_memory_dict[index] = q
+            self.state.p_memory_dict[index] = torch.empty(
+                layout.p_size, dtype=ref.dtype, device=ref.device)
+
+    # -- checkpoints -------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's state, per parameter name, on the CPU."""
+        per_param = {}
+        for pid, entry in self._pending.items():
+            per_param[self._names.get(pid, str(pid))] = entry
+        for pid, index in self._where.items():
+            entry = self._slice(index, self._layouts[index], pid)
+            if entry is not None:
+                per_param[self._names.get(pid, str(pid))] = entry
+        cpu = {
+            name: {k: (v.cpu() if v is not None else None)
+                   for k, v in entry.items()}
+            for name, entry in per_param.items()
+        }
+        return dict(
+            version=_VERSION,
+            iter=self.state.iter,
+            total_numel_before_compression=(
+                self.state.total_numel_before_compression),
+            total_numel_after_compression=(
+                self.state.total_numel_after_compression),
+            rng=self.state.rng.get_state(),
+            settings={k: getattr(self.state, k) for k in _SETTINGS},
+            params=cpu)
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Restore :meth:`state_dict`'s output before the first step.
+
+        Raises:
+            ValueError: The saved state comes from other PowerSGD settings or
+                a format this version does not read; the caller decides
+                whether to start fresh.
+        """
+        if saved.get('version') != _VERSION:
+            raise ValueError(f'PowerSGD state version {saved.get("version")}'
+                             f' is not {_VERSION}')
+        mine = {k: getattr(self.state, k) for k in _SETTINGS}
+        if saved.get('settings') != mine:
+            raise ValueError(f'PowerSGD settings differ: saved '
+                             f'{saved.get("settings")}, now {mine}')
+        unknown = sorted(set(saved['params']) - set(self._ids))
+        if unknown:
+            raise ValueError('the saved PowerSGD state has parameters this '
+                             f'model does not: {unknown[:5]}')
+        self.state.iter = saved['iter']
+        self.state.total_numel_before_compression = saved[
+            'total_numel_before_compression']
+        self.state.total_numel_after_compression = saved[
+            'total_numel_after_compression']
+        self.state.rng.set_state(saved['rng'])
+        for table in (self.state.error_dict, self.state.p_memory_dict,
+                      self.state.q_memory_dict):
+            table.clear()
+        self._layouts.clear()
+        self._where.clear()
+        self._pending = {
+            self._ids[name]: entry
+            for name, entry in saved['params'].items()
+        }
