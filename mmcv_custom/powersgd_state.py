@@ -93,7 +93,11 @@ class PowerSGDRelayout:
 
     # -- keeping buckets right -------------------------------------------
     def wrap(self, hook: Callable) -> Callable:
-        """``hook`` with the state laid out for each bucket first."""
+        """``hook`` with the state laid out for each bucket first.
+
+        Wrap PowerSGD's hook directly (inside any half-precision wrapper), so
+        that the state is built in the dtype PowerSGD computes in.
+        """
 
         def _relayout_hook(state, bucket: dist.GradBucket):
             self._prepare(bucket)
@@ -113,7 +117,7 @@ class PowerSGDRelayout:
             self._evict(index, old)
         layout = _Layout(self.state, params)
         self._layouts[index] = layout
-        self._install(index, layout, params)
+        self._install(index, layout, params, bucket.buffer())
 
     def _evict(self, index: int, layout: _Layout) -> None:
         """Move bucket ``index``'s state into per-parameter form."""
@@ -154,13 +158,16 @@ class PowerSGDRelayout:
         # parameter up now.
         return self._slice(index, self._layouts[index], pid)
 
-    def _install(self, index: int, layout: _Layout, params) -> None:
+    def _install(self, index: int, layout: _Layout, params,
+                 buffer: torch.Tensor) -> None:
         entries = {pid: self._take(pid) for pid in layout.ids}
         for pid in layout.ids:
             self._where[pid] = index
         if not any(entries.values()):
             return  # nothing known yet: PowerSGD starts this bucket itself
-        ref = params[0]
+        # What PowerSGD computes in: the bucket as it receives it (half
+        # precision under a wrapper).
+        ref = buffer
         errors, have_all_q = [], True
         q = torch.empty(layout.q_size, dtype=ref.dtype, device=ref.device)
         for p in params:

@@ -34,6 +34,7 @@ from mmengine.utils import get_object_from_string
 from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
+from .powersgd_state import PowerSGDRelayout
 from .ddp_hooks import (CompressState, _uses_nccl, allreduce_hook,
                         bf16_compress_hook, bf16_compress_wrapper,
                         check_bf16_support, fp16_compress_hook,
@@ -138,6 +139,8 @@ class CommHookSpec:
             did not write and this project chose.
         serialized (bool): True when buckets are reduced one at a time
             (PowerSGD off NCCL, see ``_CALLBACK_COLLECTIVE_HOOKS``).
+        relayout (PowerSGDRelayout, optional): Saves and restores a
+            PowerSGD state per parameter.
     """
     type: str
     hook: Callable
@@ -147,6 +150,7 @@ class CommHookSpec:
     state_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
     defaults_set: tuple = ()
     serialized: bool = False
+    relayout: Optional[PowerSGDRelayout] = None
 
     def describe(self) -> str:
         """One line saying what is registered, for the training log."""
@@ -316,17 +320,19 @@ def _count_fp32(hook: Callable, counter: CommCounter) -> Callable:
     return _counted_hook
 
 
-def _count_wire(hook: Callable, counter: CommCounter) -> Callable:
-    """Innermost, around the named hook: what it puts on the wire."""
+def _count_wire(hook: Callable, counter: CommCounter,
+                base: Callable) -> Callable:
+    """Around the named hook ``base`` (``hook`` may be it or wrap it): what
+    it puts on the wire."""
 
     def _counted_hook(state, bucket: dist.GradBucket):
         buffer = bucket.buffer()
         size = buffer.numel() * buffer.element_size()
-        if hook in _HALF_PRECISION_HOOKS:
+        if base in _HALF_PRECISION_HOOKS:
             counter.wire_bytes += buffer.numel() * 2
-        elif hook is allreduce_hook:
+        elif base is allreduce_hook:
             counter.wire_bytes += size
-        elif hook in _CALLBACK_COLLECTIVE_HOOKS:
+        elif base in _CALLBACK_COLLECTIVE_HOOKS:
             before = state.total_numel_after_compression
             fut = hook(state, bucket)
             sent = state.total_numel_after_compression - before
@@ -361,7 +367,8 @@ def _one_bucket_at_a_time(hook: Callable) -> Callable:
 def build_comm_hook(cfg: dict,
                     process_group: Optional[dist.ProcessGroup] = None,
                     device: Optional[torch.device] = None,
-                    counter: Optional[CommCounter] = None) -> CommHookSpec:
+                    counter: Optional[CommCounter] = None,
+                    param_names: Optional[dict] = None) -> CommHookSpec:
     """Build the hook and state a ``comm_hook`` config describes.
 
     Args:
@@ -373,6 +380,9 @@ def build_comm_hook(cfg: dict,
             bf16 backend check. Defaults to None.
         counter (CommCounter, optional): Count the bytes through the hook
             into this. Defaults to None.
+        param_names (dict, optional): Parameter -> name of the DDP model.
+            Given, PowerSGD's state is kept per parameter across bucket
+            layouts and can be saved (``spec.relayout``). Defaults to None.
 
     Returns:
         CommHookSpec: register it with
@@ -389,7 +399,14 @@ def build_comm_hook(cfg: dict,
 
     if wrapper == 'bf16' or base_hook is bf16_compress_hook:
         check_bf16_support(process_group, device)
-    hook = base_hook if counter is None else _count_wire(base_hook, counter)
+    hook = base_hook
+    relayout = None
+    if param_names is not None and isinstance(state,
+                                              powerSGD.PowerSGDState):
+        relayout = PowerSGDRelayout(state, param_names)
+        hook = relayout.wrap(hook)
+    if counter is not None:
+        hook = _count_wire(hook, counter, base_hook)
     if wrapper is not None:
         hook = _WRAPPERS[wrapper](hook)
 
@@ -409,4 +426,5 @@ def build_comm_hook(cfg: dict,
         wrapper=wrapper,
         state_kwargs=state_kwargs,
         defaults_set=checked['defaults_set'],
-        serialized=serialized)
+        serialized=serialized,
+        relayout=relayout)

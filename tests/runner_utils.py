@@ -26,7 +26,9 @@ def build_runner(work_dir,
                  wrapper=None,
                  max_iters=3,
                  model=None,
-                 optim_wrapper=None):
+                 optim_wrapper=None,
+                 checkpoint=None,
+                 resume=False):
     """A Runner training ``MLPRegressor`` (or ``model``) with the comm-hook
     runner hook; ``wrapper`` is the ``model_wrapper_cfg`` (CPU DDP by
     default). Returns the runner and a :class:`Records` of its log."""
@@ -56,7 +58,11 @@ def build_runner(work_dir,
         test_cfg=dict(),
         launcher=launcher,
         env_cfg=dict(dist_cfg=dict(backend='gloo')),
-        default_hooks=dict(logger=dict(type='LoggerHook', interval=1)),
+        default_hooks=dict(
+            logger=dict(type='LoggerHook', interval=1),
+            checkpoint=checkpoint or dict(type='CheckpointHook',
+                                          interval=-1)),
+        resume=resume,
         custom_hooks=[
             dict(type='CommHookRegistrationHook', **(hook_args or {}))
         ],

@@ -1,9 +1,11 @@
 """The MMEngine runner hook that puts a config's ``comm_hook`` on the model."""
+import os
+import os.path as osp
 from typing import List, Optional, Tuple
 
 import torch
-from mmengine.dist import is_main_process
-from mmengine.hooks import Hook
+from mmengine.dist import get_rank, get_world_size, is_main_process
+from mmengine.hooks import CheckpointHook, Hook
 from mmengine.model import MMSeparateDistributedDataParallel, is_model_wrapper
 from mmengine.registry import HOOKS
 from torch.nn.parallel import DistributedDataParallel
@@ -85,6 +87,10 @@ class CommHookRegistrationHook(Hook):
         self._registered = False
         # (where, spec, counter, parameter names by id) per DDP module.
         self._installed: list = []
+        # Submodule name -> PowerSGDRelayout, for stateful hooks.
+        self._relayouts: dict = {}
+        self._loaded_info = None
+        self._due_checkpoint: Optional[str] = None
 
     def _resolve_cfg(self, runner) -> Optional[dict]:
         from_config = runner.cfg.get('comm_hook', None)
@@ -139,7 +145,13 @@ class CommHookRegistrationHook(Hook):
                 self._cfg,
                 process_group=ddp.process_group,
                 device=device,
-                counter=counter)
+                counter=counter,
+                param_names={
+                    p: n
+                    for n, p in ddp.module.named_parameters()
+                })
+            if spec.relayout is not None:
+                self._relayouts[name] = spec.relayout
             ddp.register_comm_hook(spec.state, spec.hook)
             specs.append((name, spec))
             prefix = f'{name}.' if name else ''
@@ -148,6 +160,9 @@ class CommHookRegistrationHook(Hook):
                 for n, p in ddp.module.named_parameters()
             }
             self._installed.append((name, spec, counter, names))
+
+        if self._relayouts and runner.iter > 0:
+            self._restore(runner)
 
         if is_main_process():
             ddp = targets[0][1]
@@ -167,6 +182,7 @@ class CommHookRegistrationHook(Hook):
                          outputs=None) -> None:
         if not self._installed:
             return
+        self._maybe_save_state(runner, by_epoch=False)
         if self._telemetry:
             fp32_bytes, wire_bytes = 0, 0
             for _, _, counter, _ in self._installed:
@@ -198,6 +214,118 @@ class CommHookRegistrationHook(Hook):
                     'predivide_factor=<world size> or bf16_compress, or '
                     'check the loss (with AMP, the loss scaler skips such '
                     'steps).')
+
+    # -- hook state in checkpoints --------------------------------------
+    # MMEngine writes checkpoints on rank 0 only, but PowerSGD's error
+    # feedback differs on every rank and is as large as the gradients. So
+    # every rank writes its own file beside the checkpoint when the
+    # CheckpointHook is about to save, and the checkpoint records them.
+
+    def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
+        self._loaded_info = checkpoint.get('comm_hook_state')
+
+    def after_train_epoch(self, runner) -> None:
+        self._maybe_save_state(runner, by_epoch=True)
+
+    def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
+        # Only checkpoints the CheckpointHook saves on schedule have every
+        # rank's file (a best-metric checkpoint between them has none).
+        if self._relayouts and self._due_checkpoint is not None:
+            checkpoint['comm_hook_state'] = dict(
+                type=self._cfg.get('type'),
+                wrapper=self._cfg.get('wrapper'),
+                world_size=get_world_size(),
+                files=[
+                    self._state_file(runner, rank)
+                    for rank in range(get_world_size())
+                ])
+
+    def _checkpoint_due(self, runner, by_epoch: bool) -> Optional[str]:
+        """The file the CheckpointHook saves now, else None."""
+        for hook in runner.hooks:
+            if not isinstance(hook, CheckpointHook) or (
+                    hook.by_epoch != by_epoch):
+                continue
+            if by_epoch:
+                due = hook.every_n_epochs(runner, hook.interval,
+                                          hook.save_begin) or (
+                                              hook.save_last
+                                              and hook.is_last_train_epoch(
+                                                  runner))
+                step = runner.epoch + 1
+            else:
+                due = hook.every_n_train_iters(
+                    runner, hook.interval, hook.save_begin) or (
+                        hook.save_last and hook.is_last_train_iter(runner))
+                step = runner.iter + 1
+            if due:
+                return osp.join(hook.out_dir, hook.filename_tmpl.format(step))
+        return None
+
+    def _state_file(self, runner, rank: int) -> Optional[str]:
+        checkpoint = self._due_checkpoint
+        if checkpoint is None:
+            return None
+        return osp.abspath(f'{checkpoint}.comm_hook_rank{rank}.pth')
+
+    def _maybe_save_state(self, runner, by_epoch: bool) -> None:
+        self._due_checkpoint = None
+        if not self._relayouts:
+            return
+        self._due_checkpoint = self._checkpoint_due(runner, by_epoch)
+        if self._due_checkpoint is None:
+            return
+        path = self._state_file(runner, get_rank())
+        os.makedirs(osp.dirname(path), exist_ok=True)
+        torch.save(
+            {
+                name: relayout.state_dict()
+                for name, relayout in self._relayouts.items()
+            }, path)
+
+    def _restore(self, runner) -> None:
+        info = self._loaded_info
+        rank, world_size = get_rank(), get_world_size()
+        fresh = ('; PowerSGD starts afresh (new error feedback and warm '
+                 'start), as after its warm-up')
+        if info is None:
+            runner.logger.warning(
+                'The resumed checkpoint has no communication-hook state'
+                + fresh)
+            return
+        if (info.get('type'), info.get('wrapper')) != (
+                self._cfg.get('type'), self._cfg.get('wrapper')):
+            runner.logger.warning(
+                f"The resumed checkpoint holds the state of comm_hook "
+                f"type={info.get('type')!r}, wrapper={info.get('wrapper')!r}"
+                f", not of type={self._cfg.get('type')!r}, "
+                f"wrapper={self._cfg.get('wrapper')!r}" + fresh)
+            return
+        if info.get('world_size') != world_size:
+            runner.logger.warning(
+                f"The resumed checkpoint holds hook state of "
+                f"{info.get('world_size')} ranks, this run has {world_size}"
+                + fresh)
+            return
+        path = info['files'][rank]
+        if not osp.isfile(path):
+            # The work dir may have moved: look beside the checkpoint name.
+            moved = osp.join(runner.work_dir, osp.basename(path))
+            path = moved if osp.isfile(moved) else path
+        try:
+            saved = torch.load(path, map_location='cpu', weights_only=True)
+            for name, relayout in self._relayouts.items():
+                relayout.load_state_dict(saved[name])
+        except (OSError, KeyError, ValueError, RuntimeError) as e:
+            runner.logger.warning(
+                f'Could not restore the communication-hook state of rank '
+                f'{rank} from {path}: {e}' + fresh)
+            return
+        if is_main_process():
+            runner.logger.info(
+                f'Restored the {self._cfg.get("type")} state (error '
+                'feedback, warm start, iteration counter) of every rank '
+                f'from {osp.dirname(path)}.')
 
     @staticmethod
     def _ddp_modules(model) -> List[Tuple[str, DistributedDataParallel]]:
