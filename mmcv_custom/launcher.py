@@ -17,7 +17,9 @@ import torch.distributed as dist
 from mmengine.config import Config
 from mmengine.logging import print_log
 
-__all__ = ['load_config', 'prepare_launch', 'is_launch_rank0']
+__all__ = [
+    'load_config', 'prepare_launch', 'is_launch_rank0', 'shutdown_distributed'
+]
 
 _ENV_FROM_SLURM = {
     'RANK': 'SLURM_PROCID',
@@ -139,3 +141,14 @@ def prepare_launch(cfg: Config, launcher: str,
             f'{dist.get_world_size()} ranks on CPU (DDP without device_ids).',
             logger='current')
     return cfg
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process group before the interpreter exits.
+
+    Left to interpreter shutdown, gloo's worker threads can be torn down
+    while still joinable, and a rank dies with "terminate called without an
+    active exception" after an otherwise finished run.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -17,7 +17,8 @@ from mmengine.runner import Runner
 
 import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
 from mmcv_custom.checkpoint import check_checkpoint
-from mmcv_custom.launcher import load_config, prepare_launch
+from mmcv_custom.launcher import (load_config, prepare_launch,
+                                  shutdown_distributed)
 
 
 def parse_args():
@@ -99,7 +100,10 @@ def main():
 
     prepare_launch(cfg, args.launcher)
     runner = Runner.from_cfg(cfg)
-    runner.test()
+    try:
+        runner.test()
+    finally:
+        shutdown_distributed()
 
 
 if __name__ == '__main__':

@@ -22,7 +22,8 @@ from mmengine.runner import Runner
 
 import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
 from mmcv_custom.checkpoint import check_checkpoint
-from mmcv_custom.launcher import is_launch_rank0, load_config, prepare_launch
+from mmcv_custom.launcher import (is_launch_rank0, load_config, prepare_launch,
+                                  shutdown_distributed)
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
 
@@ -118,7 +119,10 @@ def main():
     else:
         from mmengine.registry import RUNNERS
         runner = RUNNERS.build(cfg)
-    runner.train()
+    try:
+        runner.train()
+    finally:
+        shutdown_distributed()
 
 
 if __name__ == '__main__':
