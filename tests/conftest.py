@@ -1,12 +1,20 @@
-"""Keep the pytest process free of OpenMP thread pools.
+"""Keep the pytest process free of OpenMP thread teams.
 
 tests/dist_utils.py forks the pytest process to start gloo ranks. A process
 that forks after its OpenMP runtime started a thread team (any multi-threaded
-torch op, e.g. building a large model in a test) leaves the children hanging
-in their first parallel region. One thread in the parent means no team is
-ever started; each forked rank then runs single-threaded, which is also what
-two ranks on a 2-core machine want.
+torch op in a test, e.g. building a large model) leaves the children hanging
+in their first parallel region. One OpenMP thread means no team is ever
+started. It is set through the environment, before torch is imported:
+``torch.set_num_threads`` would instead make every new thread of a forked
+child (gloo's, which run the hooks' callbacks) re-apply the setting to a
+thread pool that does not survive the fork, and abort ("Invalid thread
+pool"). Forked ranks and the tools' subprocesses inherit it: two ranks on a
+2-core machine, one thread each.
 """
-import torch
+import os
+import sys
 
-torch.set_num_threads(1)
+if 'torch' in sys.modules:
+    raise RuntimeError('tests/conftest.py must run before torch is imported '
+                       'to keep forked gloo ranks safe')
+os.environ['OMP_NUM_THREADS'] = '1'
