@@ -34,6 +34,7 @@ from mmengine.utils import get_object_from_string
 from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
+from .batched_powersgd import batched_powersgd_hook
 from .powersgd_state import PowerSGDRelayout
 from .ddp_hooks import (CompressState, _uses_nccl, allreduce_hook,
                         bf16_compress_hook, bf16_compress_wrapper,
@@ -54,7 +55,7 @@ COMM_HOOKS.register_module(name='fp16_compress', module=fp16_compress_hook)
 COMM_HOOKS.register_module(name='bf16_compress', module=bf16_compress_hook)
 COMM_HOOKS.register_module(name='powerSGD', module=powerSGD.powerSGD_hook)
 COMM_HOOKS.register_module(
-    name='batched_powerSGD', module=powerSGD.batched_powerSGD_hook)
+    name='batched_powerSGD', module=batched_powersgd_hook)
 
 _WRAPPERS: Dict[str, Callable] = {
     'fp16': fp16_compress_wrapper,
@@ -74,18 +75,10 @@ _HALF_PRECISION_HOOKS = {
 # buckets in flight the ranks issue collectives in different orders and gloo
 # aborts ("Received data size doesn't match expected size") or hangs. On gloo
 # we therefore finish each bucket before DDP hands over the next one.
-_CALLBACK_COLLECTIVE_HOOKS = {
-    powerSGD.powerSGD_hook,
-    powerSGD.batched_powerSGD_hook,
-}
+_CALLBACK_COLLECTIVE_HOOKS = {powerSGD.powerSGD_hook}
 
-# Registered so the name is known, but refused with the reason.
-_UNSUPPORTED_HOOKS = {
-    powerSGD.batched_powerSGD_hook:
-    f'its batched_powerSGD_hook in torch {torch.__version__} fails with an '
-    'AssertionError at the first compressed step (it hands a 2-d matrix to '
-    'an orthogonalization that expects a batch of matrices)',
-}
+# Hooks that run on a PowerSGDState (and keep its compression counters).
+_POWERSGD_HOOKS = {powerSGD.powerSGD_hook, batched_powersgd_hook}
 
 # PyTorch's PowerSGD default orthogonalization_epsilon=0 divides 0 by 0 when
 # a gradient matrix has an all-zero column (a layer whose loss gradient is
@@ -121,6 +114,8 @@ def _powersgd_state(process_group: Optional[dist.ProcessGroup],
 
 # Only so that config keys can be checked against PowerSGDState's arguments.
 _powersgd_state.__signature__ = inspect.signature(powerSGD.PowerSGDState)
+COMM_HOOK_STATES.register_module(
+    name='batched_powerSGD', module=_powersgd_state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,10 +235,6 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
             f'{_valid_types()}')
     hook_type = cfg.pop('type')
     hook = _lookup_hook(hook_type)
-    if hook in _UNSUPPORTED_HOOKS:
-        raise NotImplementedError(
-            f'comm_hook type {hook_type!r} is not supported: '
-            f"{_UNSUPPORTED_HOOKS[hook]}. Use type='powerSGD' instead.")
     wrapper = cfg.pop('wrapper', None)
     if wrapper is not None and wrapper not in _WRAPPERS:
         raise ValueError(
@@ -277,7 +268,7 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
                 f'comm_hook type {hook_type!r} got unexpected keys '
                 f'{unknown}. Valid keys: type, wrapper, {", ".join(valid)} '
                 '(the process group is the DDP model\'s own).')
-        if hook in _CALLBACK_COLLECTIVE_HOOKS and (
+        if hook in _POWERSGD_HOOKS and (
                 'orthogonalization_epsilon' not in cfg):
             cfg['orthogonalization_epsilon'] = _POWERSGD_EPSILON[wrapper]
             defaults_set.append('orthogonalization_epsilon')
@@ -332,7 +323,7 @@ def _count_wire(hook: Callable, counter: CommCounter,
             counter.wire_bytes += buffer.numel() * 2
         elif base is allreduce_hook:
             counter.wire_bytes += size
-        elif base in _CALLBACK_COLLECTIVE_HOOKS:
+        elif base in _POWERSGD_HOOKS:
             before = state.total_numel_after_compression
             fut = hook(state, bucket)
             sent = state.total_numel_after_compression - before
@@ -401,8 +392,9 @@ def build_comm_hook(cfg: dict,
         check_bf16_support(process_group, device)
     hook = base_hook
     relayout = None
-    if param_names is not None and isinstance(state,
-                                              powerSGD.PowerSGDState):
+    # Batched PowerSGD's warm-start matrix mixes all parameters of a
+    # bucket, so only per-matrix PowerSGD can be laid out again.
+    if param_names is not None and base_hook is powerSGD.powerSGD_hook:
         relayout = PowerSGDRelayout(state, param_names)
         hook = relayout.wrap(hook)
     if counter is not None:

@@ -70,6 +70,8 @@ NUMEL = sum(r * c for r, c in WEIGHTS) + sum(BIASES)  # 2376
 # PowerSGD, rank 1, min_compression_rate 2: every weight is sent as its two
 # factors (rows + cols numbers); the biases are not worth compressing.
 POWERSGD_NUMEL = sum(r + c for r, c in WEIGHTS) + sum(BIASES)  # 240
+# Batched: the one bucket as a 49 x 49 matrix (49**2 >= 2376), two factors.
+BATCHED_NUMEL = 2 * 49
 
 
 def _telemetry(rank, world_size, work_dir, comm_hook):
@@ -91,6 +93,10 @@ def _telemetry(rank, world_size, work_dir, comm_hook):
      [NUMEL * 4] * 3 + [POWERSGD_NUMEL * 4] * 3),
     (dict(type='powerSGD', wrapper='bf16', start_powerSGD_iter=3),
      [NUMEL * 2] * 3 + [POWERSGD_NUMEL * 2] * 3),
+    (dict(type='batched_powerSGD', start_powerSGD_iter=3),
+     [NUMEL * 4] * 3 + [BATCHED_NUMEL * 4] * 3),
+    (dict(type='batched_powerSGD', wrapper='bf16', start_powerSGD_iter=3),
+     [NUMEL * 2] * 3 + [BATCHED_NUMEL * 2] * 3),
 ])
 def test_telemetry_counts_the_bytes_on_the_wire(tmp_path, comm_hook,
                                                 wire_per_step):

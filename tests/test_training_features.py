@@ -64,6 +64,11 @@ SGD = dict(optimizer=dict(type='SGD', lr=0.1))
     ('powerSGD+static_graph', dict(type='powerSGD', wrapper='bf16',
                                    start_powerSGD_iter=3),
      dict(static_graph=True), SGD, None),
+    ('batched_powerSGD+accumulation', dict(type='batched_powerSGD',
+                                           wrapper='bf16',
+                                           start_powerSGD_iter=3),
+     {}, dict(optimizer=dict(type='SGD', lr=0.1), accumulative_counts=2),
+     None),
 ])
 def test_feature_trains_in_sync_with_the_hook(tmp_path, name, comm_hook,
                                               wrapper_kwargs, optim_wrapper,
