@@ -190,7 +190,7 @@ class CompressState:
     def __repr__(self) -> str:
         factor = ('default' if self.predivide_factor is None else
                   repr(self.predivide_factor))
-        return (f'CompressState(predivide_factor={factor}, '
+        return (f'CompressState(predivide_factor={factor} (fp16 only), '
                 f'check_finite={self.check_finite})')
 
     def factors(self, dtype: torch.dtype, world_size: int):

@@ -23,7 +23,7 @@ def test_demo_trains_evaluates_and_summarizes(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     summary = out.stdout[out.stdout.index('Demo summary'):]
     assert ("type='bf16_compress' (bf16_compress_hook), wrapper=None, "
-            'state: CompressState(predivide_factor=default, '
+            'state: CompressState(predivide_factor=default (fp16 only), '
             'check_finite=False); process group: 2 ranks, backend gloo'
             ) in summary
     assert '(iter 20)' in summary
