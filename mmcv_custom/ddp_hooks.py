@@ -186,6 +186,9 @@ class CompressState:
         # bucket index -> (parameters, flag on the device). One entry per
         # bucket, or-ed until popped, so memory stays bounded.
         self._nonfinite: dict = {}
+        # bucket index -> half-precision send buffer (CPU only).
+        self._wire: dict = {}
+        self._reuse_buffers = True
 
     def __repr__(self) -> str:
         factor = ('default' if self.predivide_factor is None else
@@ -201,6 +204,23 @@ class CompressState:
                   else default_predivide_factor(world_size))
         return before, world_size / before
 
+    def _wire_buffer(self, index: int, like: torch.Tensor,
+                     dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The half-precision buffer bucket ``index`` is sent in, kept from
+        step to step on CPU, where a fresh allocation of a large bucket
+        costs page faults on every step (GPUs have a caching allocator, and
+        keeping every bucket's copy there would raise peak memory). Safe to
+        reuse: DDP finishes a step's all-reduces before the next step
+        starts, so give each DDP model its own state."""
+        if like.device.type != 'cpu' or not self._reuse_buffers:
+            return None
+        buf = self._wire.get(index)
+        if (buf is None or buf.numel() != like.numel()
+                or buf.dtype != dtype):
+            buf = self._wire[index] = torch.empty(
+                like.numel(), dtype=dtype, device=like.device)
+        return buf
+
     def pop_nonfinite(self) -> list:
         """Buckets found non-finite since the last call, and forget them.
 
@@ -215,12 +235,43 @@ class CompressState:
         return found
 
 
+# Elements per step of the CPU compression loop: 4 MiB of fp32, so that the
+# divided chunk is still in cache when it is cast.
+_CPU_CHUNK = 2**20
+
+
+def _compress(buffer: torch.Tensor, divisor: float, dtype: torch.dtype,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``buffer / divisor`` rounded to ``dtype`` (into ``out`` if given).
+
+    The quotient is computed in the buffer's precision and only then cast.
+    ``buffer`` may be overwritten: the hooks write the result into it later.
+    """
+    if out is None:
+        out = torch.empty(buffer.numel(), dtype=dtype, device=buffer.device)
+    if buffer.device.type != 'cpu':
+        # On GPUs one fused kernel reads fp32 and writes half.
+        torch.div(buffer, divisor, out=out)
+        return out
+    # On CPU a division that converts dtype on the fly takes a slow,
+    # unvectorised path (about 2.2x a copy of the bucket). Dividing a chunk
+    # in place and casting it while it is still in cache keeps both passes
+    # vectorised and close to one trip through memory.
+    for start in range(0, buffer.numel(), _CPU_CHUNK):
+        chunk = buffer[start:start + _CPU_CHUNK]
+        if divisor != 1:
+            chunk.div_(divisor)
+        out[start:start + _CPU_CHUNK].copy_(chunk)
+    return out
+
+
 def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
     """Average ``bucket`` on the wire in ``dtype``; the shared core of the
     fp16 and bf16 hooks. ``state`` is a process group, None or a
     :class:`CompressState`."""
     if not isinstance(state, CompressState):
         state = CompressState(state, check_finite=False)
+        state._reuse_buffers = False  # nowhere to keep them
     group = _group_or_world(state.process_group)
     buffer = bucket.buffer()
     _require_dtype_support(dtype, group, buffer.device)
@@ -230,19 +281,8 @@ def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
     # computed in fp32 and only then rounded to half. Casting first (as
     # PyTorch's hooks do) turns a gradient above 65504 into inf in fp16 even
     # when the average across ranks is well inside the range.
-    if buffer.device.type == 'cpu':
-        # On CPU a division that converts dtype on the fly takes a slow,
-        # unvectorised path (about 2.2x a plain copy of the bucket); dividing
-        # in place and casting in a second pass is faster. The buffer is
-        # overwritten with the result anyway.
-        if before != 1:
-            buffer.div_(before)
-        compressed = buffer.to(dtype)
-    else:
-        # On GPUs one fused kernel reads fp32 and writes half: no fp32
-        # temporary and no second pass.
-        compressed = torch.empty_like(buffer, dtype=dtype)
-        torch.div(buffer, before, out=compressed)
+    compressed = _compress(buffer, before, dtype,
+                           state._wire_buffer(bucket.index(), buffer, dtype))
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         # Write the result back into the bucket's own buffer instead of

@@ -146,9 +146,13 @@ def prepare_launch(cfg: Config, launcher: str,
 def shutdown_distributed() -> None:
     """Destroy the process group before the interpreter exits.
 
-    Left to interpreter shutdown, gloo's worker threads can be torn down
-    while still joinable, and a rank dies with "terminate called without an
-    active exception" after an otherwise finished run.
+    Left to interpreter shutdown, a DDP reducer holding a communication
+    hook, its state and the group is destroyed after Python has begun to
+    finalise; gloo's worker threads are then torn down while still joinable
+    and a rank dies with "terminate called without an active exception"
+    after an otherwise finished run. The tools drop their runner first.
     """
+    import gc
+    gc.collect()  # what still holds the group (DDP reducers, hook states)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -6,7 +6,8 @@ the hooks round by round so that drift on a shared machine hits them all
 alike. Compared:
 
 * this project's ``allreduce_hook``, ``fp16_compress_hook`` and
-  ``bf16_compress_hook``;
+  ``bf16_compress_hook`` (the compressing ones with a ``CompressState``, as
+  the runner hook registers them);
 * PyTorch's built-ins of the same names (``torch.distributed.algorithms.
   ddp_comm_hooks.default_hooks``), and DDP with no hook (its C++ all-reduce);
 * a hook that communicates nothing, whose time is subtracted from every
@@ -132,13 +133,8 @@ def _time_codecs(numel, world_size, device, repeat):
             torch.cuda.synchronize()
 
     def ours(dt):
-        # What _compress_hook does on this device.
-        if device.type == 'cpu':
-            buffer.div_(world_size)
-            half = buffer.to(dt)
-        else:
-            half = halves[dt]
-            torch.div(buffer, world_size, out=half)
+        # What the hook does with its state's kept send buffer.
+        half = ddp_hooks._compress(buffer, world_size, dt, out=halves[dt])
         buffer.copy_(half)
 
     def theirs(dt):
@@ -185,7 +181,12 @@ def _worker(rank, world_size, folder, args):
                 bucket_cap_mb=size_mb * 2 + 1,
                 gradient_as_bucket_view=True)
             if hook is not None:
-                model.register_comm_hook(None, hook)
+                # Ours as the runner hook registers them: with a state
+                # (which keeps the send buffers between steps on CPU).
+                state = (ddp_hooks.CompressState(None)
+                         if name.startswith('ours.') and 'compress' in name
+                         else None)
+                model.register_comm_hook(state, hook)
             models[name] = model
 
         def step(model):

@@ -103,6 +103,9 @@ def main():
     try:
         runner.test()
     finally:
+        # Free the DDP model (and the comm hook and state its reducer holds)
+        # while the process group still exists, then destroy the group.
+        del runner
         shutdown_distributed()
 
 
