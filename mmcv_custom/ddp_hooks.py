@@ -27,7 +27,6 @@ Example:
     >>> ddp_model.register_comm_hook(None, bf16_compress_hook)
 """
 import functools
-import logging
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -43,8 +42,6 @@ __all__ = [
     'CompressState',
     'default_predivide_factor',
 ]
-
-logger = logging.getLogger(__name__)
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 

@@ -61,7 +61,6 @@ _WRAPPERS: Dict[str, Callable] = {
     'fp16': fp16_compress_wrapper,
     'bf16': bf16_compress_wrapper,
 }
-_WRAPPER_DTYPES = {'fp16': torch.float16, 'bf16': torch.bfloat16}
 
 # Hooks that already reduce in half precision: a wrapper around them would
 # round twice for nothing.

@@ -180,7 +180,7 @@ def _batched_rank(rank, world_size, wrapper):
         dict(type='batched_powerSGD', wrapper=wrapper, start_powerSGD_iter=2,
              matrix_approximation_rank=2))
     model.register_comm_hook(spec.state, spec.hook)
-    grads, exact = [], []
+    grads = []
     for step in range(5):
         model.zero_grad()
         torch.manual_seed(10 * step + rank)
