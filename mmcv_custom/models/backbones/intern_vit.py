@@ -1,0 +1,348 @@
+"""InternViT for MMSegmentation 1.x: one class from test sizes up to 6B.
+
+The published InternViT-6B (InternVL) is a plain ViT with a few choices of
+its own: RMSNorm blocks, query/key normalisation over the full width,
+LayerScale on both residual branches, no qkv bias, patch size 14 and a class
+token with absolute position embeddings for a 16 x 16 pre-training grid.
+Module names follow the public checkpoints (``blocks.{i}.attn.qkv``,
+``blocks.{i}.ls1.gamma``, ``patch_embed.proj`` ...), so they load as is.
+"""
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as cp
+from mmengine.logging import print_log
+from mmengine.model import BaseModule
+from mmseg.registry import MODELS
+from torch import nn
+
+__all__ = ['InternViT', 'resize_pos_embed']
+
+
+def resize_pos_embed(pos_embed: torch.Tensor, new_grid: int) -> torch.Tensor:
+    """Resize ``(1, 1 + g*g, C)`` position embeddings to ``new_grid``.
+
+    The class token's embedding is kept; the grid part is interpolated
+    bicubically, as ViT fine-tuning at a new resolution does.
+    """
+    cls_pos, grid_pos = pos_embed[:, :1], pos_embed[:, 1:]
+    old_grid = int(math.isqrt(grid_pos.shape[1]))
+    if old_grid * old_grid != grid_pos.shape[1]:
+        raise ValueError('position embeddings should cover a square grid '
+                         f'plus a class token, but got {pos_embed.shape[1]}')
+    if old_grid == new_grid:
+        return pos_embed
+    dim = grid_pos.shape[-1]
+    grid_pos = grid_pos.reshape(1, old_grid, old_grid, dim).permute(0, 3, 1, 2)
+    grid_pos = F.interpolate(
+        grid_pos.float(), size=(new_grid, new_grid), mode='bicubic',
+        align_corners=False).to(pos_embed.dtype)
+    grid_pos = grid_pos.permute(0, 2, 3, 1).reshape(1, new_grid * new_grid, dim)
+    return torch.cat([cls_pos, grid_pos], dim=1)
+
+
+class _LayerScale(nn.Module):
+
+    def __init__(self, dim: int, init_value: float) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim, ), init_value))
+
+    def forward(self, x):
+        return x * self.gamma
+
+
+class _DropPath(nn.Module):
+    """Stochastic depth: drop the whole residual branch per sample."""
+
+    def __init__(self, prob: float) -> None:
+        super().__init__()
+        self.prob = prob
+
+    def forward(self, x):
+        if self.prob == 0 or not self.training:
+            return x
+        keep = x.new_empty((x.shape[0], ) + (1, ) * (x.dim() - 1))
+        keep.bernoulli_(1 - self.prob)
+        return x * keep / (1 - self.prob)
+
+
+def _norm(kind: str, dim: int, eps: float) -> nn.Module:
+    if kind == 'rms':
+        return nn.RMSNorm(dim, eps=eps)
+    if kind == 'ln':
+        return nn.LayerNorm(dim, eps=eps)
+    raise ValueError(f"norm should be 'rms' or 'ln', but got {kind!r}")
+
+
+class _Attention(nn.Module):
+
+    def __init__(self, dim, num_heads, qkv_bias, qk_norm, norm, eps):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f'embed_dims {dim} should be divisible by '
+                             f'num_heads {num_heads}')
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            # Over the full width, before the heads are split.
+            self.q_norm = _norm(norm, dim, eps)
+            self.k_norm = _norm(norm, dim, eps)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        # The public qkv weight stacks q, k and v along its output.
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.reshape(b, n, self.num_heads, -1).transpose(1, 2)
+                   for t in (q, k, v))
+        x = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(x.transpose(1, 2).reshape(b, n, c))
+
+
+class _Mlp(nn.Module):
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _Block(nn.Module):
+
+    def __init__(self, dim, num_heads, mlp_hidden, qkv_bias, qk_norm, norm,
+                 eps, init_values, drop_path):
+        super().__init__()
+        self.norm1 = _norm(norm, dim, eps)
+        self.attn = _Attention(dim, num_heads, qkv_bias, qk_norm, norm, eps)
+        self.ls1 = _LayerScale(dim, init_values)
+        self.norm2 = _norm(norm, dim, eps)
+        self.mlp = _Mlp(dim, mlp_hidden)
+        self.ls2 = _LayerScale(dim, init_values)
+        self.drop_path = _DropPath(drop_path)
+
+    def forward(self, x):
+        x = x + self.drop_path(self.ls1(self.attn(self.norm1(x))))
+        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x))))
+
+
+class _PatchEmbed(nn.Module):
+
+    def __init__(self, patch_size, in_channels, dim):
+        super().__init__()
+        self.proj = nn.Conv2d(in_channels, dim, patch_size, patch_size)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+@MODELS.register_module()
+class InternViT(BaseModule):
+    """InternViT backbone (InternViT-6B / -300M and anything smaller).
+
+    Defaults are InternViT-6B's. InternViT-300M: ``embed_dims=1024,
+    depth=24, num_heads=16, mlp_ratio=4, qkv_bias=True, qk_norm=False,
+    norm='ln'``.
+
+    Args:
+        img_size (int): Training resolution; position embeddings are resized
+            from the pre-training grid to ``img_size // patch_size``.
+            Defaults to 224.
+        patch_size (int): Defaults to 14.
+        in_channels (int): Defaults to 3.
+        embed_dims (int): Width. Defaults to 3200.
+        depth (int): Number of blocks. Defaults to 48.
+        num_heads (int): Defaults to 25.
+        mlp_ratio (float): MLP width over ``embed_dims``. Defaults to 4.
+        qkv_bias (bool): Defaults to False.
+        qk_norm (bool): Normalise q and k over the full width. Defaults to
+            True.
+        norm (str): ``'rms'`` (RMSNorm) or ``'ln'`` (LayerNorm). Defaults to
+            ``'rms'``.
+        norm_eps (float): Defaults to 1e-6.
+        init_values (float): LayerScale initial value. Defaults to 0.1.
+        drop_path_rate (float): Stochastic depth of the last block, rising
+            linearly from 0. Defaults to 0.
+        pretrain_size (int): Resolution of the pre-training grid of the
+            position embeddings (checkpoints store that grid). Defaults to
+            224.
+        out_indices (Sequence[int]): Blocks whose outputs are returned, as
+            ``(B, C, H / 14, W / 14)`` maps. Defaults to ``(47, )``.
+        with_fpn (bool): Turn four outputs into four scales (x4, x2, x1,
+            /2) for UperNet: transposed convolutions up, max-pooling down.
+            Needs four ``out_indices``. Defaults to False.
+        with_cp (bool): Activation checkpointing per block while training.
+            Defaults to False.
+        freeze (bool): No parameter of the pre-trained ViT takes gradients
+            (linear probing, head tuning) and its blocks stay in eval mode;
+            the pyramid of ``with_fpn``, new, still trains. Defaults to
+            False.
+        pretrained (str, optional): Path of a checkpoint in the public
+            format, loaded by ``init_weights``. Defaults to None.
+        init_cfg (dict, optional): Defaults to None.
+    """
+
+    def __init__(self,
+                 img_size: int = 224,
+                 patch_size: int = 14,
+                 in_channels: int = 3,
+                 embed_dims: int = 3200,
+                 depth: int = 48,
+                 num_heads: int = 25,
+                 mlp_ratio: float = 4.,
+                 qkv_bias: bool = False,
+                 qk_norm: bool = True,
+                 norm: str = 'rms',
+                 norm_eps: float = 1e-6,
+                 init_values: float = 0.1,
+                 drop_path_rate: float = 0.,
+                 pretrain_size: int = 224,
+                 out_indices: Sequence[int] = (47, ),
+                 with_fpn: bool = False,
+                 with_cp: bool = False,
+                 freeze: bool = False,
+                 pretrained: Optional[str] = None,
+                 init_cfg: Optional[dict] = None) -> None:
+        super().__init__(init_cfg=init_cfg)
+        out_indices = tuple(out_indices)
+        bad = [i for i in out_indices if not -depth <= i < depth]
+        if bad:
+            raise ValueError(f'out_indices should be block indices below '
+                             f'depth {depth}, but got {bad}')
+        if with_fpn and len(out_indices) != 4:
+            raise ValueError('with_fpn needs four out_indices (one per '
+                             f'scale), but got {out_indices}')
+        if img_size % patch_size:
+            raise ValueError(f'img_size {img_size} should be a multiple of '
+                             f'patch_size {patch_size}')
+        self.patch_size = patch_size
+        self.grid = img_size // patch_size
+        self.out_indices = tuple(i % depth for i in out_indices)
+        self.with_cp = with_cp
+        self.freeze = freeze
+        self.pretrained = pretrained
+
+        self.patch_embed = _PatchEmbed(patch_size, in_channels, embed_dims)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dims))
+        self.pos_embed = nn.Parameter(
+            torch.zeros(1, 1 + self.grid * self.grid, embed_dims))
+        self._pretrain_grid = pretrain_size // patch_size
+        # Plain Python: the 6B model is built on the meta device to count it.
+        rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
+        hidden = int(embed_dims * mlp_ratio)
+        self.blocks = nn.ModuleList(
+            _Block(embed_dims, num_heads, hidden, qkv_bias, qk_norm, norm,
+                   norm_eps, init_values, rate) for rate in rates)
+
+        self.with_fpn = with_fpn
+        if with_fpn:
+            self.fpn1 = nn.Sequential(
+                nn.ConvTranspose2d(embed_dims, embed_dims, 2, 2),
+                nn.BatchNorm2d(embed_dims), nn.GELU(),
+                nn.ConvTranspose2d(embed_dims, embed_dims, 2, 2))
+            self.fpn2 = nn.ConvTranspose2d(embed_dims, embed_dims, 2, 2)
+            self.fpn3 = nn.Identity()
+            self.fpn4 = nn.MaxPool2d(2)
+        if freeze:
+            for param in self._vit_parameters():
+                param.requires_grad_(False)
+
+    def _vit_parameters(self):
+        """The pre-trained part; the pyramid is new and always trains."""
+        yield self.cls_token
+        yield self.pos_embed
+        yield from self.patch_embed.parameters()
+        yield from self.blocks.parameters()
+
+    def init_weights(self) -> None:
+        """Load ``pretrained`` (public format), else MMEngine's init."""
+        if self.pretrained is None:
+            nn.init.trunc_normal_(self.pos_embed, std=0.02)
+            nn.init.trunc_normal_(self.cls_token, std=0.02)
+            if self.init_cfg is not None:
+                super().init_weights()
+            return
+        checkpoint = torch.load(
+            self.pretrained, map_location='cpu', weights_only=True)
+        self.load_public_state_dict(checkpoint)
+
+    def load_public_state_dict(self, checkpoint: dict) -> tuple:
+        """Load weights in the public InternViT format, reporting mismatches.
+
+        Accepts a flat state dict, or one under ``module``, ``state_dict``
+        or ``model``; position embeddings of another grid are resized.
+
+        Returns:
+            tuple: ``(missing_keys, unexpected_keys)``.
+        """
+        for key in ('module', 'state_dict', 'model'):
+            if isinstance(checkpoint.get(key), dict):
+                checkpoint = checkpoint[key]
+                break
+        state = dict(checkpoint)
+        if 'pos_embed' in state:
+            state['pos_embed'] = resize_pos_embed(state['pos_embed'],
+                                                  self.grid)
+        result = self.load_state_dict(state, strict=False)
+        missing, unexpected = list(result.missing_keys), list(
+            result.unexpected_keys)
+        if missing or unexpected:
+            print_log(
+                f'InternViT checkpoint: {len(missing)} missing keys '
+                f'{missing[:10]}, {len(unexpected)} unexpected keys '
+                f'{unexpected[:10]}',
+                logger='current')
+        return missing, unexpected
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.freeze:
+            # No stochastic depth in a frozen backbone.
+            self.blocks.eval()
+        return self
+
+    def _forward_blocks(self, x):
+        outs = []
+        for i, block in enumerate(self.blocks):
+            if self.with_cp and self.training and x.requires_grad:
+                x = cp.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+            if i in self.out_indices:
+                outs.append(x)
+            if i >= max(self.out_indices):
+                break
+        return outs
+
+    def forward(self, x):
+        b, _, h, w = x.shape
+        x = self.patch_embed(x)
+        gh, gw = x.shape[-2:]
+        x = x.flatten(2).transpose(1, 2)
+        pos = self.pos_embed
+        if (gh, gw) != (self.grid, self.grid):
+            if gh != gw:
+                raise ValueError(f'InternViT needs square inputs here, but '
+                                 f'got {h}x{w}')
+            pos = resize_pos_embed(pos, gh)
+        x = torch.cat([self.cls_token.expand(b, -1, -1), x], dim=1) + pos
+        with torch.set_grad_enabled(torch.is_grad_enabled()
+                                    and not self.freeze):
+            outs = self._forward_blocks(x)
+        maps = [
+            o[:, 1:].transpose(1, 2).reshape(b, -1, gh, gw) for o in outs
+        ]
+        if self.with_fpn:
+            maps = [
+                op(m) for op, m in zip(
+                    (self.fpn1, self.fpn2, self.fpn3, self.fpn4), maps)
+            ]
+        return tuple(maps)
