@@ -12,7 +12,8 @@ from .ddp_hooks import (CompressState, allreduce_hook, bf16_compress_hook,
                         bf16_compress_wrapper, check_bf16_support,
                         default_predivide_factor, fp16_compress_hook,
                         fp16_compress_wrapper)
-from .engine import CommHookRegistrationHook, CPUAmpOptimWrapper
+from .engine import (CommHookRegistrationHook, CPUAmpOptimWrapper,
+                     LayerDecayOptimWrapperConstructor)
 from .registry import (COMM_HOOK_STATES, COMM_HOOKS, CommCounter,
                        CommHookSpec, build_comm_hook, check_comm_hook_cfg)
 from .version import __version__
@@ -37,6 +38,7 @@ __all__ = [
     'check_comm_hook_cfg',
     'CommHookRegistrationHook',
     'CPUAmpOptimWrapper',
+    'LayerDecayOptimWrapperConstructor',
     'allow_mmengine_checkpoints',
     'check_checkpoint',
 ]

@@ -160,3 +160,54 @@ def test_frozen_backbone_sends_no_gradients():
     (fp32_bytes, wire_bytes), head = run_ranks(_probe_traffic)[0]
     assert fp32_bytes == head * 4  # only the head's gradients
     assert wire_bytes == head * 2
+
+
+class _Segmentor(nn.Module):
+
+    def __init__(self, freeze=False):
+        super().__init__()
+        self.backbone = InternViT(**TINY, out_indices=(3, ), freeze=freeze)
+        self.decode_head = nn.Conv2d(32, 4, 1)
+
+
+def _groups(model, rate=0.5):
+    from mmcv_custom import LayerDecayOptimWrapperConstructor
+    constructor = LayerDecayOptimWrapperConstructor(
+        dict(optimizer=dict(type='AdamW', lr=1.0, weight_decay=0.05)),
+        dict(num_layers=4, layer_decay_rate=rate))
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [(g['lr'], g['weight_decay'], sorted(names[id(p)]
+                                                 for p in g['params']))
+            for g in constructor(model).optimizer.param_groups]
+
+
+def test_layer_decay_groups_and_learning_rates():
+    groups = _groups(_Segmentor())
+    by_name = {n: (lr, wd) for lr, wd, names in groups for n in names}
+    # Embeddings are layer 0, block i is layer i + 1, the head layer 5.
+    assert by_name['backbone.patch_embed.proj.weight'] == (0.5**5, 0.05)
+    assert by_name['backbone.pos_embed'] == (0.5**5, 0.0)
+    assert by_name['backbone.cls_token'] == (0.5**5, 0.0)
+    assert by_name['backbone.blocks.0.attn.qkv.weight'] == (0.5**4, 0.05)
+    assert by_name['backbone.blocks.3.mlp.fc1.weight'] == (0.5**1, 0.05)
+    # Norms, LayerScale and biases: no weight decay.
+    assert by_name['backbone.blocks.3.norm1.weight'] == (0.5**1, 0.0)
+    assert by_name['backbone.blocks.2.ls1.gamma'] == (0.5**2, 0.0)
+    assert by_name['backbone.blocks.1.mlp.fc1.bias'] == (0.5**3, 0.0)
+    assert by_name['decode_head.weight'] == (1.0, 0.05)
+    assert by_name['decode_head.bias'] == (1.0, 0.0)
+    assert len(by_name) == sum(1 for _ in _Segmentor().parameters())
+
+
+def test_layer_decay_leaves_frozen_parameters_out_and_checks_its_keys():
+    groups = _groups(_Segmentor(freeze=True))
+    names = [n for _, _, ns in groups for n in ns]
+    assert sorted(names) == ['decode_head.bias', 'decode_head.weight']
+    from mmcv_custom import LayerDecayOptimWrapperConstructor
+    with pytest.raises(KeyError, match=r"\['layer_decay_rate'\]"):
+        LayerDecayOptimWrapperConstructor(
+            dict(optimizer=dict(type='AdamW', lr=1.0)), dict(num_layers=4))
+    with pytest.raises(ValueError, match='but got 1.5'):
+        LayerDecayOptimWrapperConstructor(
+            dict(optimizer=dict(type='AdamW', lr=1.0)),
+            dict(num_layers=4, layer_decay_rate=1.5))

@@ -1,5 +1,9 @@
 """MMEngine glue: thin adapters between the runner and the hook math."""
 from .comm_hook_registration_hook import CommHookRegistrationHook
 from .cpu_amp_optim_wrapper import CPUAmpOptimWrapper
+from .layer_decay_constructor import LayerDecayOptimWrapperConstructor
 
-__all__ = ['CommHookRegistrationHook', 'CPUAmpOptimWrapper']
+__all__ = [
+    'CommHookRegistrationHook', 'CPUAmpOptimWrapper',
+    'LayerDecayOptimWrapperConstructor'
+]
