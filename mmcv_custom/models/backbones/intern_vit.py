@@ -252,11 +252,12 @@ class InternViT(BaseModule):
             self.fpn3 = nn.Identity()
             self.fpn4 = nn.MaxPool2d(2)
         if freeze:
-            for param in self._vit_parameters():
+            for param in self.vit_parameters():
                 param.requires_grad_(False)
 
-    def _vit_parameters(self):
-        """The pre-trained part; the pyramid is new and always trains."""
+    def vit_parameters(self):
+        """The pre-trained ViT's parameters (what ``freeze`` freezes and
+        the published sizes count); the pyramid is new."""
         yield self.cls_token
         yield self.pos_embed
         yield from self.patch_embed.parameters()

@@ -1,0 +1,105 @@
+"""Print a config's parameter count, trainable count and gradient traffic.
+
+The model is built on the meta device, so InternViT-6B needs no memory:
+
+    python tools/analysis_tools/model_stats.py \\
+        configs/intern_vit/upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py
+
+Gradient bytes are what each rank all-reduces per optimizer step: 4 bytes
+per trainable parameter in fp32, and what the configured ``comm_hook`` sends
+instead (half of it for fp16/bf16; for PowerSGD, the two factors of every
+matrix it compresses plus what it leaves alone, after its warm-up).
+"""
+import argparse
+import os.path as osp
+import sys
+
+import torch
+from mmengine.config import Config, DictAction
+from mmengine.registry import DefaultScope, init_default_scope
+from mmengine.utils import import_modules_from_strings
+
+sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(
+    __file__)))))
+from mmcv_custom.registry import check_comm_hook_cfg  # noqa: E402
+
+GiB = 2**30
+
+
+def powersgd_numel(params, rank: int, min_rate: float) -> int:
+    """Numbers PowerSGD sends for ``params`` (PyTorch's compression rule)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import \
+        powerSGD_hook as powerSGD
+    total = 0
+    for p in params:
+        n = p.shape[0] if p.dim() else 1
+        m = p.numel() // max(n, 1)
+        r = min(n, m, rank)
+        compress, before, after = powerSGD._should_compress(n, m, r, min_rate)
+        total += after if compress else before
+    return total
+
+
+def stats(cfg: Config) -> dict:
+    if cfg.get('custom_imports'):
+        import_modules_from_strings(**cfg.custom_imports)
+    init_default_scope(cfg.get('default_scope', 'mmseg'))
+    from mmseg.registry import MODELS
+    with torch.device('meta'):
+        model = MODELS.build(cfg.model)
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    backbone = getattr(model, 'backbone', model)
+    vit = getattr(backbone, 'vit_parameters', backbone.parameters)
+    out = dict(
+        params=sum(p.numel() for p in params),
+        backbone_params=sum(p.numel() for p in backbone.parameters()),
+        vit_params=sum(p.numel() for p in vit()),
+        trainable=sum(p.numel() for p in trainable))
+    out['fp32_bytes'] = out['trainable'] * 4
+    hook = cfg.get('comm_hook')
+    if hook is None:
+        out['hook'], out['hook_bytes'] = 'none (fp32 all-reduce)', out[
+            'fp32_bytes']
+        return out
+    checked = check_comm_hook_cfg(hook)
+    size = 2 if (checked['wrapper'] or checked['type'] in (
+        'fp16_compress', 'bf16_compress')) else 4
+    kwargs = checked['state_kwargs']
+    if checked['type'] == 'powerSGD':
+        numel = powersgd_numel(trainable,
+                               kwargs.get('matrix_approximation_rank', 1),
+                               kwargs.get('min_compression_rate', 2))
+        out['hook_bytes'] = numel * size
+    elif checked['type'] in ('allreduce', 'fp16_compress', 'bf16_compress'):
+        out['hook_bytes'] = out['trainable'] * size
+    else:
+        out['hook_bytes'] = None  # depends on DDP's buckets
+    out['hook'] = ', '.join(f'{k}={v!r}' for k, v in hook.items())
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('config')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction)
+    args = parser.parse_args()
+    cfg = Config.fromfile(args.config)
+    if args.cfg_options:
+        cfg.merge_from_dict(args.cfg_options)
+    with DefaultScope.overwrite_default_scope(
+            cfg.get('default_scope', 'mmseg')):
+        s = stats(cfg)
+    print(f'config            : {args.config}')
+    print(f'parameters        : {s["params"]:,} (backbone '
+          f'{s["backbone_params"]:,}, of which the pre-trained ViT '
+          f'{s["vit_params"]:,})')
+    print(f'trainable         : {s["trainable"]:,}')
+    print(f'gradients, fp32   : {s["fp32_bytes"] / GiB:.3f} GiB per step')
+    hook_bytes = ('depends on the DDP buckets' if s['hook_bytes'] is None
+                  else f'{s["hook_bytes"] / GiB:.3f} GiB per step')
+    print(f'with comm_hook    : {hook_bytes} ({s["hook"]})')
+
+
+if __name__ == '__main__':
+    main()
