@@ -42,6 +42,13 @@ def test_recipe_sizes_match_the_published_models(name, published):
     assert s['hook_bytes'] == 2 * s['trainable']  # bf16_compress
 
 
+@pytest.mark.parametrize('name', sorted(os.listdir(RECIPES)))
+def test_every_recipe_builds(name):
+    s = _stats(name)
+    assert 0 < s['trainable'] <= s['params']
+    assert s['hook_bytes'] == 2 * s['trainable']  # all use bf16_compress
+
+
 def test_frozen_recipes_send_only_the_head():
     full = _stats('upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py')
     frozen = _stats('upernet_intern-vit-6b-frozen_8xb2-80k_ade20k-504x504.py')
