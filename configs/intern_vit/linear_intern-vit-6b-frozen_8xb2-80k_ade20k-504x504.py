@@ -1,20 +1,8 @@
 # Linear probing: InternViT-6B frozen, one 1x1 convolution on the last
 # block's features predicts the classes.
-_base_ = [
-    '../_base_/models/upernet_intern-vit-6b.py',
-    '../_base_/datasets/ade20k_504x504.py', '../_base_/default_runtime.py',
-    '../_base_/schedules/schedule_80k_adamw.py', '../_base_/comm_hook.py'
-]
-custom_imports = dict(
-    imports=['mmcv_custom', 'mmcv_custom.models'], allow_failed_imports=False)
-comm_hook = dict(type='bf16_compress')
+_base_ = ['./upernet_intern-vit-6b-frozen_8xb2-80k_ade20k-504x504.py']
 model = dict(
-    backbone=dict(
-        out_indices=(47, ),
-        with_fpn=False,
-        with_cp=False,
-        freeze=True,
-        pretrained='pretrained/intern_vit_6b_224px.pth'),
+    backbone=dict(out_indices=(47, ), with_fpn=False),
     decode_head=dict(
         _delete_=True,
         type='FCNHead',
