@@ -136,22 +136,37 @@ class _WithSilentLayer(nn.Module):
         return self.body(x).sum() + 0 * self.silent(x).sum()
 
 
-def _powersgd_rank(rank, world_size, wrapper):
+def _train_silent(rank, comm_hook, steps):
+    """``steps`` steps of the silent-layer model in 20 kB buckets with the
+    hook ``comm_hook`` builds; the gradients of every step, and the spec."""
     torch.manual_seed(0)
     model = DDP(_WithSilentLayer(), bucket_cap_mb=0.02)
-    spec = build_comm_hook(
-        dict(
-            type='powerSGD',
-            wrapper=wrapper,
-            start_powerSGD_iter=2,
-            min_compression_rate=0.5))
+    spec = build_comm_hook(comm_hook)
     model.register_comm_hook(spec.state, spec.hook)
     grads = []
-    for step in range(4):
+    for step in range(steps):
         model.zero_grad()
         torch.manual_seed(10 * step + rank)
         model(torch.randn(8, 64)).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
+    return grads, spec
+
+
+def _assert_finite_and_in_sync(grads, grads1):
+    for step, step1 in zip(grads, grads1):
+        for g, g1 in zip(step, step1):
+            assert torch.isfinite(g).all()
+            assert torch.equal(g, g1)
+
+
+def _powersgd_rank(rank, world_size, wrapper):
+    grads, spec = _train_silent(
+        rank,
+        dict(
+            type='powerSGD',
+            wrapper=wrapper,
+            start_powerSGD_iter=2,
+            min_compression_rate=0.5), 4)
     return grads, spec.serialized, spec.state.iter, spec.describe()
 
 
@@ -165,28 +180,16 @@ def test_powersgd_on_gloo_with_several_buckets(wrapper):
     assert serialized and iters == 4
     assert 'one at a time' in described
     assert 'orthogonalization_epsilon' in described
-    for step, step1 in zip(grads, grads1):
-        for g, g1 in zip(step, step1):
-            assert torch.isfinite(g).all()
-            assert torch.equal(g, g1)
+    _assert_finite_and_in_sync(grads, grads1)
     # The silent layer's gradient stays zero rather than NaN.
     assert all((g == 0).all() for g in grads[-1][-2:])
 
 
 def _batched_rank(rank, world_size, wrapper):
-    torch.manual_seed(0)
-    model = DDP(_WithSilentLayer(), bucket_cap_mb=0.02)
-    spec = build_comm_hook(
+    grads, spec = _train_silent(
+        rank,
         dict(type='batched_powerSGD', wrapper=wrapper, start_powerSGD_iter=2,
-             matrix_approximation_rank=2))
-    model.register_comm_hook(spec.state, spec.hook)
-    grads = []
-    for step in range(5):
-        model.zero_grad()
-        torch.manual_seed(10 * step + rank)
-        x = torch.randn(8, 64)
-        model(x).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
+             matrix_approximation_rank=2), 5)
     state = spec.state
     return (grads, state.iter, state.total_numel_before_compression,
             state.total_numel_after_compression, spec.serialized,
@@ -203,7 +206,4 @@ def test_batched_powersgd_runs_on_gloo_with_several_buckets(wrapper):
     assert iters == 5 and not serialized  # no callbacks to serialise
     assert len(buckets) > 1  # several buckets compressed
     assert 0 < after < before / 10  # two thin factors per bucket
-    for step, step1 in zip(grads, grads1):
-        for g, g1 in zip(step, step1):
-            assert torch.isfinite(g).all()
-            assert torch.equal(g, g1)
+    _assert_finite_and_in_sync(grads, grads1)

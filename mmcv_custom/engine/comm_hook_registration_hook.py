@@ -11,8 +11,7 @@ from mmengine.registry import HOOKS
 from torch.nn.parallel import DistributedDataParallel
 
 from ..ddp_hooks import CompressState
-from ..registry import (CommCounter, CommHookSpec, build_comm_hook,
-                        check_comm_hook_cfg)
+from ..registry import CommCounter, build_comm_hook, check_comm_hook_cfg
 
 __all__ = ['CommHookRegistrationHook']
 
@@ -136,7 +135,6 @@ class CommHookRegistrationHook(Hook):
                 'to change.')
             return
 
-        specs: List[Tuple[str, CommHookSpec]] = []
         for name, ddp in targets:
             param = next(ddp.module.parameters(), None)
             device = param.device if param is not None else None
@@ -153,7 +151,6 @@ class CommHookRegistrationHook(Hook):
             if spec.relayout is not None:
                 self._relayouts[name] = spec.relayout
             ddp.register_comm_hook(spec.state, spec.hook)
-            specs.append((name, spec))
             prefix = f'{name}.' if name else ''
             names = {
                 id(p): prefix + n
@@ -169,10 +166,11 @@ class CommHookRegistrationHook(Hook):
             group = ddp.process_group
             where = type(runner.model).__name__
             if isinstance(runner.model, MMSeparateDistributedDataParallel):
-                where += ' submodules ' + ', '.join(n for n, _ in specs)
+                where += ' submodules ' + ', '.join(
+                    name for name, *_ in self._installed)
             runner.logger.info(
                 f'Registered DDP communication hook on {where}: '
-                f'{specs[0][1].describe()}; process group: {group.size()} '
+                f'{self._installed[0][1].describe()}; process group: {group.size()} '
                 f'ranks, backend {torch.distributed.get_backend(group)}.')
 
     def after_train_iter(self,
@@ -236,8 +234,7 @@ class CommHookRegistrationHook(Hook):
                 wrapper=self._cfg.get('wrapper'),
                 world_size=get_world_size(),
                 files=[
-                    self._state_file(runner, rank)
-                    for rank in range(get_world_size())
+                    self._state_file(rank) for rank in range(get_world_size())
                 ])
 
     def _checkpoint_due(self, runner, by_epoch: bool) -> Optional[str]:
@@ -262,7 +259,7 @@ class CommHookRegistrationHook(Hook):
                 return osp.join(hook.out_dir, hook.filename_tmpl.format(step))
         return None
 
-    def _state_file(self, runner, rank: int) -> Optional[str]:
+    def _state_file(self, rank: int) -> Optional[str]:
         checkpoint = self._due_checkpoint
         if checkpoint is None:
             return None
@@ -275,7 +272,7 @@ class CommHookRegistrationHook(Hook):
         self._due_checkpoint = self._checkpoint_due(runner, by_epoch)
         if self._due_checkpoint is None:
             return
-        path = self._state_file(runner, get_rank())
+        path = self._state_file(get_rank())
         os.makedirs(osp.dirname(path), exist_ok=True)
         torch.save(
             {
