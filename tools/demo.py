@@ -79,7 +79,12 @@ def summarize(train_dir: str, eval_dir: str, wall: float) -> str:
     if evals:
         found = glob.glob(osp.join(evals[-1], '*.json'))
         if found:
-            metrics = json.load(open(found[0]))
+            # Every rank of a distributed test run writes this file (MMEngine
+            # 0.10's LoggerHook does not restrict it to rank 0), so a
+            # shorter write can leave the tail of a longer one behind: read
+            # the first JSON object and ignore the rest.
+            with open(found[0]) as f:
+                metrics = json.JSONDecoder().raw_decode(f.read())[0]
     elif [s for s in scalars if 'loss' not in s]:
         metrics = [s for s in scalars if 'loss' not in s][-1]
     shown = {k: round(v, 2) for k, v in metrics.items()
