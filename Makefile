@@ -13,7 +13,8 @@ NPROC ?= 2
 
 install: $(STAMP)
 
-$(STAMP): setup.py requirements/runtime.txt requirements/dev.txt
+$(STAMP): setup.py requirements/runtime.txt requirements/dev.txt \
+		mmcv_custom/csrc/cpu_codec.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	# torch first: mmcv compiles against it. setuptools<81 still ships the

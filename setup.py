@@ -4,8 +4,9 @@ torch is required without a version pin, so pip keeps whatever torch (CUDA
 or CPU) is already installed.
 """
 import os.path as osp
+import sys
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 
 def _read(*parts):
@@ -16,6 +17,22 @@ def _read(*parts):
 def _requirements(name):
     lines = _read('requirements', name).splitlines()
     return [ln.strip() for ln in lines if ln.strip() and not ln.startswith('#')]
+
+
+def _cpu_codec():
+    """The optional one-pass CPU scale-and-cast kernel of the comm hooks.
+
+    Plain C against Python's headers only (no torch headers, so it builds in
+    a second). ``optional``: without a C compiler the install still
+    succeeds and the hooks use torch's ops instead (see
+    ``mmcv_custom.ddp_hooks.cpu_codec``).
+    """
+    args = [] if sys.platform == 'win32' else ['-O3']
+    return Extension(
+        'mmcv_custom._cpu_codec',
+        sources=['mmcv_custom/csrc/cpu_codec.c'],
+        extra_compile_args=args,
+        optional=True)
 
 
 def _version():
@@ -33,6 +50,7 @@ setup(
     long_description_content_type='text/markdown',
     packages=find_packages(include=['mmcv_custom', 'mmcv_custom.*']),
     python_requires='>=3.8',
+    ext_modules=[_cpu_codec()],
     install_requires=_requirements('runtime.txt'),
     extras_require={
         'seg': ['mmcv>=2.0.0rc4,<2.2.0', 'mmsegmentation>=1.0.0', 'ftfy',

@@ -32,6 +32,13 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+try:
+    # Optional one-pass CPU cast, built from csrc/cpu_codec.c by setup.py.
+    # It is plain C that imports nothing; without it torch's ops are used.
+    from . import _cpu_codec
+except ImportError:  # pragma: no cover - depends on the install
+    _cpu_codec = None
+
 __all__ = [
     'allreduce_hook',
     'fp16_compress_hook',
@@ -41,6 +48,7 @@ __all__ = [
     'check_bf16_support',
     'CompressState',
     'default_predivide_factor',
+    'cpu_codec',
 ]
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
@@ -232,34 +240,87 @@ class CompressState:
         return found
 
 
-# Elements per step of the CPU compression loop: 4 MiB of fp32, so that the
-# divided chunk is still in cache when it is cast.
-_CPU_CHUNK = 2**20
+# Elements per step of the torch fallback on CPU: 1 MiB of fp32, so that the
+# scaled chunk is still in this core's cache when it is cast.
+_CPU_CHUNK = 2**18
+
+_CODEC_KIND = {torch.float16: 0, torch.bfloat16: 1}
+
+
+def cpu_codec() -> str:
+    """Say what casts buckets to and from half precision on CPU (for logs).
+
+    ``'C kernel (<kernel set>) when single-threaded'`` when the one-pass
+    kernel ``mmcv_custom._cpu_codec`` was built at install, and
+    ``'torch ops (...)'`` when it was not (no C compiler). The kernel scales
+    and casts in one pass, which torch's CPU ops cannot, and is
+    single-threaded: it runs when torch does (``torch.get_num_threads() ==
+    1``, what torchrun and MMEngine set for each rank). With more intra-op
+    threads torch's multi-threaded ops do the casts instead.
+    """
+    if _cpu_codec is None:
+        return 'torch ops (mmcv_custom._cpu_codec not built)'
+    fp16 = '' if _cpu_codec.has_fp16() else ', bf16 only'
+    return f'C kernel ({_cpu_codec.isa()}{fp16}) when single-threaded'
+
+
+def _use_cpu_codec(fp32: torch.Tensor, half: torch.Tensor) -> bool:
+    """Whether the C kernel can take this pair (it sees raw addresses)."""
+    return (_cpu_codec is not None and fp32.device.type == 'cpu'
+            and half.device.type == 'cpu' and fp32.dtype is torch.float32 and fp32.is_contiguous()
+            and half.is_contiguous() and half.numel() == fp32.numel()
+            and (half.dtype is torch.bfloat16 or
+                 (half.dtype is torch.float16 and _cpu_codec.has_fp16()))
+            and torch.get_num_threads() == 1)
 
 
 def _compress(buffer: torch.Tensor, divisor: float, dtype: torch.dtype,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``buffer / divisor`` rounded to ``dtype`` (into ``out`` if given).
 
-    The quotient is computed in the buffer's precision and only then cast.
-    ``buffer`` may be overwritten: the hooks write the result into it later.
+    The quotient is computed in fp32 (as a product with ``1 / divisor``,
+    which equals the division exactly for the power-of-two world sizes
+    and is within one fp32 rounding of it otherwise) and only then rounded
+    to half. ``buffer`` may be overwritten: the hooks write the result into
+    it later.
     """
     if out is None:
         out = torch.empty(buffer.numel(), dtype=dtype, device=buffer.device)
+    scale = 1.0 / divisor
     if buffer.device.type != 'cpu':
         # On GPUs one fused kernel reads fp32 and writes half.
-        torch.div(buffer, divisor, out=out)
-        return out
-    # On CPU a division that converts dtype on the fly takes a slow,
-    # unvectorised path (about 2.2x a copy of the bucket). Dividing a chunk
-    # in place and casting it while it is still in cache keeps both passes
-    # vectorised and close to one trip through memory.
-    for start in range(0, buffer.numel(), _CPU_CHUNK):
-        chunk = buffer[start:start + _CPU_CHUNK]
-        if divisor != 1:
-            chunk.div_(divisor)
-        out[start:start + _CPU_CHUNK].copy_(chunk)
+        torch.mul(buffer, scale, out=out)
+    elif _use_cpu_codec(buffer, out):
+        _cpu_codec.encode(buffer.data_ptr(), out.data_ptr(), buffer.numel(),
+                          scale, _CODEC_KIND[dtype])
+    else:
+        # Torch on CPU cannot scale and convert in one pass (a converting
+        # multiply goes through a temporary), so scale a chunk in place and
+        # cast it while it is still in cache.
+        for start in range(0, buffer.numel(), _CPU_CHUNK):
+            chunk = buffer[start:start + _CPU_CHUNK]
+            if scale != 1:
+                chunk.mul_(scale)
+            out[start:start + _CPU_CHUNK].copy_(chunk)
     return out
+
+
+def _decompress(half: torch.Tensor, buffer: torch.Tensor,
+                divisor: float = 1) -> torch.Tensor:
+    """Write ``half / divisor`` into the fp32 ``buffer`` and return it.
+
+    In place into the bucket's own buffer instead of a new fp32 tensor: no
+    second full-size copy at peak memory (pytorch/pytorch#45968).
+    """
+    scale = 1.0 / divisor
+    if _use_cpu_codec(buffer, half):
+        _cpu_codec.decode(half.data_ptr(), buffer.data_ptr(), buffer.numel(),
+                          scale, _CODEC_KIND[half.dtype])
+        return buffer
+    buffer.copy_(half)
+    if scale != 1:
+        buffer.mul_(scale)
+    return buffer
 
 
 def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
@@ -282,12 +343,7 @@ def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
                            state._wire_buffer(bucket.index(), buffer, dtype))
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
-        # Write the result back into the bucket's own buffer instead of
-        # returning a new fp32 tensor: this avoids a second full-size copy at
-        # peak memory (pytorch/pytorch#45968).
-        buffer.copy_(fut.value()[0])
-        if after != 1:
-            buffer.div_(after)
+        _decompress(fut.value()[0], buffer, after)
         if state.check_finite:
             flag = ~torch.isfinite(buffer).all()
             seen = state._nonfinite.get(bucket.index())
@@ -374,14 +430,11 @@ def _compress_wrapper(dtype: torch.dtype, hook: CommHook) -> CommHook:
         # The wrapped hook reads the half-precision copy through the bucket
         # (``buffer()`` and ``gradients()`` are views of it), so it reduces
         # and returns half precision.
-        bucket.set_buffer(buffer.to(dtype))
+        bucket.set_buffer(_compress(buffer, 1, dtype))
         fut = hook(state, bucket)
 
         def decompress(fut: torch.futures.Future) -> torch.Tensor:
-            # In place into the original buffer: no second fp32 tensor at
-            # peak memory (pytorch/pytorch#45968).
-            buffer.copy_(fut.value())
-            return buffer
+            return _decompress(fut.value(), buffer)
 
         return fut.then(decompress)
 

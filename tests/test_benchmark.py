@@ -19,6 +19,7 @@ def test_benchmark_runs_and_reports_half_the_bytes(tmp_path):
     ], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert 'wire bytes fp16/bf16 = 0.5 x fp32: PASS' in out.stdout
+    assert 'CPU casts: C kernel (' in out.stdout
     data = json.load(open(tmp_path / 'b.json'))
     assert data['world_size'] == 2 and data['backend'] == 'gloo'
     assert [e['size_mb'] for e in data['results']] == [0.25, 1]

@@ -4,8 +4,10 @@ Each rank plants known gradients (a parameter ``p`` with loss
 ``(p * x).sum()`` has gradient exactly ``x``), so every rank can compute the
 exact fp32 mean of all ranks' gradients and compare DDP's result with it.
 """
+import ast
 import inspect
 import pickle
+import sys
 
 import pytest
 import torch
@@ -94,6 +96,15 @@ def _reduce_with_hook(rank, world_size, hook_name, bucket_cap_mb,
     return results
 
 
+@pytest.fixture(params=['c_kernel', 'torch_ops'])
+def cpu_codec(request, monkeypatch):
+    """Run with the one-pass C cast and with torch's ops (the fallback when
+    it is not built); forked ranks inherit the choice."""
+    if request.param == 'torch_ops':
+        monkeypatch.setattr(ddp_hooks, '_cpu_codec', None)
+    return request.param
+
+
 @pytest.mark.parametrize('hook_name,dtype', [
     ('allreduce', torch.float32),
     ('fp16', torch.float16),
@@ -101,7 +112,7 @@ def _reduce_with_hook(rank, world_size, hook_name, bucket_cap_mb,
     ('fp16_wrapper', torch.float16),
     ('bf16_wrapper', torch.bfloat16),
 ])
-def test_average_within_wire_format_rounding(hook_name, dtype):
+def test_average_within_wire_format_rounding(hook_name, dtype, cpu_codec):
     # A small bucket cap gives several buckets per step.
     results = run_ranks(_reduce_with_hook, hook_name, 0.004)
     means, abs_sums = exact_mean(2)
@@ -303,3 +314,17 @@ def test_bf16_check_refuses_old_nccl_with_a_clear_error():
     assert 'NCCL >= 2.10' in message
     assert '(2, 9, 6)' in message
     assert 'fp16_compress' in message
+
+
+def test_hook_module_imports_only_torch():
+    """Layering: the hook math imports torch, the standard library and its
+    own optional C kernel (``from . import _cpu_codec``), never MMEngine."""
+    with open(ddp_hooks.__file__) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split('.')[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add('.' * node.level + (node.module or '').split('.')[0])
+    assert names - set(sys.stdlib_module_names) == {'torch', '.'}

@@ -30,13 +30,14 @@ def _train_val_test(rank, world_size, work_dir, comm_hook):
 
 @pytest.mark.parametrize('comm_hook,expected', [
     (dict(type='bf16_compress'),
-     ["type='bf16_compress' (bf16_compress_hook), wrapper=None"]),
+     ["type='bf16_compress' (bf16_compress_hook), wrapper=None",
+      'CPU casts: C kernel (']),
     (dict(type='powerSGD', wrapper='bf16', matrix_approximation_rank=2,
           start_powerSGD_iter=2),
      ["type='powerSGD' (powerSGD_hook), wrapper='bf16'",
       'PowerSGDState(matrix_approximation_rank=2, start_powerSGD_iter=2, '
       'orthogonalization_epsilon=1e-08 (default set by mmcv_custom))',
-      'one at a time']),
+      'one at a time', 'CPU casts: C kernel (']),
 ])
 def test_registers_once_and_logs_once_on_rank0(tmp_path, comm_hook,
                                                expected):

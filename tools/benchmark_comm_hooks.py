@@ -135,7 +135,7 @@ def _time_codecs(numel, world_size, device, repeat):
     def ours(dt):
         # What the hook does with its state's kept send buffer.
         half = ddp_hooks._compress(buffer, world_size, dt, out=halves[dt])
-        buffer.copy_(half)
+        ddp_hooks._decompress(half, buffer)
 
     def theirs(dt):
         buffer.copy_(buffer.to(dt).div_(world_size))
@@ -151,6 +151,9 @@ def _time_codecs(numel, world_size, device, repeat):
     for _ in range(repeat + 1):
         for name, fn in methods.items():
             sync()
+            # Every rank times the same method at the same moment, so each
+            # one meets the same contention for memory from the others.
+            dist.barrier()
             start = time.perf_counter()
             fn()
             sync()
@@ -241,8 +244,10 @@ def report(results, world_size, backend):
         f'{"bucket":>8} {"hook":<26} {"ms/bucket":>10} {"vs torch":>9} '
         f'{"wire MB":>8} {"vs fp32":>8} {"rel err":>9}'
     ]
+    if backend == 'gloo':
+        lines.insert(1, f'CPU casts: {ddp_hooks.cpu_codec()}')
     ratios = {'allreduce': [], 'fp16': [], 'bf16': []}
-    bytes_ok, codec_ok = True, True
+    bytes_ok, worst = True, (0.0, '', 0)
     for entry in results:
         hooks = entry['hooks']
         fp32_bytes = entry['numel'] * 4
@@ -269,7 +274,7 @@ def report(results, world_size, backend):
         for name in ('ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16'):
             r = _ratio(codec[name], codec['copy_fp32'])
             if name.startswith('ours.'):
-                codec_ok &= r <= 1.5
+                worst = max(worst, (r, name, entry['size_mb']))
             cells.append(f'{name} {r:.2f}x')
         lines.append(f'{"":>8} compress+decompress vs fp32 copy '
                      f'({codec["copy_fp32"] * 1e3:.2f} ms): ' +
@@ -283,8 +288,12 @@ def report(results, world_size, backend):
                      f'{"PASS" if med <= 1.05 else "FAIL"} (<= 1.05)')
     lines.append(f'  wire bytes fp16/bf16 = 0.5 x fp32: '
                  f'{"PASS" if bytes_ok else "FAIL"}')
-    lines.append(f'  compress+decompress <= 1.5 x fp32 copy: '
-                 f'{"PASS" if codec_ok else "FAIL"}')
+    # 1.5 is the byte ratio of the two (read 4 + write 2, then read 2 +
+    # write 4, against read 4 + write 4): the floor for memory-bound passes.
+    r, name, size = worst
+    lines.append(f'  compress+decompress <= 1.5 x fp32 copy, every size: '
+                 f'{"PASS" if r <= 1.5 else "FAIL"} (worst {r:.2f}x, '
+                 f'{name} at {size:g} MB)')
     return '\n'.join(lines)
 
 

@@ -10,7 +10,7 @@ from mmengine.model import MMSeparateDistributedDataParallel, is_model_wrapper
 from mmengine.registry import HOOKS
 from torch.nn.parallel import DistributedDataParallel
 
-from ..ddp_hooks import CompressState
+from ..ddp_hooks import CompressState, cpu_codec
 from ..registry import CommCounter, build_comm_hook, check_comm_hook_cfg
 
 __all__ = ['CommHookRegistrationHook']
@@ -168,10 +168,18 @@ class CommHookRegistrationHook(Hook):
             if isinstance(runner.model, MMSeparateDistributedDataParallel):
                 where += ' submodules ' + ', '.join(
                     name for name, *_ in self._installed)
+            spec = self._installed[0][1]
+            param = next(ddp.module.parameters(), None)
+            casts = ''
+            if (param is not None and param.device.type == 'cpu'
+                    and (spec.wrapper or isinstance(spec.state,
+                                                    CompressState))):
+                casts = f'; CPU casts: {cpu_codec()}'
             runner.logger.info(
                 f'Registered DDP communication hook on {where}: '
-                f'{self._installed[0][1].describe()}; process group: {group.size()} '
-                f'ranks, backend {torch.distributed.get_backend(group)}.')
+                f'{spec.describe()}; process group: {group.size()} '
+                f'ranks, backend {torch.distributed.get_backend(group)}'
+                f'{casts}.')
 
     def after_train_iter(self,
                          runner,
