@@ -169,9 +169,9 @@ class CommHookRegistrationHook(Hook):
                 where += ' submodules ' + ', '.join(
                     name for name, *_ in self._installed)
             spec = self._installed[0][1]
-            param = next(ddp.module.parameters(), None)
             casts = ''
-            if (param is not None and param.device.type == 'cpu'
+            # ``device``: the parameters' device, from the loop above.
+            if (device is not None and device.type == 'cpu'
                     and (spec.wrapper or isinstance(spec.state,
                                                     CompressState))):
                 casts = f'; CPU casts: {cpu_codec()}'
