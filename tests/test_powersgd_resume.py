@@ -74,3 +74,40 @@ def test_state_of_another_hook_is_not_restored(tmp_path):
     assert ("holds the state of comm_hook type='powerSGD', wrapper='bf16', "
             "not of type='powerSGD', wrapper=None") in warnings[0]
     assert torch.equal(resumed[0], resumed[1])  # and trains on in sync
+
+
+def _train_keeping_two(rank, world_size, work_dir, max_iters, resume):
+    runner, _ = build_runner(
+        work_dir, POWERSGD, max_iters=max_iters,
+        checkpoint=dict(type='CheckpointHook', interval=2, by_epoch=False,
+                        max_keep_ckpts=2),
+        resume=resume)
+    runner.train()
+
+
+def test_state_files_go_with_their_checkpoints(tmp_path):
+    """``max_keep_ckpts``: when the CheckpointHook deletes a checkpoint,
+    every rank deletes its state file for it, and nothing else (another
+    run's checkpoint in the same folder keeps its state)."""
+    work = tmp_path / 'run'
+    work.mkdir()
+    foreign = ['iter_100.pth'] + [
+        f'iter_100.pth.comm_hook_rank{r}.pth' for r in range(2)]
+    for name in foreign:
+        (work / name).write_bytes(b'another run')
+
+    def files():
+        return sorted(p.name for p in work.iterdir() if 'iter_' in p.name)
+
+    def expected(*steps):
+        return sorted(foreign + [
+            name for s in steps for name in
+            [f'iter_{s}.pth'] + [
+                f'iter_{s}.pth.comm_hook_rank{r}.pth' for r in range(2)]])
+
+    run_ranks(_train_keeping_two, str(work), 8, False)
+    assert files() == expected(6, 8)
+    # Resumed: the CheckpointHook's list of kept checkpoints comes back
+    # with the checkpoint, and so does the pruning.
+    run_ranks(_train_keeping_two, str(work), 12, True)
+    assert files() == expected(10, 12)

@@ -16,6 +16,11 @@ from ..registry import CommCounter, build_comm_hook, check_comm_hook_cfg
 __all__ = ['CommHookRegistrationHook']
 
 
+def _state_path(checkpoint: str, rank: int) -> str:
+    """Where ``rank`` keeps its hook state for ``checkpoint``."""
+    return osp.abspath(f'{checkpoint}.comm_hook_rank{rank}.pth')
+
+
 def _describe_cfg(cfg: dict) -> str:
     return 'dict(' + ', '.join(f'{k}={v!r}' for k, v in cfg.items()) + ')'
 
@@ -90,6 +95,8 @@ class CommHookRegistrationHook(Hook):
         self._relayouts: dict = {}
         self._loaded_info = None
         self._due_checkpoint: Optional[str] = None
+        # (CheckpointHook, checkpoint steps it kept before its last save).
+        self._kept_before: Optional[tuple] = None
 
     def _resolve_cfg(self, runner) -> Optional[dict]:
         from_config = runner.cfg.get('comm_hook', None)
@@ -233,6 +240,10 @@ class CommHookRegistrationHook(Hook):
     def after_train_epoch(self, runner) -> None:
         self._maybe_save_state(runner, by_epoch=True)
 
+    def after_train(self, runner) -> None:
+        # The last save may have made the CheckpointHook drop a checkpoint.
+        self._prune_state_files()
+
     def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
         # Only checkpoints the CheckpointHook saves on schedule have every
         # rank's file (a best-metric checkpoint between them has none).
@@ -245,8 +256,8 @@ class CommHookRegistrationHook(Hook):
                     self._state_file(rank) for rank in range(get_world_size())
                 ])
 
-    def _checkpoint_due(self, runner, by_epoch: bool) -> Optional[str]:
-        """The file the CheckpointHook saves now, else None."""
+    def _checkpoint_due(self, runner, by_epoch: bool):
+        """``(CheckpointHook, file)`` when that hook saves now, else None."""
         for hook in runner.hooks:
             if not isinstance(hook, CheckpointHook) or (
                     hook.by_epoch != by_epoch):
@@ -264,22 +275,28 @@ class CommHookRegistrationHook(Hook):
                         hook.save_last and hook.is_last_train_iter(runner))
                 step = runner.iter + 1
             if due:
-                return osp.join(hook.out_dir, hook.filename_tmpl.format(step))
+                return hook, osp.join(hook.out_dir,
+                                      hook.filename_tmpl.format(step))
         return None
 
     def _state_file(self, rank: int) -> Optional[str]:
         checkpoint = self._due_checkpoint
         if checkpoint is None:
             return None
-        return osp.abspath(f'{checkpoint}.comm_hook_rank{rank}.pth')
+        return _state_path(checkpoint, rank)
 
     def _maybe_save_state(self, runner, by_epoch: bool) -> None:
         self._due_checkpoint = None
         if not self._relayouts:
             return
-        self._due_checkpoint = self._checkpoint_due(runner, by_epoch)
-        if self._due_checkpoint is None:
+        self._prune_state_files()
+        due = self._checkpoint_due(runner, by_epoch)
+        if due is None:
             return
+        hook, self._due_checkpoint = due
+        # The CheckpointHook may delete an old checkpoint (max_keep_ckpts)
+        # when it saves this one; its state files go at the next call.
+        self._kept_before = (hook, set(getattr(hook, 'keep_ckpt_ids', ())))
         path = self._state_file(get_rank())
         os.makedirs(osp.dirname(path), exist_ok=True)
         torch.save(
@@ -287,6 +304,25 @@ class CommHookRegistrationHook(Hook):
                 name: relayout.state_dict()
                 for name, relayout in self._relayouts.items()
             }, path)
+
+    def _prune_state_files(self) -> None:
+        """Delete this rank's state files of the checkpoints the
+        CheckpointHook removed (``max_keep_ckpts``) since the last save.
+
+        Exactly those: state files of other runs in the same folder stay, as
+        their checkpoints do. Every rank keeps the CheckpointHook's list of
+        kept checkpoints, though only rank 0 deletes the checkpoint files.
+        """
+        if self._kept_before is None:
+            return
+        hook, before = self._kept_before
+        self._kept_before = None
+        rank = get_rank()
+        for step in before - set(getattr(hook, 'keep_ckpt_ids', ())):
+            path = _state_path(
+                osp.join(hook.out_dir, hook.filename_tmpl.format(step)), rank)
+            if osp.isfile(path):
+                os.remove(path)
 
     def _restore(self, runner) -> None:
         info = self._loaded_info
