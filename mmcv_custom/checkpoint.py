@@ -16,7 +16,9 @@ loader still only *calls* allow-listed functions, so an attribute fetched
 this way cannot be executed.
 """
 import builtins
-from typing import Dict, List
+import os.path as osp
+import pickle
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -24,7 +26,8 @@ from mmengine.logging import HistoryBuffer
 
 __all__ = [
     'SAFE_CHECKPOINT_GLOBALS', 'allow_mmengine_checkpoints',
-    'check_checkpoint', 'UnsafeCheckpointError'
+    'check_checkpoint', 'load_checkpoint_file', 'resolve_resume_checkpoint',
+    'UnsafeCheckpointError'
 ]
 
 
@@ -92,3 +95,63 @@ def check_checkpoint(path: str) -> None:
             '(tensors, containers, MMEngine HistoryBuffer, numpy arrays and '
             'dtypes). If you trust this file, add those globals with '
             'torch.serialization.add_safe_globals([...]) before loading.')
+
+
+def load_checkpoint_file(path: str, map_location='cpu'):
+    """``torch.load`` a file of this project's kind, safely.
+
+    The same allow-list as :func:`check_checkpoint`, and the same error:
+    a file holding anything else raises :class:`UnsafeCheckpointError`
+    naming it, never torch's own advice to turn safe loading off. Used for
+    the per-rank communication-hook state files, which travel with their
+    checkpoints and deserve the same suspicion.
+
+    Raises:
+        UnsafeCheckpointError: The file holds objects off the allow-list.
+        OSError, RuntimeError, EOFError...: The file is missing, truncated
+            or not a torch file at all (whatever ``torch.load`` raises).
+    """
+    check_checkpoint(path)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        # What the scan above did not name (an unsupported opcode, say):
+        # still refused, in our words.
+        raise UnsafeCheckpointError(
+            f'Refusing to load {path}: a safe load failed '
+            f'({str(e).splitlines()[0]}).') from None
+
+
+def resolve_resume_checkpoint(work_dir: str,
+                              load_from: Optional[str] = None
+                              ) -> Tuple[Optional[str], Optional[str]]:
+    """The checkpoint ``--resume`` should continue from, and why if moved.
+
+    MMEngine resumes from ``load_from`` or, without it, from the absolute
+    path its CheckpointHook wrote into ``<work_dir>/last_checkpoint``. A
+    work dir that was moved or copied still names the original location
+    there: a moved one fails to load, and a copied one silently continues
+    the *original* run. A checkpoint of that name inside ``work_dir`` is
+    what the user means, so it wins when the recorded one lies elsewhere.
+
+    Returns:
+        tuple: ``(path or None, note or None)``; the note says what was
+        changed and why, for the log.
+    """
+    if load_from:
+        return load_from, None
+    recorded_file = osp.join(work_dir, 'last_checkpoint')
+    if not osp.isfile(recorded_file):
+        return None, None
+    with open(recorded_file) as f:
+        recorded = f.read().strip()
+    if not recorded:
+        return None, None
+    local = osp.join(work_dir, osp.basename(recorded))
+    same_dir = osp.abspath(osp.dirname(recorded)) == osp.abspath(work_dir)
+    if same_dir or '://' in recorded or not osp.isfile(local):
+        return recorded, None
+    how = ('was moved' if not osp.exists(recorded) else
+           'is a copy of another run (which is left alone)')
+    return local, (f'{recorded_file} names {recorded}, outside this work dir; '
+                   f'the work dir {how}, so resuming from {local}.')

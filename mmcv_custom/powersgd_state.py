@@ -11,17 +11,19 @@ the hook, notices when a bucket's parameters change, and moves each
 parameter's residual and warm-start ``Q`` into the bucket that now holds it.
 The same per-parameter form is what :meth:`PowerSGDRelayout.state_dict`
 saves, keyed by parameter name, so it can be laid out again for whatever
-buckets a resumed run builds. Imports only torch (and numpy through
-PyTorch's PowerSGD).
+buckets a resumed run builds. :class:`BatchedPowerSGDRelayout` does the
+same for batched PowerSGD, whose warm start belongs to a whole bucket.
+Imports only torch and numpy (which PyTorch's PowerSGD needs anyway).
 """
 from typing import Callable, Dict, List, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
-__all__ = ['PowerSGDRelayout']
+__all__ = ['PowerSGDRelayout', 'BatchedPowerSGDRelayout']
 
 _VERSION = 1
 # PowerSGDState settings that must match for saved residuals to mean the same.
@@ -84,6 +86,7 @@ class PowerSGDRelayout:
         self.state = state
         self._names = {id(p): n for p, n in names.items()}
         self._ids = {n: pid for pid, n in self._names.items()}
+        self._numel = {n: p.numel() for p, n in names.items()}
         self._layouts: Dict[int, _Layout] = {}
         # Parameter id -> index of the bucket that holds its state.
         self._where: Dict[int, int] = {}
@@ -219,14 +222,15 @@ class PowerSGDRelayout:
             settings={k: getattr(self.state, k) for k in _SETTINGS},
             params=cpu)
 
-    def load_state_dict(self, saved: dict) -> None:
-        """Restore :meth:`state_dict`'s output before the first step.
+    def check_state_dict(self, saved) -> None:
+        """Raise ``ValueError`` naming why ``saved`` cannot be restored.
 
-        Raises:
-            ValueError: The saved state comes from other PowerSGD settings or
-                a format this version does not read; the caller decides
-                whether to start fresh.
+        Looks at everything :meth:`load_state_dict` will use, and changes
+        nothing, so that every rank can try first and all restore only
+        when all can (see the runner hook).
         """
+        if not isinstance(saved, dict):
+            raise ValueError(f'expected a dict, found {type(saved).__name__}')
         if saved.get('version') != _VERSION:
             raise ValueError(f'PowerSGD state version {saved.get("version")}'
                              f' is not {_VERSION}')
@@ -234,22 +238,145 @@ class PowerSGDRelayout:
         if saved.get('settings') != mine:
             raise ValueError(f'PowerSGD settings differ: saved '
                              f'{saved.get("settings")}, now {mine}')
-        unknown = sorted(set(saved['params']) - set(self._ids))
+        for key in ('iter', 'total_numel_before_compression',
+                    'total_numel_after_compression'):
+            if not isinstance(saved.get(key), int):
+                raise ValueError(f'{key} is {saved.get(key)!r}, not an int')
+        params = saved.get('params')
+        if not isinstance(params, dict):
+            raise ValueError('it holds no per-parameter state')
+        unknown = sorted(set(params) - set(self._ids))
         if unknown:
             raise ValueError('the saved PowerSGD state has parameters this '
                              f'model does not: {unknown[:5]}')
+        for name, entry in params.items():
+            error = entry.get('error') if isinstance(entry, dict) else 0
+            if not (error is None or (isinstance(error, torch.Tensor) and
+                                      error.numel() == self._numel[name])):
+                raise ValueError(f'the error feedback of {name} does not '
+                                 'fit the parameter')
+            if not (entry.get('q') is None
+                    or isinstance(entry.get('q'), torch.Tensor)):
+                raise ValueError(f'the warm start of {name} is not a tensor')
+        try:
+            np.random.RandomState().set_state(saved.get('rng'))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f'its random generator state is unusable ({e})')
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Restore :meth:`state_dict`'s output before the first step.
+
+        Raises:
+            ValueError: See :meth:`check_state_dict`; nothing is changed
+                then, and the caller decides whether to start fresh.
+        """
+        self.check_state_dict(saved)
         self.state.iter = saved['iter']
         self.state.total_numel_before_compression = saved[
             'total_numel_before_compression']
         self.state.total_numel_after_compression = saved[
             'total_numel_after_compression']
         self.state.rng.set_state(saved['rng'])
+        self._clear()
+        self._pending = {
+            self._ids[name]: entry
+            for name, entry in saved['params'].items()
+        }
+
+    def start_fresh(self, steps_done: int) -> None:
+        """Forget every residual and warm start, keeping the step count.
+
+        For a resumed run whose saved state cannot be used: PowerSGD's
+        warm-up (``start_powerSGD_iter`` plain all-reduces) protects the
+        first steps of a *new* run, so it is not run again; compression
+        resumes at once past it, from zero error feedback and new random
+        warm-start matrices drawn from ``random_seed``.
+
+        Args:
+            steps_done (int): Gradient-synchronising steps already taken
+                (iterations divided by the accumulation count).
+        """
+        self._clear()
+        self._pending = {}
+        self.state.iter = steps_done
+
+    def _clear(self) -> None:
         for table in (self.state.error_dict, self.state.p_memory_dict,
                       self.state.q_memory_dict):
             table.clear()
         self._layouts.clear()
         self._where.clear()
-        self._pending = {
-            self._ids[name]: entry
-            for name, entry in saved['params'].items()
+
+
+class BatchedPowerSGDRelayout(PowerSGDRelayout):
+    """:class:`PowerSGDRelayout` for :func:`batched_powersgd_hook`.
+
+    Its error feedback follows the bucket buffer as PowerSGD's does and is
+    kept per parameter the same way. Its warm-start matrix ``Q`` compresses
+    the whole bucket as one square matrix, so it means something only for
+    a bucket of the same parameters in the same order: it is kept per
+    bucket *composition*, put back whenever DDP builds a bucket of exactly
+    those parameters, and otherwise drawn afresh (never reused for other
+    parameters, as the hook alone would when the shapes happen to match).
+    A resumed DDP lays out its first step's buckets as a new run does, so
+    the saved matrices come back from its second step on.
+    """
+
+    def __init__(self, state: powerSGD.PowerSGDState,
+                 names: Dict[torch.Tensor, str]) -> None:
+        super().__init__(state, names)
+        # Parameter ids of a bucket, in order -> its warm-start Q.
+        self._bucket_q: Dict[tuple, torch.Tensor] = {}
+
+    def _slice(self, index: int, layout: _Layout, pid: int) -> Optional[dict]:
+        error = self.state.error_dict.get(index)
+        if error is None:
+            return None
+        off, numel = layout.error[pid]
+        return dict(error=error[off:off + numel].clone(), q=None)
+
+    def _evict(self, index: int, layout: _Layout) -> None:
+        q = self.state.q_memory_dict.get(index)
+        if q is not None:
+            self._bucket_q[layout.ids] = q
+        super()._evict(index, layout)
+
+    def _install(self, index: int, layout: _Layout, params,
+                 buffer: torch.Tensor) -> None:
+        super()._install(index, layout, params, buffer)
+        q = self._bucket_q.pop(layout.ids, None)
+        if q is not None:
+            self.state.q_memory_dict[index] = q.to(buffer.device,
+                                                   buffer.dtype)
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        known = dict(self._bucket_q)
+        for index, layout in self._layouts.items():
+            q = self.state.q_memory_dict.get(index)
+            if q is not None:
+                known[layout.ids] = q
+        out['bucket_q'] = [([self._names[pid] for pid in ids], q.cpu())
+                           for ids, q in known.items()]
+        return out
+
+    def check_state_dict(self, saved) -> None:
+        super().check_state_dict(saved)
+        bucket_q = saved.get('bucket_q')
+        if not isinstance(bucket_q, list) or not all(
+                isinstance(item, (list, tuple)) and len(item) == 2
+                and isinstance(item[1], torch.Tensor)
+                and set(item[0]) <= set(self._ids) for item in bucket_q):
+            raise ValueError('its batched warm-start matrices are not '
+                             'tensors of this model\'s buckets')
+
+    def load_state_dict(self, saved: dict) -> None:
+        super().load_state_dict(saved)
+        self._bucket_q = {
+            tuple(self._ids[name] for name in names): q
+            for names, q in saved['bucket_q']
         }
+
+    def _clear(self) -> None:
+        super()._clear()
+        self._bucket_q = {}

@@ -28,15 +28,19 @@ def build_runner(work_dir,
                  model=None,
                  optim_wrapper=None,
                  checkpoint=None,
-                 resume=False):
+                 resume=False,
+                 dataset=None,
+                 batch_size=8,
+                 load_from=None):
     """A Runner training ``MLPRegressor`` (or ``model``) with the comm-hook
     runner hook; ``wrapper`` is the ``model_wrapper_cfg`` (CPU DDP by
     default). Returns the runner and a :class:`Records` of its log."""
-    dataset = dict(type='SyntheticRegressionDataset', num_samples=64)
+    dataset = dataset or dict(type='SyntheticRegressionDataset',
+                              num_samples=64)
     loader = dict(
         dataset=dataset,
         sampler=dict(type='DefaultSampler', shuffle=False),
-        batch_size=8,
+        batch_size=batch_size,
         num_workers=0)
     # MMEngine sleeps 2 s whenever an iteration-based loop restarts a
     # finite dataloader; an infinite sampler never restarts.
@@ -63,6 +67,7 @@ def build_runner(work_dir,
             checkpoint=checkpoint or dict(type='CheckpointHook',
                                           interval=-1)),
         resume=resume,
+        load_from=load_from,
         custom_hooks=[
             dict(type='CommHookRegistrationHook', **(hook_args or {}))
         ],

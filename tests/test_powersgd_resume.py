@@ -58,9 +58,11 @@ def test_without_the_state_the_resumed_run_drifts(tmp_path):
     resumed, lines = run_ranks(_train, part, POWERSGD, 10, True)[0]
     warnings = [m for lvl, m in lines if lvl == 'WARNING']
     assert warnings == [
-        'The resumed checkpoint has no communication-hook state; PowerSGD '
-        'starts afresh (new error feedback and warm start), as after its '
-        'warm-up'
+        'Not restoring the powerSGD communication-hook state (all ranks: '
+        'the resumed checkpoint holds no communication-hook state). Every '
+        'rank starts it afresh at step 4: error feedback from zero and new '
+        'warm-start matrices; compression goes on at once (the run is past '
+        'start_powerSGD_iter=2).'
     ]
     assert not torch.equal(resumed[0], whole[0])
 

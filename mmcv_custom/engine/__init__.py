@@ -1,9 +1,10 @@
 """MMEngine glue: thin adapters between the runner and the hook math."""
-from .comm_hook_registration_hook import CommHookRegistrationHook
+from .comm_hook_registration_hook import (CommHookRegistrationHook,
+                                          NonFiniteGradientsError)
 from .cpu_amp_optim_wrapper import CPUAmpOptimWrapper
 from .layer_decay_constructor import LayerDecayOptimWrapperConstructor
 
 __all__ = [
     'CommHookRegistrationHook', 'CPUAmpOptimWrapper',
-    'LayerDecayOptimWrapperConstructor'
+    'LayerDecayOptimWrapperConstructor', 'NonFiniteGradientsError'
 ]

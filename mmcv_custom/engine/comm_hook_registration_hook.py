@@ -1,24 +1,28 @@
 """The MMEngine runner hook that puts a config's ``comm_hook`` on the model."""
-import os
-import os.path as osp
 from typing import List, Optional, Tuple
 
 import torch
-from mmengine.dist import get_rank, get_world_size, is_main_process
-from mmengine.hooks import CheckpointHook, Hook
+from mmengine.dist import is_main_process
+from mmengine.hooks import Hook
 from mmengine.model import MMSeparateDistributedDataParallel, is_model_wrapper
 from mmengine.registry import HOOKS
+from mmengine.runner import find_latest_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 
 from ..ddp_hooks import CompressState, cpu_codec
 from ..registry import CommCounter, build_comm_hook, check_comm_hook_cfg
+from .hook_state_files import HookStateFiles
 
-__all__ = ['CommHookRegistrationHook']
+__all__ = ['CommHookRegistrationHook', 'NonFiniteGradientsError']
+
+_NONFINITE_ADVICE = (
+    "In fp16 the sum of the ranks' shares overflows above 65504: use "
+    'predivide_factor=<world size> or bf16_compress, or check the loss '
+    '(with AMP, the loss scaler skips such steps).')
 
 
-def _state_path(checkpoint: str, rank: int) -> str:
-    """Where ``rank`` keeps its hook state for ``checkpoint``."""
-    return osp.abspath(f'{checkpoint}.comm_hook_rank{rank}.pth')
+class NonFiniteGradientsError(RuntimeError):
+    """Training stopped: the all-reduced gradients stay non-finite."""
 
 
 def _describe_cfg(cfg: dict) -> str:
@@ -58,8 +62,14 @@ class CommHookRegistrationHook(Hook):
       the iteration; 0 on gradient-accumulation steps) and ``comm_ratio``
       (that, over what an fp32 all-reduce would have sent). Counted in
       Python as buckets pass: no collective, no synchronisation. Then warns,
-      once per occurrence, about buckets whose fp16 average is not finite,
-      naming the bucket and its parameters.
+      once per occurrence, about buckets whose fp16 average is not finite
+      (``check_finite``), naming the bucket and its parameters, and stops
+      the run (:class:`NonFiniteGradientsError`, before any checkpoint of
+      that iteration is saved) when the parameters themselves turned
+      non-finite or after ``max_nonfinite_iters`` such iterations in a row.
+    * Stateful hooks (PowerSGD): every rank saves its state beside each
+      checkpoint and a resumed run restores it on all ranks or on none
+      (see :mod:`mmcv_custom.engine.hook_state_files`).
 
     A model that is not distributed gets one INFO line and trains on; a
     model wrapped by something other than DDP (FSDP, DeepSpeed) is an error,
@@ -72,31 +82,43 @@ class CommHookRegistrationHook(Hook):
             error.
         telemetry (bool): Publish ``comm_MB`` and ``comm_ratio``. Defaults
             to True.
+        max_nonfinite_iters (int, optional): Stop after this many
+            iterations in a row with non-finite averaged gradients, while
+            the parameters stay finite (a loss scaler skipping the steps).
+            A dynamic loss scaler needs a few such steps to settle, hence
+            the default of 10. None never stops for that reason; the run
+            always stops when the parameters turn non-finite.
     """
 
     priority = 'VERY_HIGH'
 
     def __init__(self,
                  comm_hook: Optional[dict] = None,
-                 telemetry: bool = True) -> None:
+                 telemetry: bool = True,
+                 max_nonfinite_iters: Optional[int] = 10) -> None:
         if comm_hook is not None:
             check_comm_hook_cfg(comm_hook)
         if not isinstance(telemetry, bool):
             raise TypeError('telemetry should be True or False, but got '
                             f'{telemetry!r}')
+        if max_nonfinite_iters is not None and (
+                isinstance(max_nonfinite_iters, bool)
+                or not isinstance(max_nonfinite_iters, int)
+                or max_nonfinite_iters < 1):
+            raise ValueError('max_nonfinite_iters should be an int >= 1 or '
+                             f'None, but got {max_nonfinite_iters!r}')
         self._hook_arg = comm_hook
         self._telemetry = telemetry
+        self._max_nonfinite_iters = max_nonfinite_iters
+        self._nonfinite_streak = 0
         self._cfg: Optional[dict] = None
         self._checked = False
         self._registered = False
         # (where, spec, counter, parameter names by id) per DDP module.
         self._installed: list = []
-        # Submodule name -> PowerSGDRelayout, for stateful hooks.
-        self._relayouts: dict = {}
-        self._loaded_info = None
-        self._due_checkpoint: Optional[str] = None
-        # (CheckpointHook, checkpoint steps it kept before its last save).
-        self._kept_before: Optional[tuple] = None
+        # Saves and restores the state of stateful hooks (PowerSGD).
+        self._state_files: Optional[HookStateFiles] = None
+        self._loaded_record = None
 
     def _resolve_cfg(self, runner) -> Optional[dict]:
         from_config = runner.cfg.get('comm_hook', None)
@@ -142,6 +164,7 @@ class CommHookRegistrationHook(Hook):
                 'to change.')
             return
 
+        relayouts = {}
         for name, ddp in targets:
             param = next(ddp.module.parameters(), None)
             device = param.device if param is not None else None
@@ -156,7 +179,7 @@ class CommHookRegistrationHook(Hook):
                     for n, p in ddp.module.named_parameters()
                 })
             if spec.relayout is not None:
-                self._relayouts[name] = spec.relayout
+                relayouts[name] = spec.relayout
             ddp.register_comm_hook(spec.state, spec.hook)
             prefix = f'{name}.' if name else ''
             names = {
@@ -164,9 +187,6 @@ class CommHookRegistrationHook(Hook):
                 for n, p in ddp.module.named_parameters()
             }
             self._installed.append((name, spec, counter, names))
-
-        if self._relayouts and runner.iter > 0:
-            self._restore(runner)
 
         if is_main_process():
             ddp = targets[0][1]
@@ -188,6 +208,13 @@ class CommHookRegistrationHook(Hook):
                 f'ranks, backend {torch.distributed.get_backend(group)}'
                 f'{casts}.')
 
+        if relayouts:
+            self._state_files = HookStateFiles(relayouts, self._cfg)
+            self._state_files.start()
+            if runner.iter > 0:
+                self._state_files.restore(runner, self._loaded_record,
+                                          self._resumed_checkpoint(runner))
+
     def after_train_iter(self,
                          runner,
                          batch_idx: int,
@@ -195,7 +222,9 @@ class CommHookRegistrationHook(Hook):
                          outputs=None) -> None:
         if not self._installed:
             return
-        self._maybe_save_state(runner, by_epoch=False)
+        self._check_finite(runner)
+        if self._state_files is not None:
+            self._state_files.save_if_due(runner, by_epoch=False)
         if self._telemetry:
             fp32_bytes, wire_bytes = 0, 0
             for _, _, counter, _ in self._installed:
@@ -209,11 +238,45 @@ class CommHookRegistrationHook(Hook):
                 if fp32_bytes:
                     runner.message_hub.update_scalar(
                         'train/comm_ratio', wire_bytes / fp32_bytes)
+
+    # -- hook state in checkpoints (see hook_state_files.py) --------------
+    def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
+        self._loaded_record = checkpoint.get('comm_hook_state')
+
+    def after_train_epoch(self, runner) -> None:
+        if self._state_files is not None:
+            self._state_files.save_if_due(runner, by_epoch=True)
+
+    def after_train(self, runner) -> None:
+        # The last save may have made the CheckpointHook drop a checkpoint.
+        if self._state_files is not None:
+            self._state_files.prune()
+
+    def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
+        if self._state_files is not None:
+            self._state_files.record(checkpoint)
+
+    @staticmethod
+    def _resumed_checkpoint(runner) -> Optional[str]:
+        """The file MMEngine's ``load_or_resume`` resumed from."""
+        load_from = getattr(runner, '_load_from', None)
+        return load_from or find_latest_checkpoint(runner.work_dir)
+
+    # -- non-finite averages ------------------------------------------------
+    def _check_finite(self, runner) -> None:
+        """Warn about each non-finite bucket; stop when it does not pass.
+
+        The averages are the same on every rank, so every rank decides the
+        same way at the same iteration, and this hook runs before the
+        CheckpointHook: a stopped run saves nothing after the bad step.
+        """
+        bad = False
         for name, spec, _, names in self._installed:
             state = spec.state
             if not (isinstance(state, CompressState) and state.check_finite):
                 continue
             for index, params in state.pop_nonfinite():
+                bad = True
                 shown = [names.get(id(p), '?') for p in params]
                 more = (f' and {len(shown) - 5} more'
                         if len(shown) > 5 else '')
@@ -222,151 +285,41 @@ class CommHookRegistrationHook(Hook):
                     f'Iteration {runner.iter + 1}: non-finite gradients '
                     f'after the {spec.type} all-reduce in DDP bucket '
                     f'{index}{where} (parameters: '
-                    f'{", ".join(shown[:5])}{more}). In fp16 the sum of '
-                    'the ranks\' shares overflows above 65504: use '
-                    'predivide_factor=<world size> or bf16_compress, or '
-                    'check the loss (with AMP, the loss scaler skips such '
-                    'steps).')
-
-    # -- hook state in checkpoints --------------------------------------
-    # MMEngine writes checkpoints on rank 0 only, but PowerSGD's error
-    # feedback differs on every rank and is as large as the gradients. So
-    # every rank writes its own file beside the checkpoint when the
-    # CheckpointHook is about to save, and the checkpoint records them.
-
-    def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
-        self._loaded_info = checkpoint.get('comm_hook_state')
-
-    def after_train_epoch(self, runner) -> None:
-        self._maybe_save_state(runner, by_epoch=True)
-
-    def after_train(self, runner) -> None:
-        # The last save may have made the CheckpointHook drop a checkpoint.
-        self._prune_state_files()
-
-    def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
-        # Only checkpoints the CheckpointHook saves on schedule have every
-        # rank's file (a best-metric checkpoint between them has none).
-        if self._relayouts and self._due_checkpoint is not None:
-            checkpoint['comm_hook_state'] = dict(
-                type=self._cfg.get('type'),
-                wrapper=self._cfg.get('wrapper'),
-                world_size=get_world_size(),
-                files=[
-                    self._state_file(rank) for rank in range(get_world_size())
-                ])
-
-    def _checkpoint_due(self, runner, by_epoch: bool):
-        """``(CheckpointHook, file)`` when that hook saves now, else None."""
-        for hook in runner.hooks:
-            if not isinstance(hook, CheckpointHook) or (
-                    hook.by_epoch != by_epoch):
-                continue
-            if by_epoch:
-                due = hook.every_n_epochs(runner, hook.interval,
-                                          hook.save_begin) or (
-                                              hook.save_last
-                                              and hook.is_last_train_epoch(
-                                                  runner))
-                step = runner.epoch + 1
-            else:
-                due = hook.every_n_train_iters(
-                    runner, hook.interval, hook.save_begin) or (
-                        hook.save_last and hook.is_last_train_iter(runner))
-                step = runner.iter + 1
-            if due:
-                return hook, osp.join(hook.out_dir,
-                                      hook.filename_tmpl.format(step))
-        return None
-
-    def _state_file(self, rank: int) -> Optional[str]:
-        checkpoint = self._due_checkpoint
-        if checkpoint is None:
-            return None
-        return _state_path(checkpoint, rank)
-
-    def _maybe_save_state(self, runner, by_epoch: bool) -> None:
-        self._due_checkpoint = None
-        if not self._relayouts:
+                    f'{", ".join(shown[:5])}{more}). {_NONFINITE_ADVICE}')
+        if not bad:
+            self._nonfinite_streak = 0
             return
-        self._prune_state_files()
-        due = self._checkpoint_due(runner, by_epoch)
-        if due is None:
-            return
-        hook, self._due_checkpoint = due
-        # The CheckpointHook may delete an old checkpoint (max_keep_ckpts)
-        # when it saves this one; its state files go at the next call.
-        self._kept_before = (hook, set(getattr(hook, 'keep_ckpt_ids', ())))
-        path = self._state_file(get_rank())
-        os.makedirs(osp.dirname(path), exist_ok=True)
-        torch.save(
-            {
-                name: relayout.state_dict()
-                for name, relayout in self._relayouts.items()
-            }, path)
+        self._nonfinite_streak += 1
+        broken = [
+            (name + '.' if name else '') + n
+            for name, ddp in self._ddp_modules(runner.model)
+            for n, p in ddp.module.named_parameters()
+            if not bool(torch.isfinite(p.detach()).all())
+        ]
+        if broken:
+            more = (f' and {len(broken) - 5} more'
+                    if len(broken) > 5 else '')
+            self._stop(
+                runner, f'Iteration {runner.iter + 1}: the optimizer applied '
+                'non-finite gradients, and the parameters '
+                f'{", ".join(broken[:5])}{more} are no longer finite, so '
+                'training cannot recover. Stopped before saving a '
+                'checkpoint of these weights.')
+        limit = self._max_nonfinite_iters
+        if limit is not None and self._nonfinite_streak >= limit:
+            self._stop(
+                runner, f'Iteration {runner.iter + 1}: gradients were not '
+                f'finite after the all-reduce in {self._nonfinite_streak} '
+                'iterations in a row (max_nonfinite_iters='
+                f'{limit}); the parameters are still finite (the loss '
+                'scaler skipped those steps), but training is not '
+                'progressing.')
 
-    def _prune_state_files(self) -> None:
-        """Delete this rank's state files of the checkpoints the
-        CheckpointHook removed (``max_keep_ckpts``) since the last save.
-
-        Exactly those: state files of other runs in the same folder stay, as
-        their checkpoints do. Every rank keeps the CheckpointHook's list of
-        kept checkpoints, though only rank 0 deletes the checkpoint files.
-        """
-        if self._kept_before is None:
-            return
-        hook, before = self._kept_before
-        self._kept_before = None
-        rank = get_rank()
-        for step in before - set(getattr(hook, 'keep_ckpt_ids', ())):
-            path = _state_path(
-                osp.join(hook.out_dir, hook.filename_tmpl.format(step)), rank)
-            if osp.isfile(path):
-                os.remove(path)
-
-    def _restore(self, runner) -> None:
-        info = self._loaded_info
-        rank, world_size = get_rank(), get_world_size()
-        fresh = ('; PowerSGD starts afresh (new error feedback and warm '
-                 'start), as after its warm-up')
-        if info is None:
-            runner.logger.warning(
-                'The resumed checkpoint has no communication-hook state'
-                + fresh)
-            return
-        if (info.get('type'), info.get('wrapper')) != (
-                self._cfg.get('type'), self._cfg.get('wrapper')):
-            runner.logger.warning(
-                f"The resumed checkpoint holds the state of comm_hook "
-                f"type={info.get('type')!r}, wrapper={info.get('wrapper')!r}"
-                f", not of type={self._cfg.get('type')!r}, "
-                f"wrapper={self._cfg.get('wrapper')!r}" + fresh)
-            return
-        if info.get('world_size') != world_size:
-            runner.logger.warning(
-                f"The resumed checkpoint holds hook state of "
-                f"{info.get('world_size')} ranks, this run has {world_size}"
-                + fresh)
-            return
-        path = info['files'][rank]
-        if not osp.isfile(path):
-            # The work dir may have moved: look beside the checkpoint name.
-            moved = osp.join(runner.work_dir, osp.basename(path))
-            path = moved if osp.isfile(moved) else path
-        try:
-            saved = torch.load(path, map_location='cpu', weights_only=True)
-            for name, relayout in self._relayouts.items():
-                relayout.load_state_dict(saved[name])
-        except (OSError, KeyError, ValueError, RuntimeError) as e:
-            runner.logger.warning(
-                f'Could not restore the communication-hook state of rank '
-                f'{rank} from {path}: {e}' + fresh)
-            return
-        if is_main_process():
-            runner.logger.info(
-                f'Restored the {self._cfg.get("type")} state (error '
-                'feedback, warm start, iteration counter) of every rank '
-                f'from {osp.dirname(path)}.')
+    @staticmethod
+    def _stop(runner, message: str) -> None:
+        message = f'{message} {_NONFINITE_ADVICE}'
+        runner.logger.error(message)
+        raise NonFiniteGradientsError(message)
 
     @staticmethod
     def _ddp_modules(model) -> List[Tuple[str, DistributedDataParallel]]:
