@@ -7,15 +7,19 @@ MMEngine's own checkpoints (see :mod:`mmcv_custom.checkpoint`), so
 ``--resume`` works on torch >= 2.6. The hook functions themselves live in
 :mod:`mmcv_custom.ddp_hooks`, which needs only torch.
 """
-from .checkpoint import allow_mmengine_checkpoints, check_checkpoint
+from .checkpoint import (UnsafeCheckpointError, allow_mmengine_checkpoints,
+                         check_checkpoint, load_checkpoint_file)
 from .ddp_hooks import (CompressState, allreduce_hook, bf16_compress_hook,
                         bf16_compress_wrapper, check_bf16_support,
                         default_predivide_factor, fp16_compress_hook,
                         fp16_compress_wrapper)
 from .engine import (CommHookRegistrationHook, CPUAmpOptimWrapper,
-                     LayerDecayOptimWrapperConstructor)
+                     LayerDecayOptimWrapperConstructor,
+                     NonFiniteGradientsError)
 from .registry import (COMM_HOOK_STATES, COMM_HOOKS, CommCounter,
-                       CommHookSpec, build_comm_hook, check_comm_hook_cfg)
+                       CommHookSpec, build_comm_hook, check_comm_hook_cfg,
+                       require_bool, require_int, require_real,
+                       with_args_check)
 from .version import __version__
 
 allow_mmengine_checkpoints()
@@ -36,9 +40,16 @@ __all__ = [
     'CommHookSpec',
     'build_comm_hook',
     'check_comm_hook_cfg',
+    'with_args_check',
+    'require_int',
+    'require_real',
+    'require_bool',
     'CommHookRegistrationHook',
     'CPUAmpOptimWrapper',
     'LayerDecayOptimWrapperConstructor',
+    'NonFiniteGradientsError',
     'allow_mmengine_checkpoints',
     'check_checkpoint',
+    'load_checkpoint_file',
+    'UnsafeCheckpointError',
 ]

@@ -7,8 +7,10 @@ the message hub's ``HistoryBuffer`` objects, numpy arrays and dtypes, so
 ``--resume`` fails with "Weights only load failed". Turning safe loading off
 would let any checkpoint run code on load. Instead,
 :func:`allow_mmengine_checkpoints` (run on ``import mmcv_custom``) adds
-exactly the globals MMEngine's own checkpoints need to torch's allow-list; anything else in a file is still
-refused, and :func:`check_checkpoint` names it before a run starts.
+exactly the globals MMEngine's own checkpoints need to torch's allow-list;
+anything else in a file is still refused, and :func:`check_checkpoint` names
+it before a run starts. The per-rank communication-hook state files load the
+same way (:func:`load_checkpoint_file`).
 
 ``builtins.getattr`` is on the list because MMEngine pickles the statistics
 methods of ``HistoryBuffer`` as ``getattr(HistoryBuffer, 'min')``. The safe

@@ -27,6 +27,8 @@ Example:
     >>> ddp_model.register_comm_hook(None, bf16_compress_hook)
 """
 import functools
+import math
+import numbers
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -154,6 +156,31 @@ def default_predivide_factor(world_size: int) -> int:
     return factor
 
 
+def _check_compress_args(predivide_factor: Any = None,
+                        check_finite: Any = False) -> None:
+    """Raise unless the arguments make a valid :class:`CompressState`.
+
+    ``TypeError`` for a wrong type, ``ValueError`` for a value out of range,
+    each naming the argument, the rule and the value. ``bool`` is not taken
+    for a number (``True`` would divide by 1), nor is any truthy value for
+    ``check_finite`` (``'no'`` would turn the check on). The registry runs
+    the same check on a ``comm_hook`` config before anything is built.
+    """
+    rule = 'None or a finite real number > 0'
+    if predivide_factor is not None:
+        if (isinstance(predivide_factor, bool)
+                or not isinstance(predivide_factor, numbers.Real)):
+            raise TypeError(
+                f'predivide_factor should be {rule}, but got '
+                f'{type(predivide_factor).__name__}: {predivide_factor!r}')
+        if not (math.isfinite(predivide_factor) and predivide_factor > 0):
+            raise ValueError(f'predivide_factor should be {rule}, but got '
+                             f'{predivide_factor!r}')
+    if not isinstance(check_finite, bool):
+        raise TypeError('check_finite should be True or False, but got '
+                        f'{type(check_finite).__name__}: {check_finite!r}')
+
+
 class CompressState:
     """Optional state of the compressing hooks: range guard and counters.
 
@@ -176,15 +203,18 @@ class CompressState:
             on the device (no synchronisation in the hook). Defaults to
             False; the runner hook turns it on for fp16 and reports every
             occurrence.
+
+    Raises:
+        TypeError: ``predivide_factor`` is neither None nor a real number
+            (``True`` is not one), or ``check_finite`` is not a bool.
+        ValueError: ``predivide_factor`` is not finite and > 0.
     """
 
     def __init__(self,
                  process_group: Optional[dist.ProcessGroup] = None,
                  predivide_factor: Optional[float] = None,
                  check_finite: bool = False) -> None:
-        if predivide_factor is not None and not predivide_factor > 0:
-            raise ValueError('predivide_factor should be a positive number '
-                             f'or None, but got {predivide_factor!r}')
+        _check_compress_args(predivide_factor, check_finite)
         self.process_group = process_group
         self.predivide_factor = predivide_factor
         self.check_finite = check_finite

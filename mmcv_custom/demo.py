@@ -1,11 +1,15 @@
 """A small MMEngine model and synthetic data to try the plugin on a CPU.
 
-Nothing here is needed to use the communication hooks; it gives ``make
-demo`` and the runner-level tests a real MMEngine ``BaseModel`` that trains
-in seconds on two gloo ranks. Registered in MMEngine's root registries, so
+Nothing here is needed to use the communication hooks; it gives the
+MMEngine-only demo (``configs/demo/``, run with ``tools/demo.py --config``)
+and the runner-level tests a real MMEngine ``BaseModel`` that trains in
+seconds on two gloo ranks. (``make demo`` trains the toy segmenter
+instead.) Registered in MMEngine's root registries, so
 configs use ``type='MLPRegressor'`` and ``type='SyntheticRegressionDataset'``
 with ``custom_imports=dict(imports=['mmcv_custom.demo'])``.
 """
+from typing import Optional
+
 import torch
 from mmengine.evaluator import BaseMetric
 from mmengine.model import BaseModel
@@ -58,13 +62,24 @@ class MLPRegressor(BaseModel):
 class SyntheticRegressionDataset(Dataset):
     """Inputs and targets of a fixed random nonlinear function.
 
-    Generated from ``seed``, so every rank and every run sees the same data.
+    ``function_seed`` draws the function (a random projection followed by
+    tanh), ``seed`` the inputs: a training and a validation set with the
+    same ``function_seed`` and different ``seed`` are two samples of one
+    task, so the validation error measures how well the model learned the
+    function. Deterministic, so every rank and every run sees the same
+    data.
 
     Args:
         num_samples (int): Dataset length. Defaults to 512.
         in_features (int): Input width. Defaults to 32.
         out_features (int): Target width. Defaults to 8.
-        seed (int): Generator seed. Defaults to 0.
+        seed (int): Seed of the inputs. Defaults to 0.
+        function_seed (int, optional): Seed of the function. Defaults to
+            None: the projection is drawn from ``seed``'s generator after
+            the inputs, as before this argument existed (the data of
+            existing runs stays the same), which makes the function depend
+            on ``seed`` and ``num_samples``. Set it wherever two datasets
+            must share their function.
     """
     METAINFO: dict = dict()
 
@@ -72,9 +87,14 @@ class SyntheticRegressionDataset(Dataset):
                  num_samples: int = 512,
                  in_features: int = 32,
                  out_features: int = 8,
-                 seed: int = 0) -> None:
+                 seed: int = 0,
+                 function_seed: Optional[int] = None) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.inputs = torch.randn(num_samples, in_features, generator=gen)
+        if function_seed is not None:
+            # Offset, so that seed == function_seed does not reuse the
+            # inputs' random numbers as the projection.
+            gen = torch.Generator().manual_seed(2**32 + function_seed)
         proj = torch.randn(in_features, out_features, generator=gen)
         self.targets = torch.tanh(self.inputs @ proj / in_features**0.5)
 

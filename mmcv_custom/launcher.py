@@ -6,10 +6,15 @@ a CPU-only machine. The tools call :func:`prepare_launch` before building
 the runner: with CUDA it leaves everything to MMEngine (NCCL, unchanged
 behaviour); without, it starts a gloo process group itself (the runner skips
 ``init_dist`` when a group exists), makes the DDP wrapper CPU-friendly and
-turns SyncBN into BN.
+turns SyncBN into BN. It also refuses, before the process group starts, a
+``model_wrapper_cfg`` that a CPU run cannot use (anything but DDP).
+
+:func:`check_checkpoint_file` lets the tools name a missing or unsafe
+checkpoint before any work starts.
 """
 import logging
 import os
+import os.path as osp
 from typing import Optional
 
 import torch
@@ -17,9 +22,19 @@ import torch.distributed as dist
 from mmengine.config import Config
 from mmengine.logging import print_log
 
+from .checkpoint import check_checkpoint
+
 __all__ = [
-    'load_config', 'prepare_launch', 'is_launch_rank0', 'shutdown_distributed'
+    'load_config', 'prepare_launch', 'is_launch_rank0',
+    'shutdown_distributed', 'check_checkpoint_file', 'check_cpu_wrapper'
 ]
+
+#: MMEngine's DDP wrappers, named in errors. A CPU launch takes any
+#: subclass of torch's DistributedDataParallel, as these two are
+#: (MMSeparateDistributedDataParallel wraps each trainable submodule in an
+#: MMDistributedDataParallel).
+_CPU_WRAPPERS = ('MMDistributedDataParallel',
+                 'MMSeparateDistributedDataParallel')
 
 _ENV_FROM_SLURM = {
     'RANK': 'SLURM_PROCID',
@@ -54,6 +69,79 @@ def is_launch_rank0() -> bool:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return int(os.environ.get('RANK', os.environ.get('SLURM_PROCID', 0))) == 0
+
+
+def check_checkpoint_file(path: str, source: str) -> None:
+    """Fail before any work starts if a checkpoint the run will load is
+    missing, or holds what torch's safe loader would refuse.
+
+    Args:
+        path (str): A local file. A URL or another ``scheme://`` name that
+            MMEngine fetches itself is not checked here (torch's safe
+            loader still refuses unsafe contents when it is loaded).
+        source (str): Where ``path`` came from, for the message, e.g.
+            ``'load_from'``.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        UnsafeCheckpointError: ``path`` holds objects off the allow-list
+            (see :func:`mmcv_custom.checkpoint.check_checkpoint`).
+    """
+    if '://' in path:
+        return
+    if not osp.isfile(path):
+        what = ('a directory, not a checkpoint file' if osp.isdir(path) else
+                'no such file')
+        raise FileNotFoundError(
+            f'{source}={path!r}: {what} (relative paths are from the '
+            f'current directory, {os.getcwd()})')
+    check_checkpoint(path)
+
+
+def check_cpu_wrapper(cfg: Config) -> None:
+    """Raise if ``cfg.model_wrapper_cfg`` is not a DDP a CPU launch can run.
+
+    Without CUDA the tools start gloo and give the wrapper
+    ``device_ids=None`` and ``find_unused_parameters``, arguments of
+    DistributedDataParallel. FSDP, DataParallel or another wrapper would
+    fail later with an unrelated ``TypeError``, after the process group
+    started. The type is resolved as the Runner resolves it, through
+    MMEngine's ``MODEL_WRAPPERS`` registry.
+
+    Raises:
+        KeyError: the type is not registered.
+        ValueError: the type is not MMDistributedDataParallel,
+            MMSeparateDistributedDataParallel or a subclass of
+            ``torch.nn.parallel.DistributedDataParallel``.
+    """
+    wrapper_cfg = cfg.get('model_wrapper_cfg')
+    if not wrapper_cfg:
+        return
+    wrapper_type = wrapper_cfg.get('type', 'MMDistributedDataParallel')
+    if isinstance(wrapper_type, str):
+        from mmengine.registry import MODEL_WRAPPERS
+        wrapper_cls = MODEL_WRAPPERS.get(wrapper_type)  # as Runner does
+        if wrapper_cls is None:
+            raise KeyError(
+                f'model_wrapper_cfg type {wrapper_type!r} is not in '
+                "MMEngine's MODEL_WRAPPERS registry; on CPU use one of "
+                f'{", ".join(_CPU_WRAPPERS)}')
+        shown = wrapper_type
+    else:
+        wrapper_cls = wrapper_type
+        shown = (f'{wrapper_cls.__module__}.{wrapper_cls.__qualname__}'
+                 if isinstance(wrapper_cls, type) else repr(wrapper_cls))
+    name = getattr(wrapper_cls, '__name__', repr(wrapper_cls))
+    if isinstance(wrapper_cls, type) and issubclass(
+            wrapper_cls, torch.nn.parallel.DistributedDataParallel):
+        return
+    raise ValueError(
+        f'model_wrapper_cfg type {shown!r} is not supported without '
+        'CUDA: the tools then train on a gloo process group with a CPU '
+        'DistributedDataParallel (device_ids=None), so the wrapper must be '
+        f'{" or ".join(_CPU_WRAPPERS)} or a subclass of '
+        f'torch.nn.parallel.DistributedDataParallel, but {name} is not. '
+        'Remove model_wrapper_cfg, or run it on GPUs.')
 
 
 def _init_gloo(launcher: str) -> None:
@@ -104,14 +192,23 @@ def prepare_launch(cfg: Config, launcher: str,
 
     Returns:
         Config: ``cfg``.
+
+    Raises:
+        KeyError, ValueError: Without CUDA, a distributed launch with a
+            ``model_wrapper_cfg`` that is not a DDP (see
+            :func:`check_cpu_wrapper`); raised before the process group
+            starts.
     """
     cfg.launcher = launcher
     if cuda is None:
         cuda = torch.cuda.is_available()
     if cuda:
         return cfg
-    if launcher != 'none' and not dist.is_initialized():
-        _init_gloo(launcher)
+    if launcher != 'none':
+        # Before the process group: every rank fails alike, at once.
+        check_cpu_wrapper(cfg)
+        if not dist.is_initialized():
+            _init_gloo(launcher)
     # One line per run, not per rank.
     main_process = is_launch_rank0()
     if _sync_bn_to_bn(cfg.get('model')) and main_process:

@@ -22,9 +22,30 @@ Users add their own hooks the MMEngine way::
 and, for a stateful hook, a state factory
 ``@COMM_HOOK_STATES.register_module(name='my_hook')`` taking
 ``(process_group, **config_keys)``.
+
+:func:`check_comm_hook_cfg` checks a config before anything is built, with no
+process group (the runner hook calls it at the start of every run,
+distributed or not): the names, and the value of every key. A state factory
+declares how its values are checked with :func:`with_args_check`; the
+built-in factories use the same mechanism, and :func:`require_int`,
+:func:`require_real` and :func:`require_bool` word the errors alike::
+
+    def _check_my_args(args):
+        require_int('every', args['every'], minimum=1)
+
+    @COMM_HOOK_STATES.register_module(name='my_hook')
+    @with_args_check(_check_my_args)
+    def my_state(process_group, every=1):
+        return dict(group=process_group, every=every)
+
+``comm_hook=dict(type='my_hook', every=0)`` then fails with ``ValueError:
+comm_hook my_hook: every should be an int >= 1, but got 0``. A factory
+without a check is built with whatever values the config holds, as before.
 """
 import dataclasses
 import inspect
+import math
+import numbers
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -35,15 +56,16 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
 from .batched_powersgd import batched_powersgd_hook
-from .powersgd_state import PowerSGDRelayout
-from .ddp_hooks import (CompressState, _uses_nccl, allreduce_hook,
-                        bf16_compress_hook, bf16_compress_wrapper,
-                        check_bf16_support, fp16_compress_hook,
-                        fp16_compress_wrapper)
+from .powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
+from .ddp_hooks import (CompressState, _check_compress_args, _uses_nccl,
+                        allreduce_hook, bf16_compress_hook,
+                        bf16_compress_wrapper, check_bf16_support,
+                        fp16_compress_hook, fp16_compress_wrapper)
 
 __all__ = [
     'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommCounter', 'CommHookSpec',
-    'build_comm_hook', 'check_comm_hook_cfg'
+    'build_comm_hook', 'check_comm_hook_cfg', 'with_args_check',
+    'require_int', 'require_real', 'require_bool'
 ]
 
 COMM_HOOKS = Registry('DDP communication hook', scope='mmcv_custom')
@@ -79,6 +101,13 @@ _CALLBACK_COLLECTIVE_HOOKS = {powerSGD.powerSGD_hook}
 # Hooks that run on a PowerSGDState (and keep its compression counters).
 _POWERSGD_HOOKS = {powerSGD.powerSGD_hook, batched_powersgd_hook}
 
+# How each stateful hook keeps its state per parameter, across DDP's bucket
+# layouts and checkpoints.
+_RELAYOUTS = {
+    powerSGD.powerSGD_hook: PowerSGDRelayout,
+    batched_powersgd_hook: BatchedPowerSGDRelayout,
+}
+
 # PyTorch's PowerSGD default orthogonalization_epsilon=0 divides 0 by 0 when
 # a gradient matrix has an all-zero column (a layer whose loss gradient is
 # zero for a step), which puts NaN into every parameter of the bucket. A tiny
@@ -87,31 +116,213 @@ _POWERSGD_HOOKS = {powerSGD.powerSGD_hook, batched_powersgd_hook}
 _POWERSGD_EPSILON = {None: 1e-8, 'bf16': 1e-8, 'fp16': 1e-6}
 
 
+def with_args_check(check: Callable[[dict], None]) -> Callable:
+    """Attach a check of the config values to a state factory.
+
+    :func:`check_comm_hook_cfg` calls ``check(args)`` before anything is
+    built and without a process group, on every run (distributed or not).
+    ``args`` holds every argument of the factory except ``process_group``:
+    the config's value, or the factory's default where the config has none
+    (a factory taking ``**kwargs`` gets just the config's keys). The check
+    raises ``TypeError`` for a wrong type and ``ValueError`` for a value
+    out of range, saying what is valid and what it got; the checker puts
+    ``comm_hook <type>: `` in front, so one factory can serve several
+    names. :func:`require_int`, :func:`require_real` and
+    :func:`require_bool` word such errors.
+
+    The check is kept as the factory's ``check_args`` attribute, which may
+    also be set directly. Factories without one are built unchecked.
+
+    Args:
+        check (Callable): ``check(args: dict) -> None``.
+
+    Returns:
+        Callable: A decorator that returns the factory itself.
+
+    Example:
+        >>> def _check(args):
+        ...     require_int('every', args['every'], minimum=1)
+        >>> @COMM_HOOK_STATES.register_module(name='my_hook')
+        ... @with_args_check(_check)
+        ... def my_state(process_group, every=1):
+        ...     return dict(group=process_group, every=every)
+    """
+    if not callable(check):
+        raise TypeError('with_args_check needs a callable check(args), but '
+                        f'got {type(check).__name__}: {check!r}')
+
+    def attach(factory: Callable) -> Callable:
+        factory.check_args = check
+        return factory
+
+    return attach
+
+
+def _got(value: Any) -> str:
+    """How a wrongly typed value is named: its type, then its repr."""
+    return f'{type(value).__name__}: {value!r}'
+
+
+def require_int(name: str,
+                value: Any,
+                minimum: Optional[int] = None,
+                maximum: Optional[int] = None) -> None:
+    """Raise unless ``value`` is an int within ``[minimum, maximum]``.
+
+    ``bool`` does not count as an int (``True`` is no rank). Integers of
+    other libraries (numpy's) do.
+
+    Raises:
+        TypeError: not an int, e.g. ``matrix_approximation_rank should be
+            an int >= 1, but got str: 'two'``.
+        ValueError: out of range, e.g. ``... should be an int >= 1, but got
+            0``.
+    """
+    if minimum is not None and maximum is not None:
+        rule = f'an int in [{minimum}, {maximum}]'
+    elif minimum is not None:
+        rule = f'an int >= {minimum}'
+    elif maximum is not None:
+        rule = f'an int <= {maximum}'
+    else:
+        rule = 'an int'
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f'{name} should be {rule}, but got {_got(value)}')
+    if ((minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)):
+        raise ValueError(f'{name} should be {rule}, but got {value!r}')
+
+
+def require_real(name: str,
+                 value: Any,
+                 minimum: Optional[float] = None,
+                 inclusive: bool = True,
+                 allow_none: bool = False) -> None:
+    """Raise unless ``value`` is a finite real number above ``minimum``.
+
+    Args:
+        name (str): The key, for the message.
+        value: The value to check. ``bool`` is not a number here.
+        minimum (float, optional): The lower bound. Defaults to None.
+        inclusive (bool): Whether ``minimum`` itself is allowed. Defaults to
+            True.
+        allow_none (bool): Whether None is allowed. Defaults to False.
+
+    Raises:
+        TypeError: not a real number, e.g. ``min_compression_rate should be
+            a finite real number > 0, but got str: 'two'``.
+        ValueError: out of range, inf or NaN.
+    """
+    rule = 'a finite real number'
+    if minimum is not None:
+        rule += f" {'>=' if inclusive else '>'} {minimum}"
+    if allow_none:
+        rule = 'None or ' + rule
+        if value is None:
+            return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f'{name} should be {rule}, but got {_got(value)}')
+    if not math.isfinite(value) or (minimum is not None and (
+            value < minimum or (not inclusive and value == minimum))):
+        raise ValueError(f'{name} should be {rule}, but got {value!r}')
+
+
+def require_bool(name: str, value: Any) -> None:
+    """Raise ``TypeError`` unless ``value`` is True or False (a truthy
+    string such as ``'no'`` is neither)."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f'{name} should be True or False, but got {_got(value)}')
+
+
+def _check_fp16_args(args: dict) -> None:
+    _check_compress_args(args['predivide_factor'], args['check_finite'])
+
+
+def _check_bf16_args(args: dict) -> None:
+    _check_compress_args(None, args['check_finite'])
+
+
 @COMM_HOOK_STATES.register_module(name='fp16_compress')
+@with_args_check(_check_fp16_args)
 def _fp16_state(process_group: Optional[dist.ProcessGroup],
                 predivide_factor: Optional[float] = None,
                 check_finite: bool = True) -> CompressState:
     """fp16's range guard: where to divide, and whether to look for inf
     and NaN after the reduction (on by default: fp16 is the format that
-    overflows)."""
+    overflows).
+
+    Any ``predivide_factor`` > 0 works with any world size: above the
+    world size the ranks' shares sum to less than their mean, which lets
+    fp16 carry an average above 65504 (the rest of the division becomes a
+    product after the reduction), at the cost of flushing more small
+    gradients to zero.
+    """
     return CompressState(process_group, predivide_factor, check_finite)
 
 
 @COMM_HOOK_STATES.register_module(name='bf16_compress')
+@with_args_check(_check_bf16_args)
 def _bf16_state(process_group: Optional[dist.ProcessGroup],
                 check_finite: bool = False) -> CompressState:
     """bf16 keeps fp32's range: it always divides before the reduction."""
     return CompressState(process_group, check_finite=check_finite)
 
 
+# NumPy's RandomState, which PowerSGDState seeds, takes seeds below 2**32.
+_MAX_SEED = 2**32 - 1
+
+
+def _check_powersgd_args(args: dict) -> None:
+    """PyTorch's ``PowerSGDState`` arguments (torch 2.13), which it takes
+    as given: rank 0 compresses every gradient to nothing, a negative rank
+    or a string fails deep inside the hook at the first compressed step,
+    and a stats frequency below 1 is quietly raised to 1. A key a later
+    torch adds is left to PyTorch."""
+    checks = {
+        'matrix_approximation_rank': lambda v: require_int(
+            'matrix_approximation_rank', v, minimum=1),
+        'start_powerSGD_iter': lambda v: require_int(
+            'start_powerSGD_iter', v, minimum=1),
+        'min_compression_rate': lambda v: require_real(
+            'min_compression_rate', v, minimum=0, inclusive=False),
+        'use_error_feedback': lambda v: require_bool('use_error_feedback',
+                                                     v),
+        'warm_start': lambda v: require_bool('warm_start', v),
+        'orthogonalization_epsilon': lambda v: require_real(
+            'orthogonalization_epsilon', v, minimum=0),
+        'random_seed': lambda v: require_int(
+            'random_seed', v, minimum=0, maximum=_MAX_SEED),
+        'compression_stats_logging_frequency': lambda v: require_int(
+            'compression_stats_logging_frequency', v, minimum=1),
+        'batch_tensors_with_same_shape': lambda v: require_bool(
+            'batch_tensors_with_same_shape', v),
+    }
+    for key, check in checks.items():
+        if key in args:
+            check(args[key])
+    # PowerSGDState.__init__'s own rule, checked before anything is built.
+    start = args.get('start_powerSGD_iter', 1)
+    if (args.get('use_error_feedback') or args.get('warm_start')) and (
+            start <= 1):
+        raise ValueError(
+            'start_powerSGD_iter should be > 1 when use_error_feedback or '
+            'warm_start is True (both are by default), because PowerSGD '
+            "can only be applied after DDP's first two iterations (PyTorch's "
+            f'rule), but got {start!r}. Set start_powerSGD_iter >= 2, or '
+            'use_error_feedback=False and warm_start=False.')
+
+
 @COMM_HOOK_STATES.register_module(name='powerSGD')
+@with_args_check(_check_powersgd_args)
 def _powersgd_state(process_group: Optional[dist.ProcessGroup],
                     **kwargs) -> powerSGD.PowerSGDState:
     """Build PyTorch's ``PowerSGDState`` from the config keys."""
     return powerSGD.PowerSGDState(process_group=process_group, **kwargs)
 
 
-# Only so that config keys can be checked against PowerSGDState's arguments.
+# Only so that config keys (and, with their defaults, values) can be checked
+# against PowerSGDState's arguments.
 _powersgd_state.__signature__ = inspect.signature(powerSGD.PowerSGDState)
 COMM_HOOK_STATES.register_module(
     name='batched_powerSGD', module=_powersgd_state)
@@ -200,12 +411,43 @@ def _lookup_state_factory(hook_type: Any) -> Optional[Callable]:
     return None
 
 
+def _factory_args(factory: Callable, state_kwargs: dict) -> dict:
+    """What a factory's ``check_args`` sees: every argument but the process
+    group, from the config or else the factory's default."""
+    args = {}
+    for name, param in inspect.signature(factory).parameters.items():
+        if (name != 'process_group' and param.default is not param.empty
+                and param.kind in (param.POSITIONAL_OR_KEYWORD,
+                                   param.KEYWORD_ONLY)):
+            args[name] = param.default
+    args.update(state_kwargs)
+    return args
+
+
+def _run_args_check(factory: Callable, hook_type: str,
+                    state_kwargs: dict) -> None:
+    check = getattr(factory, 'check_args', None)
+    if check is None:
+        return
+    try:
+        check(_factory_args(factory, state_kwargs))
+    except TypeError as e:
+        raise TypeError(f'comm_hook {hook_type}: {e}') from e
+    except ValueError as e:
+        raise ValueError(f'comm_hook {hook_type}: {e}') from e
+
+
 def check_comm_hook_cfg(cfg: Any) -> dict:
     """Check a ``comm_hook`` config without building anything.
 
     Needs no process group, so the runner hook calls it at the start of
-    every run, distributed or not: a typo in a config fails on a one-GPU
-    debugging run as it would on 64 GPUs.
+    every run, distributed or not: a typo or a value out of range fails on
+    a one-GPU debugging run as it would on 64 GPUs. Checks the names
+    (``type``, ``wrapper``, the state keys), then the values, with the
+    ``check_args`` of the state factory (see :func:`with_args_check`): the
+    built-in ones check the type and range of every key of
+    ``fp16_compress``, ``bf16_compress``, ``powerSGD`` and
+    ``batched_powerSGD``.
 
     Args:
         cfg (dict): e.g. ``dict(type='powerSGD', wrapper='bf16',
@@ -217,11 +459,15 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
         of those defaults under ``defaults_set``.
 
     Raises:
-        TypeError: ``cfg`` is not a dict, or carries keys the hook's state
-            does not take.
+        TypeError: ``cfg`` is not a dict, carries keys the hook's state
+            does not take, or a state value of the wrong type (e.g.
+            ``comm_hook powerSGD: matrix_approximation_rank should be an int
+            >= 1, but got str: 'two'``).
         KeyError: ``type`` is missing or not a registered name.
         ValueError: ``wrapper`` is not ``'fp16'``, ``'bf16'`` or None, or
-            wraps a hook that already compresses.
+            wraps a hook that already compresses, or a state value is out
+            of range (``comm_hook powerSGD: matrix_approximation_rank should
+            be an int >= 1, but got 0``).
     """
     if not isinstance(cfg, dict):
         raise TypeError(
@@ -271,38 +517,49 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
                 'orthogonalization_epsilon' not in cfg):
             cfg['orthogonalization_epsilon'] = _POWERSGD_EPSILON[wrapper]
             defaults_set.append('orthogonalization_epsilon')
+        _run_args_check(factory, hook_type, cfg)
     return dict(type=hook_type, wrapper=wrapper, state_kwargs=cfg,
                 defaults_set=tuple(defaults_set))
 
 
 class CommCounter:
-    """Bytes a rank handed to its hooks and sent on the wire.
+    """Bytes a rank handed to its hooks, and what the hooks sent.
 
     Counted in Python per bucket as the hooks run: no collective, no device
-    synchronisation. ``wire_bytes`` is what the hook passes to
-    ``all_reduce`` (for PowerSGD, the P and Q factors plus the tensors it
-    leaves uncompressed); ``fp32_bytes`` is what an fp32 all-reduce of the
-    same buckets would have sent. ``wire_known`` is False when a user hook
-    of unknown traffic ran.
+    synchronisation.
+
+    Attributes:
+        baseline_bytes (int): What DDP would have all-reduced without the
+            hook: ``numel * element_size`` of each bucket as DDP hands it
+            over (4 bytes an element for fp32 gradients, 2 for a bf16 or
+            fp16 model's).
+        wire_bytes (int): What the hook passed to ``all_reduce``: the
+            bucket in the format it sends, or for PowerSGD once it
+            compresses (``iter >= start_powerSGD_iter``) the P and Q
+            factors plus the tensors it leaves uncompressed.
+        wire_known (bool): False once a hook ran whose traffic is unknown
+            (a user hook).
     """
 
     def __init__(self) -> None:
-        self.fp32_bytes = 0
+        self.baseline_bytes = 0
         self.wire_bytes = 0
         self.wire_known = True
 
     def pop(self):
-        """``(fp32_bytes, wire_bytes or None)`` since the last call."""
-        out = (self.fp32_bytes, self.wire_bytes if self.wire_known else None)
-        self.fp32_bytes = self.wire_bytes = 0
+        """``(baseline_bytes, wire_bytes or None)`` since the last call."""
+        out = (self.baseline_bytes,
+               self.wire_bytes if self.wire_known else None)
+        self.baseline_bytes = self.wire_bytes = 0
         return out
 
 
-def _count_fp32(hook: Callable, counter: CommCounter) -> Callable:
-    """Outermost: the bucket as DDP hands it over, at fp32 size."""
+def _count_baseline(hook: Callable, counter: CommCounter) -> Callable:
+    """Outermost: the bucket as DDP hands it over, in its own dtype."""
 
     def _counted_hook(state, bucket: dist.GradBucket):
-        counter.fp32_bytes += bucket.buffer().numel() * 4
+        buffer = bucket.buffer()
+        counter.baseline_bytes += buffer.numel() * buffer.element_size()
         return hook(state, bucket)
 
     _counted_hook.__qualname__ = getattr(hook, '__qualname__', 'hook')
@@ -313,7 +570,8 @@ def _count_fp32(hook: Callable, counter: CommCounter) -> Callable:
 def _count_wire(hook: Callable, counter: CommCounter,
                 base: Callable) -> Callable:
     """Around the named hook ``base`` (``hook`` may be it or wrap it): what
-    it puts on the wire."""
+    it puts on the wire. Inside any wrapper, so ``bucket.buffer()`` is in
+    the format that is sent."""
 
     def _counted_hook(state, bucket: dist.GradBucket):
         buffer = bucket.buffer()
@@ -323,13 +581,18 @@ def _count_wire(hook: Callable, counter: CommCounter,
         elif base is allreduce_hook:
             counter.wire_bytes += size
         elif base in _POWERSGD_HOOKS:
+            # Both hooks all-reduce the bucket as is while iter <
+            # start_powerSGD_iter, and leave the state's counters alone.
+            compressing = state.iter >= state.start_powerSGD_iter
             before = state.total_numel_after_compression
             fut = hook(state, bucket)
-            sent = state.total_numel_after_compression - before
-            # Before start_powerSGD_iter PowerSGD all-reduces the bucket as
-            # is and leaves its counters alone.
-            counter.wire_bytes += (sent * buffer.element_size()
-                                   if sent else size)
+            # Compressing, both add up what they send, in the bucket's
+            # dtype, before their first all-reduce: P and Q ((n + m) * r
+            # numbers for an n x m matrix at rank r) plus the numel of every
+            # tensor left uncompressed (all-reduced as is). That may be 0.
+            counter.wire_bytes += (
+                (state.total_numel_after_compression - before) *
+                buffer.element_size() if compressing else size)
             return fut
         else:
             counter.wire_known = False
@@ -391,10 +654,8 @@ def build_comm_hook(cfg: dict,
         check_bf16_support(process_group, device)
     hook = base_hook
     relayout = None
-    # Batched PowerSGD's warm-start matrix mixes all parameters of a
-    # bucket, so only per-matrix PowerSGD can be laid out again.
-    if param_names is not None and base_hook is powerSGD.powerSGD_hook:
-        relayout = PowerSGDRelayout(state, param_names)
+    if param_names is not None and base_hook in _RELAYOUTS:
+        relayout = _RELAYOUTS[base_hook](state, param_names)
         hook = relayout.wrap(hook)
     if counter is not None:
         hook = _count_wire(hook, counter, base_hook)
@@ -406,7 +667,7 @@ def build_comm_hook(cfg: dict,
     if serialized:
         hook = _one_bucket_at_a_time(hook)
     if counter is not None:
-        hook = _count_fp32(hook, counter)
+        hook = _count_baseline(hook, counter)
     name = hook_type if isinstance(hook_type, str) else getattr(
         hook_type, '__qualname__', repr(hook_type))
     return CommHookSpec(

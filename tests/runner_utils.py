@@ -1,11 +1,13 @@
 """A small real MMEngine Runner for tests, on the demo MLP regressor."""
 import logging
 
+import torch
+import torch.distributed as dist
 from mmengine.runner import Runner
 
 import mmcv_custom.demo  # noqa: F401  (registers MLPRegressor & co.)
 
-__all__ = ['Records', 'build_runner']
+__all__ = ['Records', 'build_runner', 'train_and_gather']
 
 
 class Records(logging.Handler):
@@ -78,3 +80,16 @@ def build_runner(work_dir,
     records = Records()
     runner.logger.addHandler(records)
     return runner, records
+
+
+def train_and_gather(runner, records, world_size):
+    """Train ``runner``; return every rank's flattened weights (to compare
+    runs and ranks bit for bit) and this rank's INFO and WARNING lines about
+    the hook state."""
+    runner.train()
+    flat = torch.cat([p.detach().flatten()
+                      for p in runner.model.module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    return gathered, [(lvl, m) for lvl, m in records.lines
+                      if 'state' in m and lvl in ('WARNING', 'INFO')]

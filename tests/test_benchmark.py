@@ -1,25 +1,65 @@
-"""tools/benchmark_comm_hooks.py end to end, in a small configuration."""
+"""tools/benchmark_comm_hooks.py end to end, in a small configuration, and
+its argument checks (usage errors before any rank starts)."""
+import importlib.util
 import json
 import os.path as osp
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+TOOL = osp.join(ROOT, 'tools', 'benchmark_comm_hooks.py')
+STEP_HEADER = ('| bucket | hook | ours | PyTorch | ours / PyTorch | '
+               'wire MB (ours) | rel. error |')
+CODEC_HEADER = ('| bucket | fp32 copy | ours fp16 | PyTorch fp16 | '
+                'ours bf16 | PyTorch bf16 |')
+_MS = r'[\d.]+ ms'
+# A row of each table: bucket, hook, times, ratio, MiB, error / bucket,
+# copy time, four multiples of it.
+STEP_ROW = (r'\| (?P<size>[\d.]+) MB \| `(?P<hook>\w+)` \| ' + _MS + r' \| ' +
+            _MS + r' \| \d+\.\d\d \| (?P<wire>[\d.]+) \| \d\.\de-\d\d \|')
+CODEC_ROW = r'\| (?P<size>[\d.]+) MB \| ' + _MS + r'( \| \d+\.\d\dx){4} \|'
+
+
+def _table(lines, header):
+    """The rows under ``header`` in ``lines``, after checking the
+    separator line."""
+    start = lines.index(header)
+    assert lines[start + 1] == '|' + '---|' * (header.count('|') - 1)
+    rows = lines[start + 2:]
+    return rows[:rows.index('')] if '' in rows else rows
+
+
+def _bench(*args, python=(sys.executable, TOOL)):
+    return subprocess.run([*python, *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
 
 
 @pytest.mark.slow
 def test_benchmark_runs_and_reports_half_the_bytes(tmp_path):
-    out = subprocess.run([
-        sys.executable,
-        osp.join(ROOT, 'tools', 'benchmark_comm_hooks.py'), '--nproc', '2',
-        '--sizes-mb', '0.25', '1', '--repeat', '2', '--warmup', '1',
-        '--json', str(tmp_path / 'b.json'), '--plot', str(tmp_path / 'b.png')
-    ], capture_output=True, text=True, timeout=300)
+    out = _bench('--nproc', '2', '--sizes-mb', '0.25', '1', '--repeat', '2',
+                 '--warmup', '1', '--json', str(tmp_path / 'b.json'),
+                 '--plot', str(tmp_path / 'b.png'))
     assert out.returncode == 0, out.stderr[-3000:]
     assert 'wire bytes fp16/bf16 = 0.5 x fp32: PASS' in out.stdout
     assert 'CPU casts: C kernel (' in out.stdout
+    # Kineto's "USDT: ... profiler_start/stop" lines stay off the console.
+    assert 'USDT' not in out.stderr and 'profiler_st' not in out.stderr
+    # The README's two tables, row for row.
+    lines = out.stdout.splitlines()
+    step = [re.fullmatch(STEP_ROW, row) for row in _table(lines, STEP_HEADER)]
+    assert [(m['size'], m['hook'], float(m['wire'])) for m in step] == [
+        (size, hook, mb if hook == 'allreduce_hook' else mb / 2)
+        for size, mb in (('0.25', 0.25), ('1', 1))
+        for hook in ('allreduce_hook', 'fp16_compress_hook',
+                     'bf16_compress_hook')
+    ]
+    codec = [re.fullmatch(CODEC_ROW, row)
+             for row in _table(lines, CODEC_HEADER)]
+    assert [m['size'] for m in codec] == ['0.25', '1']
     data = json.load(open(tmp_path / 'b.json'))
     assert data['world_size'] == 2 and data['backend'] == 'gloo'
     assert [e['size_mb'] for e in data['results']] == [0.25, 1]
@@ -40,3 +80,77 @@ def test_benchmark_runs_and_reports_half_the_bytes(tmp_path):
             'torch.bf16'
         }
     assert (tmp_path / 'b.png').stat().st_size > 10000
+
+
+def test_readme_shows_the_tables_the_tool_prints():
+    readme = open(osp.join(ROOT, 'README.md')).read().splitlines()
+    section = readme[readme.index('## Benchmark'):]
+    for header, row in ((STEP_HEADER, STEP_ROW), (CODEC_HEADER, CODEC_ROW)):
+        rows = _table(section, header)
+        assert rows
+        for line in rows:
+            assert re.fullmatch(row, line), line
+
+
+def _usage_error(args, message, **kwargs):
+    out = _bench(*args, **kwargs)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.splitlines()[-1] == (
+        f'benchmark_comm_hooks.py: error: {message}')
+    assert out.stdout == ''
+
+
+@pytest.fixture
+def bench_args(monkeypatch, capsys):
+    """The tool's own ``parse_args``, in this process (a subprocess per
+    case would import torch again for nothing): returns the exit code and
+    the last line of stderr it printed."""
+    spec = importlib.util.spec_from_file_location('_benchmark_tool', TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.setattr(sys, 'argv', [TOOL])
+
+    def parse(args):
+        with pytest.raises(SystemExit) as exited:
+            tool.parse_args(args)
+        captured = capsys.readouterr()
+        assert captured.out == ''
+        return exited.value.code, captured.err.splitlines()[-1]
+
+    return parse
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--nproc', '0'], '--nproc should be at least 1, but got 0'),
+    (['--sizes-mb', '1', '-4'],
+     '--sizes-mb values should be positive, but got -4'),
+    (['--repeat', '0'], '--repeat should be at least 1, but got 0'),
+    (['--json', '/nonexistent/b.json'],
+     '--json /nonexistent/b.json: cannot write there (No such file or '
+     'directory)'),
+    (['--plot', '.'], '--plot .: is a directory, not a file'),
+], ids=['nproc', 'sizes', 'repeat', 'json-dir-missing', 'plot-is-a-dir'])
+def test_bad_arguments_are_usage_errors_before_any_rank_starts(
+        bench_args, args, message):
+    assert bench_args(args) == (
+        2, f'benchmark_comm_hooks.py: error: {message}')
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU machine')
+def test_nccl_without_cuda_is_a_usage_error(bench_args):
+    assert bench_args(['--backend', 'nccl']) == (
+        2, 'benchmark_comm_hooks.py: error: --backend nccl needs CUDA GPUs, '
+        'but torch sees none (use --backend gloo on CPUs)')
+
+
+def test_plot_without_matplotlib_is_a_usage_error(tmp_path):
+    # The tool run as a script by an interpreter where matplotlib cannot be
+    # imported (a None entry in sys.modules makes the import fail).
+    blocked = ("import runpy, sys; sys.modules['matplotlib'] = None; "
+               f'sys.argv = [{TOOL!r}] + sys.argv[1:]; '
+               f"runpy.run_path({TOOL!r}, run_name='__main__')")
+    _usage_error(['--plot', str(tmp_path / 'b.png')],
+                 '--plot needs matplotlib, which is not installed (pip '
+                 'install matplotlib)',
+                 python=(sys.executable, '-c', blocked))
+    assert not (tmp_path / 'b.png').exists()

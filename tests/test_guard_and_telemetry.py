@@ -52,6 +52,17 @@ def test_overflow_of_the_sum_is_detected_and_avoidable():
     assert grad[0] == 4.8e4 and found == []
 
 
+def test_predivide_factor_above_the_world_size_carries_larger_means():
+    # 98304 = 3 * 2**15 on 2 ranks: the mean itself is above fp16's 65504,
+    # so dividing by the world size before the cast overflows; dividing by
+    # 4 sends 24576 per rank (sum 49152) and the last factor of 2 is
+    # applied in fp32 after the reduction. So any factor > 0 is allowed.
+    grad, found, _ = run_ranks(_reduce, 98304.0, None, world_size=2)[0]
+    assert torch.isinf(grad[0]) and found == [(0, [(3, )])]
+    grad, found, _ = run_ranks(_reduce, 98304.0, 4, world_size=2)[0]
+    assert grad[0] == 98304 and found == []
+
+
 def test_underflow_is_what_the_split_protects_against():
     # 1e-7 on every rank: divided by 4 before the cast it is below half the
     # smallest fp16 subnormal (6e-8) and flushes to zero; divided by 2 it
@@ -102,6 +113,7 @@ def test_telemetry_counts_the_bytes_on_the_wire(tmp_path, comm_hook,
                                                 wire_per_step):
     mb, ratio, logged = run_ranks(_telemetry, str(tmp_path), comm_hook)[0]
     assert mb == pytest.approx([w / 2**20 for w in wire_per_step])
+    # Over what DDP would send without the hook: the fp32 buckets as is.
     assert ratio == pytest.approx([w / (NUMEL * 4) for w in wire_per_step])
     # In the normal log line.
     assert len(logged) == 6 and 'comm_ratio:' in logged[-1]

@@ -1,10 +1,9 @@
 """PowerSGD's state in checkpoints: resume gives the uninterrupted weights."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.dist_utils import run_ranks
-from tests.runner_utils import build_runner
+from tests.runner_utils import build_runner, train_and_gather
 
 POWERSGD = dict(type='powerSGD', start_powerSGD_iter=2,
                 matrix_approximation_rank=1)
@@ -18,13 +17,7 @@ def _train(rank, world_size, work_dir, comm_hook, max_iters, resume,
                      bucket_cap_mb=bucket_cap_mb),
         checkpoint=dict(type='CheckpointHook', interval=4, by_epoch=False),
         resume=resume)
-    runner.train()
-    flat = torch.cat([p.detach().flatten()
-                      for p in runner.model.module.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(gathered, flat)
-    return gathered, [(lvl, m) for lvl, m in records.lines
-                      if 'state' in m and lvl in ('WARNING', 'INFO')]
+    return train_and_gather(runner, records, world_size)
 
 
 @pytest.mark.parametrize('bucket_cap_mb,wrapper', [(25, None),

@@ -4,6 +4,7 @@ import json
 import os
 import os.path as osp
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -316,3 +317,38 @@ def test_train_tool_adds_the_runner_hook_a_config_forgot(tmp_path):
     assert out.returncode == 0, log[-3000:]
     assert log.count('CommHookRegistrationHook in custom_hooks: added it') == 1
     assert "type='fp16_compress' (fp16_compress_hook)" in log
+
+
+@pytest.mark.slow
+def test_copied_powersgd_run_resumes_in_step_with_a_rank_file_missing(
+        trained, tmp_path):
+    """Through tools/dist_train.sh --resume: a copied work dir resumes from
+    its own checkpoint (its last_checkpoint still names the original), and
+    with one rank's state file gone every rank starts the hook state
+    afresh, says so once in the log file, and trains on."""
+    cwd, results = trained
+    original, out = results['powerSGD-bf16']
+    assert out.returncode == 0
+    before = sorted(os.listdir(original))
+    copy = tmp_path / 'copy'
+    shutil.copytree(original, copy)
+    missing = copy / 'iter_10.pth.comm_hook_rank1.pth'
+    missing.unlink()
+    resumed = _tool([
+        'bash', osp.join(ROOT, 'tools', 'dist_train.sh'), DEMO, '2',
+        '--work-dir', str(copy), '--resume', '--cfg-options', *SHORT,
+        'train_cfg.max_iters=12', *_hook_options(HOOKS['powerSGD-bf16'])
+    ], cwd)
+    log = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, log[-3000:]
+    assert f'so resuming from {copy}/iter_10.pth' in log
+    warning = ('Not restoring the powerSGD communication-hook state (rank 1: '
+               f'{missing} is missing). Every rank starts it afresh at step '
+               '10')
+    assert log.count(warning) == 1
+    (run, ) = [n for n in set(os.listdir(copy)) - set(before)
+               if (copy / n).is_dir()]
+    (log_file, ) = (copy / run).glob('*.log')
+    assert warning in log_file.read_text()
+    assert (copy / 'iter_12.pth').is_file()
+    assert sorted(os.listdir(original)) == before  # the original untouched

@@ -20,6 +20,10 @@ float64 from every rank's known gradient). Finally, on each rank at once, it
 times compress + decompress against a plain copy of the same fp32 bucket:
 how close the hooks come to the memory-bandwidth limit.
 
+It prints two Markdown tables, as the README shows them, and a verdict on
+the targets. Arguments are checked before any rank starts (a bad value is
+a usage error, exit code 2), as are the ``--json`` and ``--plot`` paths.
+
 Examples:
     python tools/benchmark_comm_hooks.py --nproc 2 --json bench.json \\
         --plot bench.png
@@ -27,6 +31,7 @@ Examples:
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -162,6 +167,11 @@ def _time_codecs(numel, world_size, device, repeat):
 
 
 def _worker(rank, world_size, folder, args):
+    # Kineto, under torch.profiler, writes "USDT: ... profiler_start" and
+    # "profiler_stop" to stderr on every profiled step; its USDT level is
+    # above ERROR, so only level 6 silences it (read when the profiler
+    # first starts). A user's own KINETO_LOG_LEVEL wins.
+    os.environ.setdefault('KINETO_LOG_LEVEL', '6')
     use_cuda = args.backend == 'nccl'
     if use_cuda:
         torch.cuda.set_device(rank)
@@ -236,50 +246,78 @@ def _ratio(a, b):
     return a / b if b > 0 else float('nan')
 
 
-def report(results, world_size, backend):
-    """The table and the verdict on the issue's targets, as text."""
-    lines = [
-        f'{world_size} ranks, backend {backend}, torch {torch.__version__}',
-        '',
-        f'{"bucket":>8} {"hook":<26} {"ms/bucket":>10} {"vs torch":>9} '
-        f'{"wire MB":>8} {"vs fp32":>8} {"rel err":>9}'
-    ]
+def _ms(seconds):
+    ms = seconds * 1e3
+    return f'{ms:.1f} ms' if ms >= 1 else f'{ms:.2f} ms'
+
+
+def _table(header, rows):
+    """A Markdown table, as the README shows the results."""
+    lines = ['| ' + ' | '.join(header) + ' |',
+             '|' + '---|' * len(header)]
+    lines += ['| ' + ' | '.join(row) + ' |' for row in rows]
+    return lines
+
+
+# (family, our hook, PyTorch's) in the order of the step-time table.
+_PAIRS = [(family, name, 'torch.' + name[len('ours.'):])
+          for name, (_, _, family) in HOOKS.items()
+          if name.startswith('ours.')]
+_CODECS = ('ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16')
+
+
+def report(results, world_size, backend, repeat=None):
+    """The results as the README's two tables, then the verdict on the
+    targets, as text."""
+    rounds = '' if repeat is None else f', {repeat} rounds'
+    lines = [f'{world_size} ranks, backend {backend}, torch '
+             f'{torch.__version__}{rounds}']
     if backend == 'gloo':
-        lines.insert(1, f'CPU casts: {ddp_hooks.cpu_codec()}')
+        lines.append(f'CPU casts: {ddp_hooks.cpu_codec()}')
     ratios = {'allreduce': [], 'fp16': [], 'bf16': []}
     bytes_ok, worst = True, (0.0, '', 0)
+    step_rows, codec_rows = [], []
     for entry in results:
         hooks = entry['hooks']
         fp32_bytes = entry['numel'] * 4
-        for name, (_, wire_dtype, family) in HOOKS.items():
-            if name == 'noop':
-                continue
-            data = hooks[name]
-            vs_torch = ''
-            if name.startswith('ours.'):
-                torch_name = 'torch.' + name[len('ours.'):]
-                r = _ratio(data['step_s'], hooks[torch_name]['step_s'])
-                ratios[family].append(r)
-                vs_torch = f'{r:.3f}'
+        bucket = f'{entry["size_mb"]:g} MB'
+        for family, ours, theirs in _PAIRS:
+            data = hooks[ours]
+            r = _ratio(data['step_s'], hooks[theirs]['step_s'])
+            ratios[family].append(r)
             wire = data['wire_bytes']
-            if name.startswith('ours.') and family != 'allreduce':
+            if family != 'allreduce':
                 bytes_ok &= wire == fp32_bytes // 2
-            lines.append(
-                f'{entry["size_mb"]:>6g}MB {name:<26} '
-                f'{data["hook_s"] * 1e3:>10.2f} {vs_torch:>9} '
-                f'{wire / MB:>8.2f} {wire / fp32_bytes:>8.3f} '
-                f'{data["rel_error"]:>9.2e}')
+            step_rows.append([
+                bucket, f'`{ours[len("ours."):]}`', _ms(data['hook_s']),
+                _ms(hooks[theirs]['hook_s']), f'{r:.2f}',
+                f'{wire / MB:g}', f'{data["rel_error"]:.1e}'
+            ])
         codec = entry['codec_s']
-        cells = []
-        for name in ('ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16'):
+        cells = [bucket, _ms(codec['copy_fp32'])]
+        for name in _CODECS:
             r = _ratio(codec[name], codec['copy_fp32'])
             if name.startswith('ours.'):
                 worst = max(worst, (r, name, entry['size_mb']))
-            cells.append(f'{name} {r:.2f}x')
-        lines.append(f'{"":>8} compress+decompress vs fp32 copy '
-                     f'({codec["copy_fp32"] * 1e3:.2f} ms): ' +
-                     ', '.join(cells))
-        lines.append('')
+            cells.append(f'{r:.2f}x')
+        codec_rows.append(cells)
+    lines += [
+        '', 'Time per bucket: `ours` and `PyTorch` are the hook\'s own time '
+        '(the step minus that of a hook that communicates nothing); '
+        '`ours / PyTorch` is the ratio of whole step times (medians; the '
+        'slowest rank sets each step).', ''
+    ]
+    lines += _table([
+        'bucket', 'hook', 'ours', 'PyTorch', 'ours / PyTorch',
+        'wire MB (ours)', 'rel. error'
+    ], step_rows)
+    lines += ['', 'Compress + decompress on every rank at once, as a '
+              'multiple of a plain copy of the fp32 bucket:', '']
+    lines += _table([
+        'bucket', 'fp32 copy', 'ours fp16', 'PyTorch fp16', 'ours bf16',
+        'PyTorch bf16'
+    ], codec_rows)
+    lines.append('')
     lines.append('Targets (step time incl. the shared backward; median '
                  'over bucket sizes):')
     for family, values in ratios.items():
@@ -327,25 +365,74 @@ def plot(results, path):
     fig.savefig(path, dpi=110)
 
 
-def parse_args():
+def _check_writable(parser, option, path):
+    """``parser.error`` now, not after the run, if ``path`` cannot be
+    written: its folder is missing or read-only, or it is a folder."""
+    if os.path.isdir(path):
+        parser.error(f'{option} {path}: is a directory, not a file')
+    existed = os.path.exists(path)
+    try:
+        with open(path, 'a'):
+            pass
+    except OSError as e:
+        parser.error(f'{option} {path}: cannot write there ({e.strerror})')
+    if not existed:
+        os.remove(path)
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--nproc', type=int, default=2)
+    parser.add_argument(
+        '--nproc', type=int, default=2, help='ranks (processes) to start')
     parser.add_argument(
         '--sizes-mb', type=float, nargs='+', default=[1, 4, 16, 64, 100],
         help='bucket sizes in MB of fp32 gradients')
-    parser.add_argument('--repeat', type=int, default=10)
-    parser.add_argument('--warmup', type=int, default=2)
     parser.add_argument(
-        '--backend', choices=['auto', 'gloo', 'nccl'], default='auto')
+        '--repeat', type=int, default=10,
+        help='timed rounds per bucket size (every hook once per round)')
+    parser.add_argument(
+        '--warmup', type=int, default=2,
+        help='untimed steps per hook before the rounds')
+    parser.add_argument(
+        '--backend', choices=['auto', 'gloo', 'nccl'], default='auto',
+        help='auto: NCCL when every rank has a GPU, else gloo')
     parser.add_argument('--json', help='write the results here')
-    parser.add_argument('--plot', help='draw a PNG here')
-    args = parser.parse_args()
+    parser.add_argument(
+        '--plot', help='draw a PNG here (needs matplotlib)')
+    args = parser.parse_args(argv)
+    # Everything is checked before a rank starts: a bad value fails in a
+    # second, not after the measurement.
+    if args.nproc < 1:
+        parser.error(f'--nproc should be at least 1, but got {args.nproc}')
+    for size in args.sizes_mb:
+        if not math.isfinite(size) or size <= 0:
+            parser.error('--sizes-mb values should be positive, but got '
+                         f'{size:g}')
+        if int(size * MB) // 4 < 1:
+            parser.error(f'--sizes-mb {size:g} is less than one fp32 '
+                         'gradient (4 bytes)')
+    if args.repeat < 1:
+        parser.error(f'--repeat should be at least 1, but got {args.repeat}')
+    if args.warmup < 1:
+        parser.error(f'--warmup should be at least 1, but got {args.warmup}')
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.backend == 'auto':
-        args.backend = ('nccl' if torch.cuda.is_available()
-                        and torch.cuda.device_count() >= args.nproc else
-                        'gloo')
-    if args.repeat < 1 or args.warmup < 1:
-        parser.error('--repeat and --warmup must be at least 1')
+        args.backend = 'nccl' if gpus >= args.nproc else 'gloo'
+    elif args.backend == 'nccl' and not gpus:
+        parser.error('--backend nccl needs CUDA GPUs, but torch sees none '
+                     '(use --backend gloo on CPUs)')
+    elif args.backend == 'nccl' and gpus < args.nproc:
+        parser.error(f'--backend nccl needs one CUDA GPU per rank, but got '
+                     f'--nproc {args.nproc} with {gpus} GPUs')
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error('--plot needs matplotlib, which is not installed '
+                         '(pip install matplotlib)')
+    for option in ('json', 'plot'):
+        if getattr(args, option):
+            _check_writable(parser, f'--{option}', getattr(args, option))
     return args
 
 
@@ -357,7 +444,7 @@ def main():
             start_method='spawn')
         with open(os.path.join(folder, 'results.json')) as f:
             results = json.load(f)
-    print(report(results, args.nproc, args.backend))
+    print(report(results, args.nproc, args.backend, args.repeat))
     if args.json:
         with open(args.json, 'w') as f:
             json.dump(dict(world_size=args.nproc, backend=args.backend,

@@ -5,6 +5,10 @@ Trains a config (by default the toy segmenter with ``bf16_compress``) on
 GPUs), evaluates the final checkpoint with ``tools/dist_test.sh``, then
 reads the runs' own logs back to say which hook was registered, the final
 loss, the evaluation metrics and the wall time. ``make demo`` calls this.
+
+The work dir is ``--work-dir``, else ``work_dirs/demo`` for the default
+config and ``work_dirs/<config name>`` for any other (as tools/train.py
+names it), so that two demos never share checkpoints.
 """
 import argparse
 import glob
@@ -27,13 +31,26 @@ def parse_args():
     parser.add_argument('--config', default=DEFAULT_CONFIG)
     parser.add_argument('--nproc', type=int, default=2)
     parser.add_argument(
-        '--work-dir', default=osp.join('work_dirs', 'demo'))
+        '--work-dir',
+        help='default: work_dirs/demo for the default config, else '
+        'work_dirs/<config name>')
     parser.add_argument(
         '--no-eval', action='store_true', help='skip tools/test.py')
     parser.add_argument(
         '--cfg-options', nargs='+', default=[],
         help='passed on to tools/train.py and tools/test.py')
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.work_dir is None:
+        args.work_dir = default_work_dir(args.config)
+    return args
+
+
+def default_work_dir(config: str) -> str:
+    """``work_dirs/demo`` for the default config (what ``make demo`` and
+    the README show), ``work_dirs/<config name>`` for any other."""
+    if osp.abspath(config) == DEFAULT_CONFIG:
+        return osp.join('work_dirs', 'demo')
+    return osp.join('work_dirs', osp.splitext(osp.basename(config))[0])
 
 
 def _free_port() -> str:

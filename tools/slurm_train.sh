@@ -15,6 +15,12 @@ SRUN_ARGS=${SRUN_ARGS:-""}
 GRES=${GRES-"--gres=gpu:${GPUS_PER_NODE}"}
 PY_ARGS=${@:4}
 HERE=$(cd "$(dirname "$0")" && pwd)
+# The interpreter of every task: PYTHON, else the repository's
+# .venv/bin/python when it exists (`make install`), else python on PATH.
+VENV_PYTHON="$(dirname "$HERE")/.venv/bin/python"
+if [ -z "$PYTHON" ] && [ -x "$VENV_PYTHON" ]; then
+    export PYTHON=$VENV_PYTHON
+fi
 # MASTER_ADDR for gloo on CPU nodes: the first host of the allocation.
 export MASTER_PORT=${MASTER_PORT:-29500}
 

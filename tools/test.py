@@ -2,8 +2,9 @@
 
 Same arguments as MMSegmentation 1.x's ``tools/test.py``; without CUDA a
 distributed launch runs on gloo (see :mod:`mmcv_custom.launcher`). The
-checkpoint is checked against the safe-loading allow-list first
-(:mod:`mmcv_custom.checkpoint`).
+checkpoint is checked first: it must exist and hold only what is on the
+safe-loading allow-list (:mod:`mmcv_custom.checkpoint`). ``--out`` is
+created on every rank, since each writes its predictions there.
 
 Examples:
     python tools/test.py CONFIG CHECKPOINT
@@ -16,9 +17,8 @@ from mmengine.config import DictAction
 from mmengine.runner import Runner
 
 import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
-from mmcv_custom.checkpoint import check_checkpoint
-from mmcv_custom.launcher import (load_config, prepare_launch,
-                                  shutdown_distributed)
+from mmcv_custom.launcher import (check_checkpoint_file, load_config,
+                                  prepare_launch, shutdown_distributed)
 
 
 def parse_args():
@@ -85,7 +85,7 @@ def main():
     args = parse_args()
     cfg = load_config(args.config, args.cfg_options, args.work_dir)
 
-    check_checkpoint(args.checkpoint)
+    check_checkpoint_file(args.checkpoint, 'checkpoint')
     cfg.load_from = args.checkpoint
 
     if args.show or args.show_dir:
@@ -97,6 +97,11 @@ def main():
     if args.out is not None:
         cfg.test_evaluator['output_dir'] = args.out
         cfg.test_evaluator['keep_results'] = True
+        # MMSegmentation's IoUMetric creates output_dir on rank 0 only, but
+        # every rank writes its share of the predictions there: without
+        # this, the other ranks fail on a directory that does not exist
+        # yet.
+        os.makedirs(args.out, exist_ok=True)
 
     prepare_launch(cfg, args.launcher)
     runner = Runner.from_cfg(cfg)

@@ -5,8 +5,13 @@ Same arguments as MMSegmentation 1.x's ``tools/train.py``. Additionally:
 * ``mmcv_custom`` is imported, so ``comm_hook`` configs work without
   ``custom_imports``; a config that sets ``comm_hook`` but forgot the runner
   hook in ``custom_hooks`` gets it added (with one log line);
+* the checkpoint the run will load (``load_from``, in the config or from
+  ``--cfg-options``, else with ``--resume`` the latest in the work dir) is
+  checked first: a missing file, or one holding what torch's safe loader
+  refuses, fails before the process group or the runner exists;
 * without CUDA, a distributed launch starts a gloo process group and a
-  CPU DDP, and SyncBN becomes BN (see :mod:`mmcv_custom.launcher`).
+  CPU DDP, and SyncBN becomes BN; a ``model_wrapper_cfg`` other than a DDP
+  is refused by name (see :mod:`mmcv_custom.launcher`).
 
 Examples:
     python tools/train.py CONFIG
@@ -21,8 +26,9 @@ from mmengine.logging import print_log
 from mmengine.runner import Runner
 
 import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
-from mmcv_custom.checkpoint import check_checkpoint
-from mmcv_custom.launcher import (is_launch_rank0, load_config, prepare_launch,
+from mmcv_custom.checkpoint import resolve_resume_checkpoint
+from mmcv_custom.launcher import (check_checkpoint_file, is_launch_rank0,
+                                  load_config, prepare_launch,
                                   shutdown_distributed)
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
@@ -104,13 +110,24 @@ def main():
             cfg.optim_wrapper.loss_scale = 'dynamic'
 
     cfg.resume = args.resume
-    if args.resume:
-        # Name what a safe load would refuse before any work starts.
-        from mmengine.runner import find_latest_checkpoint
-        checkpoint = cfg.get('load_from') or find_latest_checkpoint(
-            cfg.work_dir)
+    # What the runner will load: load_from (fine-tuning, or the checkpoint
+    # to resume from), else with --resume the latest one in the work dir.
+    # Name a missing file, or what a safe load would refuse, before the
+    # process group or the runner exists.
+    checkpoint = cfg.get('load_from')
+    if checkpoint:
+        check_checkpoint_file(checkpoint, 'load_from')
+    elif args.resume:
+        # MMEngine's choice (what <work_dir>/last_checkpoint names), unless
+        # the work dir was moved or copied: then its own copy.
+        checkpoint, moved = resolve_resume_checkpoint(cfg.work_dir)
         if checkpoint:
-            check_checkpoint(checkpoint)
+            check_checkpoint_file(
+                checkpoint, os.path.join(cfg.work_dir, 'last_checkpoint'))
+        if moved:
+            cfg.load_from = checkpoint  # what MMEngine resumes from
+            if is_launch_rank0():
+                print_log(moved, logger='current', level=logging.WARNING)
     add_comm_hook_runner_hook(cfg)
     prepare_launch(cfg, args.launcher)
 

@@ -19,6 +19,16 @@ _NONFINITE_ADVICE = (
     "In fp16 the sum of the ranks' shares overflows above 65504: use "
     'predivide_factor=<world size> or bf16_compress, or check the loss '
     '(with AMP, the loss scaler skips such steps).')
+# bf16 has fp32's range: the all-reduce itself cannot overflow.
+_NONFINITE_ADVICE_BF16 = (
+    'bf16 has the range of fp32, so the gradients were not finite before '
+    'the all-reduce: check the loss and the learning rate (with AMP, the '
+    'loss scaler skips such steps).')
+
+
+def _nonfinite_advice(spec) -> str:
+    return (_NONFINITE_ADVICE_BF16 if spec.type == 'bf16_compress' else
+            _NONFINITE_ADVICE)
 
 
 class NonFiniteGradientsError(RuntimeError):
@@ -60,7 +70,8 @@ class CommHookRegistrationHook(Hook):
       message hub, so it shows in the log line and in the visualizer
       backends (TensorBoard...): ``comm_MB`` (MiB sent through the hook in
       the iteration; 0 on gradient-accumulation steps) and ``comm_ratio``
-      (that, over what an fp32 all-reduce would have sent). Counted in
+      (that, over what DDP would send without the hook: the buckets' own
+      dtype). Counted in
       Python as buckets pass: no collective, no synchronisation. Then warns,
       once per occurrence, about buckets whose fp16 average is not finite
       (``check_finite``), naming the bucket and its parameters, and stops
@@ -226,18 +237,18 @@ class CommHookRegistrationHook(Hook):
         if self._state_files is not None:
             self._state_files.save_if_due(runner, by_epoch=False)
         if self._telemetry:
-            fp32_bytes, wire_bytes = 0, 0
+            baseline_bytes, wire_bytes = 0, 0
             for _, _, counter, _ in self._installed:
-                fp32, wire = counter.pop()
-                fp32_bytes += fp32
+                baseline, wire = counter.pop()
+                baseline_bytes += baseline
                 wire_bytes = None if wire is None or wire_bytes is None else (
                     wire_bytes + wire)
             if wire_bytes is not None:
                 runner.message_hub.update_scalar('train/comm_MB',
                                                  wire_bytes / 2**20)
-                if fp32_bytes:
+                if baseline_bytes:
                     runner.message_hub.update_scalar(
-                        'train/comm_ratio', wire_bytes / fp32_bytes)
+                        'train/comm_ratio', wire_bytes / baseline_bytes)
 
     # -- hook state in checkpoints (see hook_state_files.py) --------------
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
@@ -270,7 +281,7 @@ class CommHookRegistrationHook(Hook):
         same way at the same iteration, and this hook runs before the
         CheckpointHook: a stopped run saves nothing after the bad step.
         """
-        bad = False
+        bad, advice = False, _NONFINITE_ADVICE
         for name, spec, _, names in self._installed:
             state = spec.state
             if not (isinstance(state, CompressState) and state.check_finite):
@@ -285,7 +296,9 @@ class CommHookRegistrationHook(Hook):
                     f'Iteration {runner.iter + 1}: non-finite gradients '
                     f'after the {spec.type} all-reduce in DDP bucket '
                     f'{index}{where} (parameters: '
-                    f'{", ".join(shown[:5])}{more}). {_NONFINITE_ADVICE}')
+                    f'{", ".join(shown[:5])}{more}). '
+                    f'{_nonfinite_advice(spec)}')
+                advice = _nonfinite_advice(spec)
         if not bad:
             self._nonfinite_streak = 0
             return
@@ -300,24 +313,25 @@ class CommHookRegistrationHook(Hook):
             more = (f' and {len(broken) - 5} more'
                     if len(broken) > 5 else '')
             self._stop(
-                runner, f'Iteration {runner.iter + 1}: the optimizer applied '
-                'non-finite gradients, and the parameters '
+                runner, advice, f'Iteration {runner.iter + 1}: the '
+                'optimizer applied non-finite gradients, and the parameters '
                 f'{", ".join(broken[:5])}{more} are no longer finite, so '
                 'training cannot recover. Stopped before saving a '
                 'checkpoint of these weights.')
         limit = self._max_nonfinite_iters
         if limit is not None and self._nonfinite_streak >= limit:
             self._stop(
-                runner, f'Iteration {runner.iter + 1}: gradients were not '
-                f'finite after the all-reduce in {self._nonfinite_streak} '
+                runner, advice, f'Iteration {runner.iter + 1}: gradients '
+                'were not finite after the all-reduce in '
+                f'{self._nonfinite_streak} '
                 'iterations in a row (max_nonfinite_iters='
                 f'{limit}); the parameters are still finite (the loss '
                 'scaler skipped those steps), but training is not '
                 'progressing.')
 
     @staticmethod
-    def _stop(runner, message: str) -> None:
-        message = f'{message} {_NONFINITE_ADVICE}'
+    def _stop(runner, advice: str, message: str) -> None:
+        message = f'{message} {advice}'
         runner.logger.error(message)
         raise NonFiniteGradientsError(message)
 

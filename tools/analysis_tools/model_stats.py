@@ -21,6 +21,7 @@ from mmengine.utils import import_modules_from_strings
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(
     __file__)))))
+from mmcv_custom.launcher import load_config  # noqa: E402
 from mmcv_custom.registry import check_comm_hook_cfg  # noqa: E402
 
 GiB = 2**30
@@ -50,11 +51,12 @@ def stats(cfg: Config) -> dict:
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     backbone = getattr(model, 'backbone', model)
-    vit = getattr(backbone, 'vit_parameters', backbone.parameters)
+    # Only InternViT tells its pre-trained ViT apart from its adapters.
+    vit = getattr(backbone, 'vit_parameters', None)
     out = dict(
         params=sum(p.numel() for p in params),
         backbone_params=sum(p.numel() for p in backbone.parameters()),
-        vit_params=sum(p.numel() for p in vit()),
+        vit_params=None if vit is None else sum(p.numel() for p in vit()),
         trainable=sum(p.numel() for p in trainable))
     out['fp32_bytes'] = out['trainable'] * 4
     hook = cfg.get('comm_hook')
@@ -79,21 +81,40 @@ def stats(cfg: Config) -> dict:
     return out
 
 
+def _error(message: str) -> None:
+    """Exit with one line, as argparse does, instead of a traceback."""
+    sys.exit(f'{osp.basename(__file__)}: error: {message}')
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('config')
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction)
+    parser.add_argument('config', help='config file path')
+    parser.add_argument(
+        '--cfg-options',
+        nargs='+',
+        action=DictAction,
+        help='override some settings in the used config, as in '
+        'tools/train.py: the key-value pairs in xxx=yyy format are merged '
+        'into the config, e.g. comm_hook.type=fp16_compress')
     args = parser.parse_args()
-    cfg = Config.fromfile(args.config)
-    if args.cfg_options:
-        cfg.merge_from_dict(args.cfg_options)
+    cfg = load_config(args.config, args.cfg_options)
+    if cfg.get('comm_hook') is not None:
+        # Before building the model (seconds for InternViT-6B). The errors
+        # name the bad value and the valid ones: that line is what the
+        # user needs, not a traceback.
+        try:
+            check_comm_hook_cfg(cfg.comm_hook)
+        except (KeyError, TypeError, ValueError) as e:
+            message = e.args[0] if isinstance(e, KeyError) and e.args else e
+            _error(str(message))
     with DefaultScope.overwrite_default_scope(
             cfg.get('default_scope', 'mmseg')):
         s = stats(cfg)
+    vit = ('' if s['vit_params'] is None else
+           f', of which the pre-trained ViT {s["vit_params"]:,}')
     print(f'config            : {args.config}')
     print(f'parameters        : {s["params"]:,} (backbone '
-          f'{s["backbone_params"]:,}, of which the pre-trained ViT '
-          f'{s["vit_params"]:,})')
+          f'{s["backbone_params"]:,}{vit})')
     print(f'trainable         : {s["trainable"]:,}')
     print(f'gradients, fp32   : {s["fp32_bytes"] / GiB:.3f} GiB per step')
     hook_bytes = ('depends on the DDP buckets' if s['hook_bytes'] is None
