@@ -120,8 +120,12 @@ def test_persistent_overflow_stops_at_the_limit(tmp_path):
         'iter_1.pth']
 
 
-@pytest.mark.parametrize('bad', [0, -1, 2.5, True, '3'])
-def test_max_nonfinite_iters_is_checked(bad):
-    with pytest.raises(ValueError, match='max_nonfinite_iters should be an '
-                       rf'int >= 1 or None, but got {bad!r}'):
+@pytest.mark.parametrize('bad,error,got', [
+    (0, ValueError, '0'), (-1, ValueError, '-1'),
+    (2.5, TypeError, 'float: 2.5'), (True, TypeError, 'bool: True'),
+    ('3', TypeError, "str: '3'")])
+def test_max_nonfinite_iters_is_checked(bad, error, got):
+    with pytest.raises(error) as e:
         CommHookRegistrationHook(max_nonfinite_iters=bad)
+    assert str(e.value) == (
+        f'max_nonfinite_iters should be an int >= 1, but got {got}')

@@ -235,6 +235,30 @@ def test_model_stats_names_a_vit_only_where_there_is_one():
         r'pre-trained ViT [\d,]+\)$', vit.stdout, re.M), vit.stdout
     # --cfg-options as in tools/train.py.
     assert "(type='fp16_compress')" in vit.stdout
+    # No backbone at all; a small model reads in MiB, not 0.000 GiB.
+    mlp = _stats(MLP)
+    assert mlp.returncode == 0, mlp.stderr[-3000:]
+    assert re.search(r'^parameters        : 142,088$', mlp.stdout, re.M)
+    assert re.search(r'^with comm_hook    : 0\.271 MiB per step '
+                     r"\(type='bf16_compress'\)$", mlp.stdout, re.M)
+
+
+@pytest.mark.slow
+def test_test_tool_names_what_a_config_lacks(tmp_path):
+    config = tmp_path / 'no_test.py'
+    config.write_text(f'_base_ = [{MLP!r}]\ntest_dataloader = None\n'
+                      'test_evaluator = None\n')
+    checkpoint = tmp_path / 'weights.pth'
+    torch.save({'state_dict': {}}, checkpoint)
+    out = _run([sys.executable, osp.join(TOOLS, 'test.py'), str(config),
+                str(checkpoint), '--out', str(tmp_path / 'out')],
+               str(tmp_path))
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        f'ValueError: {config} sets no test_dataloader, test_evaluator, '
+        'which this tool evaluates with. Add them to the config (to test on '
+        'the validation set: test_dataloader = val_dataloader, test_cfg = '
+        'dict(), test_evaluator = val_evaluator).')
 
 
 @pytest.mark.parametrize('option,error', [

@@ -104,7 +104,8 @@ def summarize(train_dir: str, eval_dir: str, wall: float) -> str:
                 metrics = json.JSONDecoder().raw_decode(f.read())[0]
     elif [s for s in scalars if 'loss' not in s]:
         metrics = [s for s in scalars if 'loss' not in s][-1]
-    shown = {k: round(v, 2) for k, v in metrics.items()
+    # Four significant digits: mIoU percentages and small MSEs alike.
+    shown = {k: float(f'{v:.4g}') for k, v in metrics.items()
              if k not in ('step', 'time', 'data_time')}
     lines = ['', '=' * 72, 'Demo summary']
     lines.append('  comm hook : ' +
@@ -115,7 +116,8 @@ def summarize(train_dir: str, eval_dir: str, wall: float) -> str:
                      f"(iter {losses[-1]['step']})")
     if shown:
         lines.append(f'  eval      : {shown}')
-    lines.append(f'  wall time : {wall:.1f} s (training and evaluation)')
+    what = 'training and evaluation' if eval_dir else 'training'
+    lines.append(f'  wall time : {wall:.1f} s ({what})')
     lines.append(f'  work dir  : {osp.abspath(train_dir)}')
     lines.append('=' * 72)
     return '\n'.join(lines)

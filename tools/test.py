@@ -87,6 +87,14 @@ def main():
 
     check_checkpoint_file(args.checkpoint, 'checkpoint')
     cfg.load_from = args.checkpoint
+    missing = [key for key in ('test_dataloader', 'test_cfg', 'test_evaluator')
+               if cfg.get(key) is None]
+    if missing:
+        raise ValueError(
+            f'{args.config} sets no {", ".join(missing)}, which this tool '
+            'evaluates with. Add them to the config (to test on the '
+            'validation set: test_dataloader = val_dataloader, test_cfg = '
+            'dict(), test_evaluator = val_evaluator).')
 
     if args.show or args.show_dir:
         cfg = trigger_visualization_hook(cfg, args)

@@ -1,8 +1,9 @@
 # The MMEngine-only demo (no MMSegmentation): a small MLP regressor on
 # synthetic data, 2 CPU ranks, gradients all-reduced in bf16. Run it with
-# `tools/demo.py --config configs/demo/mlp_2xb32-300iter_synthetic.py`
-# (work dir: work_dirs/mlp_2xb32-300iter_synthetic); `make demo` trains the
-# toy segmenter instead.
+# `.venv/bin/python tools/demo.py --config
+# configs/demo/mlp_2xb32-300iter_synthetic.py` (trains, then tests on the
+# validation set; work dir: work_dirs/mlp_2xb32-300iter_synthetic);
+# `make demo` trains the toy segmenter instead.
 _base_ = ['../_base_/comm_hook.py']
 
 custom_imports = dict(
@@ -32,9 +33,13 @@ val_dataloader = dict(
         function_seed=0,
         seed=1))
 val_evaluator = dict(type='RegressionMSE')
+# tools/test.py (and tools/demo.py's evaluation) test on the validation set.
+test_dataloader = val_dataloader
+test_evaluator = val_evaluator
 optim_wrapper = dict(optimizer=dict(type='AdamW', lr=1e-3))
 train_cfg = dict(by_epoch=False, max_iters=300, val_interval=300)
 val_cfg = dict()
+test_cfg = dict()
 default_hooks = dict(
     logger=dict(type='LoggerHook', interval=50),
     checkpoint=dict(type='CheckpointHook', by_epoch=False, interval=300))

@@ -10,7 +10,8 @@ from mmengine.runner import find_latest_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 
 from ..ddp_hooks import CompressState, cpu_codec
-from ..registry import CommCounter, build_comm_hook, check_comm_hook_cfg
+from ..registry import (CommCounter, build_comm_hook, check_comm_hook_cfg,
+                        require_int)
 from .hook_state_files import HookStateFiles
 
 __all__ = ['CommHookRegistrationHook', 'NonFiniteGradientsError']
@@ -97,8 +98,9 @@ class CommHookRegistrationHook(Hook):
             iterations in a row with non-finite averaged gradients, while
             the parameters stay finite (a loss scaler skipping the steps).
             A dynamic loss scaler needs a few such steps to settle, hence
-            the default of 10. None never stops for that reason; the run
-            always stops when the parameters turn non-finite.
+            the default of 10 (an int >= 1). None never stops for that
+            reason; the run always stops when the parameters turn
+            non-finite.
     """
 
     priority = 'VERY_HIGH'
@@ -112,12 +114,9 @@ class CommHookRegistrationHook(Hook):
         if not isinstance(telemetry, bool):
             raise TypeError('telemetry should be True or False, but got '
                             f'{telemetry!r}')
-        if max_nonfinite_iters is not None and (
-                isinstance(max_nonfinite_iters, bool)
-                or not isinstance(max_nonfinite_iters, int)
-                or max_nonfinite_iters < 1):
-            raise ValueError('max_nonfinite_iters should be an int >= 1 or '
-                             f'None, but got {max_nonfinite_iters!r}')
+        if max_nonfinite_iters is not None:
+            require_int('max_nonfinite_iters', max_nonfinite_iters,
+                        minimum=1)
         self._hook_arg = comm_hook
         self._telemetry = telemetry
         self._max_nonfinite_iters = max_nonfinite_iters
@@ -332,7 +331,9 @@ class CommHookRegistrationHook(Hook):
     @staticmethod
     def _stop(runner, advice: str, message: str) -> None:
         message = f'{message} {advice}'
-        runner.logger.error(message)
+        # Every rank stops (they see the same averages); one says why.
+        if is_main_process():
+            runner.logger.error(message)
         raise NonFiniteGradientsError(message)
 
     @staticmethod

@@ -283,15 +283,19 @@ class HookStateFiles:
             first = (str(e).strip().splitlines() or [''])[0]
             raise _Refused(f'{path} is unreadable ({type(e).__name__}: '
                            f'{first})') from None
-        if not isinstance(payload, dict):
-            raise _Refused(f'{path} holds no hook state')
+        if not isinstance(payload, dict) or payload.get('format') != _FORMAT:
+            raise _Refused(f'{path} is not a communication-hook state file '
+                           'of this mmcv_custom version')
         mine = (record.get('run'), record.get('step'), rank)
         found = (payload.get('run'), payload.get('step'), payload.get('rank'))
-        if found != mine:
+        if found[:2] != mine[:2]:
             raise _Refused(
                 f'{path} belongs to another save (run {found[0]}, step '
-                f'{found[1]}, rank {found[2]}), not to '
-                f'{osp.basename(checkpoint)} (run {mine[0]}, step {mine[1]})')
+                f'{found[1]}), not to {osp.basename(checkpoint)} (run '
+                f'{mine[0]}, step {mine[1]})')
+        if found[2] != rank:
+            raise _Refused(f'{path} holds the state of rank {found[2]}, not '
+                           f'of rank {rank}')
         hooks = payload.get('hooks')
         for name, relayout in self.relayouts.items():
             try:

@@ -41,6 +41,13 @@ def powersgd_numel(params, rank: int, min_rate: float) -> int:
     return total
 
 
+def _size(num_bytes: int) -> str:
+    """GiB with three decimals, or MiB for what would read 0.000 GiB."""
+    if num_bytes >= GiB / 100:
+        return f'{num_bytes / GiB:.3f} GiB'
+    return f'{num_bytes / 2**20:.3f} MiB'
+
+
 def stats(cfg: Config) -> dict:
     if cfg.get('custom_imports'):
         import_modules_from_strings(**cfg.custom_imports)
@@ -50,12 +57,13 @@ def stats(cfg: Config) -> dict:
         model = MODELS.build(cfg.model)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    backbone = getattr(model, 'backbone', model)
+    backbone = getattr(model, 'backbone', None)
     # Only InternViT tells its pre-trained ViT apart from its adapters.
     vit = getattr(backbone, 'vit_parameters', None)
     out = dict(
         params=sum(p.numel() for p in params),
-        backbone_params=sum(p.numel() for p in backbone.parameters()),
+        backbone_params=None if backbone is None else sum(
+            p.numel() for p in backbone.parameters()),
         vit_params=None if vit is None else sum(p.numel() for p in vit()),
         trainable=sum(p.numel() for p in trainable))
     out['fp32_bytes'] = out['trainable'] * 4
@@ -112,13 +120,14 @@ def main():
         s = stats(cfg)
     vit = ('' if s['vit_params'] is None else
            f', of which the pre-trained ViT {s["vit_params"]:,}')
+    parts = ('' if s['backbone_params'] is None else
+             f' (backbone {s["backbone_params"]:,}{vit})')
     print(f'config            : {args.config}')
-    print(f'parameters        : {s["params"]:,} (backbone '
-          f'{s["backbone_params"]:,}{vit})')
+    print(f'parameters        : {s["params"]:,}{parts}')
     print(f'trainable         : {s["trainable"]:,}')
-    print(f'gradients, fp32   : {s["fp32_bytes"] / GiB:.3f} GiB per step')
+    print(f'gradients, fp32   : {_size(s["fp32_bytes"])} per step')
     hook_bytes = ('depends on the DDP buckets' if s['hook_bytes'] is None
-                  else f'{s["hook_bytes"] / GiB:.3f} GiB per step')
+                  else f'{_size(s["hook_bytes"])} per step')
     print(f'with comm_hook    : {hook_bytes} ({s["hook"]})')
 
 
