@@ -151,8 +151,14 @@ def resolve_resume_checkpoint(work_dir: str,
         return None, None
     local = osp.join(work_dir, osp.basename(recorded))
     same_dir = osp.abspath(osp.dirname(recorded)) == osp.abspath(work_dir)
-    if same_dir or '://' in recorded or not osp.isfile(local):
+    if same_dir or '://' in recorded:
         return recorded, None
+    if not osp.isfile(local):
+        # A CheckpointHook with its own out_dir, or a copy whose newest
+        # checkpoint is gone: MMEngine's choice, but not silently.
+        return recorded, (f'{recorded_file} names {recorded}, outside this '
+                          f'work dir, which has no {osp.basename(recorded)}'
+                          f'; resuming from {recorded}.')
     how = ('was moved' if not osp.exists(recorded) else
            'is a copy of another run (which is left alone)')
     return local, (f'{recorded_file} names {recorded}, outside this work dir; '

@@ -274,3 +274,38 @@ def test_model_stats_rejects_a_bad_comm_hook_in_one_line(option, error):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f'model_stats.py: error: {error}'), last
     assert out.stdout == ''
+
+
+def test_resume_checkpoint_is_the_work_dirs_own(tmp_path):
+    """What tools/train.py --resume continues from, for a work dir whose
+    last_checkpoint names another folder (moved, copied, or a CheckpointHook
+    out_dir)."""
+    from mmcv_custom.checkpoint import resolve_resume_checkpoint
+    here, there = tmp_path / 'here', tmp_path / 'there'
+    here.mkdir()
+    there.mkdir()
+    assert resolve_resume_checkpoint(str(here)) == (None, None)
+    (here / 'last_checkpoint').write_text(f'{there}/iter_8.pth\n')
+    # Not here: MMEngine's choice, said out loud.
+    assert resolve_resume_checkpoint(str(here)) == (
+        f'{there}/iter_8.pth',
+        f'{here}/last_checkpoint names {there}/iter_8.pth, outside this '
+        f'work dir, which has no iter_8.pth; resuming from '
+        f'{there}/iter_8.pth.')
+    # Here and there (a copy): this work dir's own.
+    (here / 'iter_8.pth').write_bytes(b'')
+    (there / 'iter_8.pth').write_bytes(b'')
+    path, note = resolve_resume_checkpoint(str(here))
+    assert path == f'{here}/iter_8.pth'
+    assert note.endswith('the work dir is a copy of another run (which is '
+                         f'left alone), so resuming from {here}/iter_8.pth.')
+    # Only here (moved).
+    (there / 'iter_8.pth').unlink()
+    path, note = resolve_resume_checkpoint(str(here))
+    assert path == f'{here}/iter_8.pth' and 'the work dir was moved' in note
+    # An explicit load_from always wins; a recorded path in this work dir
+    # is used as it is.
+    assert resolve_resume_checkpoint(str(here), 'x.pth') == ('x.pth', None)
+    (here / 'last_checkpoint').write_text(f'{here}/iter_8.pth')
+    assert resolve_resume_checkpoint(str(here)) == (
+        f'{here}/iter_8.pth', None)
