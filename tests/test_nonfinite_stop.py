@@ -68,7 +68,10 @@ def test_weights_turned_non_finite_stop_the_run_before_any_save(tmp_path):
             'Iteration 3: the optimizer applied non-finite gradients, and '
             'the parameters p are no longer finite, so training cannot '
             'recover. Stopped before saving a checkpoint of these weights. '
-            "In fp16 the sum of the ranks' shares overflows above 65504")
+            # 2 ranks divide by 2 before the all-reduce by default: the
+            # advice is not to divide more.
+            'fp16 already divides by the world size before the all-reduce, '
+            'so the average itself exceeds 65504')
     _, lines, _ = outcome[0]
     assert [lvl for lvl, m in lines if 'non-finite' in m] == [
         'WARNING', 'ERROR'
@@ -112,10 +115,11 @@ def test_persistent_overflow_stops_at_the_limit(tmp_path):
             'Iteration 2: gradients were not finite after the all-reduce '
             'in 2 iterations in a row (max_nonfinite_iters=2); the '
             'parameters are still finite (the loss scaler skipped those '
-            'steps), but training is not progressing. In fp16 the sum of '
-            "the ranks' shares overflows above 65504: use predivide_factor="
-            '<world size> or bf16_compress, or check the loss (with AMP, '
-            'the loss scaler skips such steps).')
+            'steps), but training is not progressing. fp16 already '
+            'divides by the world size before the all-reduce, so the '
+            'average itself exceeds 65504 or the gradients were not finite: '
+            'use bf16_compress, or check the loss (with AMP, the loss '
+            'scaler skips such steps).')
     assert sorted(p.name for p in tmp_path.glob('iter_*.pth')) == [
         'iter_1.pth']
 

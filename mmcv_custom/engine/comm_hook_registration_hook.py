@@ -2,7 +2,7 @@
 from typing import List, Optional, Tuple
 
 import torch
-from mmengine.dist import is_main_process
+from mmengine.dist import get_world_size, is_main_process
 from mmengine.hooks import Hook
 from mmengine.model import MMSeparateDistributedDataParallel, is_model_wrapper
 from mmengine.registry import HOOKS
@@ -27,9 +27,24 @@ _NONFINITE_ADVICE_BF16 = (
     'loss scaler skips such steps).')
 
 
-def _nonfinite_advice(spec) -> str:
-    return (_NONFINITE_ADVICE_BF16 if spec.type == 'bf16_compress' else
-            _NONFINITE_ADVICE)
+# fp16 already divides everything before the all-reduce: only the mean
+# itself can be out of range.
+_NONFINITE_ADVICE_FP16_MEAN = (
+    'fp16 already divides by the world size before the all-reduce, so the '
+    'average itself exceeds 65504 or the gradients were not finite: use '
+    'bf16_compress, or check the loss (with AMP, the loss scaler skips '
+    'such steps).')
+
+
+def _nonfinite_advice(spec, world_size: int) -> str:
+    """What to do about non-finite averages, for this hook's settings."""
+    if spec.type == 'bf16_compress':
+        return _NONFINITE_ADVICE_BF16
+    state = spec.state
+    if (isinstance(state, CompressState)
+            and state.factors(torch.float16, world_size)[0] >= world_size):
+        return _NONFINITE_ADVICE_FP16_MEAN
+    return _NONFINITE_ADVICE
 
 
 class NonFiniteGradientsError(RuntimeError):
@@ -281,6 +296,7 @@ class CommHookRegistrationHook(Hook):
         CheckpointHook: a stopped run saves nothing after the bad step.
         """
         bad, advice = False, _NONFINITE_ADVICE
+        world_size = get_world_size()
         for name, spec, _, names in self._installed:
             state = spec.state
             if not (isinstance(state, CompressState) and state.check_finite):
@@ -296,8 +312,8 @@ class CommHookRegistrationHook(Hook):
                     f'after the {spec.type} all-reduce in DDP bucket '
                     f'{index}{where} (parameters: '
                     f'{", ".join(shown[:5])}{more}). '
-                    f'{_nonfinite_advice(spec)}')
-                advice = _nonfinite_advice(spec)
+                    f'{_nonfinite_advice(spec, world_size)}')
+                advice = _nonfinite_advice(spec, world_size)
         if not bad:
             self._nonfinite_streak = 0
             return
