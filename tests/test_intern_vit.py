@@ -1,4 +1,7 @@
 """The InternViT backbone: shapes, sizes, checkpoints, freezing."""
+import logging
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -71,13 +74,10 @@ def test_position_embeddings_resize_bicubically_keeping_the_class_token():
         resize_pos_embed(torch.randn(1, 1 + 15, 8), 4)
 
 
-def test_public_checkpoint_loads_with_module_nesting_and_a_report(
-        tmp_path, capsys):
+def test_public_checkpoint_loads_with_module_nesting(tmp_path):
     # Pre-trained at 28 px (a 2 x 2 grid), fine-tuned at 56 px (4 x 4).
     source = _tiny(img_size=28, out_indices=(3, ))
     state = {k: v.clone() for k, v in source.state_dict().items()}
-    del state['blocks.3.ls2.gamma']
-    state['head.weight'] = torch.zeros(2)  # not part of a backbone
     path = tmp_path / 'internvit.pth'
     torch.save({'module': state}, path)
 
@@ -90,10 +90,57 @@ def test_public_checkpoint_loads_with_module_nesting_and_a_report(
                        source.blocks[0].attn.q_norm.weight)
     assert model.pos_embed.shape == (1, 17, 32)
     assert torch.equal(model.pos_embed[:, 0], source.pos_embed[:, 0])
-    missing, unexpected = model.load_public_state_dict({'module': state})
+
+
+def test_partial_checkpoint_raises_unless_allowed():
+    source = _tiny(out_indices=(3, ))
+    state = {k: v.clone() for k, v in source.state_dict().items()}
+    del state['blocks.3.ls2.gamma']
+    state['head.weight'] = torch.zeros(2)  # not part of a backbone
+    model = InternViT(**TINY, out_indices=(3, ))
+    with pytest.raises(RuntimeError, match=r"1 ViT parameters missing "
+                       r"\['blocks.3.ls2.gamma'\], 1 unexpected "
+                       r"\['head.weight'\]"):
+        model.load_public_state_dict({'module': state})
+    with mock.patch(
+            'mmcv_custom.models.backbones.intern_vit.print_log') as log:
+        missing, unexpected = model.load_public_state_dict(
+            {'module': state}, allow_partial=True)
     assert missing == ['blocks.3.ls2.gamma']
     assert unexpected == ['head.weight']
-    assert "1 missing keys ['blocks.3.ls2.gamma']" in capsys.readouterr().out
+    assert torch.equal(model.blocks[3].mlp.fc1.weight,
+                       source.blocks[3].mlp.fc1.weight)
+    (message, ), kwargs = log.call_args
+    assert 'partial load (allow_partial=True)' in message
+    assert kwargs['level'] == logging.WARNING
+
+
+def test_pyramid_norm_is_a_channel_layer_norm_in_fp32():
+    model = _tiny(out_indices=(0, 1, 2, 3), with_fpn=True,
+                  with_final_norm=True)
+    norm = model.up1[1]
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x = torch.randn(2, 32, 5, 5) * 3 + 1
+    mean = x.mean(1, keepdim=True)
+    var = (x - mean).square().mean(1, keepdim=True)
+    expected = ((x - mean) / torch.sqrt(var + 1e-6) *
+                norm.weight[:, None, None] + norm.bias[:, None, None])
+    assert torch.allclose(norm(x), expected, atol=1e-5)
+    # bf16 in, bf16 out, computed in fp32 (as InternVL's).
+    half = x.bfloat16()
+    ref = F.layer_norm(half.float().permute(0, 2, 3, 1), (32, ),
+                       norm.weight, norm.bias, 1e-6).permute(0, 3, 1, 2)
+    assert torch.equal(norm(half), ref.bfloat16())
+    # The final norms sit where InternVL's segmentation checkpoints have
+    # them: up1.4, up2.1, up3.1, up4.1.
+    names = {k.rsplit('.', 1)[0] for k in model.state_dict()
+             if k.startswith('up')}
+    assert names == {'up1.0', 'up1.1', 'up1.3', 'up1.4', 'up2.0', 'up2.1',
+                     'up3.1', 'up4.1'}
+    with pytest.raises(ValueError, match='needs with_fpn=True'):
+        InternViT(**TINY, out_indices=(3, ), with_final_norm=True)
 
 
 def test_frozen_backbone_has_no_trainable_parameters():
@@ -107,7 +154,7 @@ def test_frozen_backbone_has_no_trainable_parameters():
     model = _tiny(out_indices=(0, 1, 2, 3), with_fpn=True, freeze=True)
     trainable = {n.split('.')[0] for n, p in model.named_parameters()
                  if p.requires_grad}
-    assert trainable == {'fpn1', 'fpn2'}
+    assert trainable == {'up1', 'up2'}
 
 
 def test_activation_checkpointing_changes_nothing_but_memory():

@@ -67,7 +67,10 @@ def test_recipe_table():
         backbone = cfg.model.backbone
         assert 'mmcv_custom.models' in cfg.custom_imports.imports
         if 'frozen' in name:
-            assert backbone['freeze'] and 'constructor' not in cfg.optim_wrapper
+            # InternVL's frozen recipes keep its layer-decay constructor at
+            # decay 1.0 (no weight decay on the head's norms and biases).
+            assert backbone['freeze']
+            assert cfg.optim_wrapper.paramwise_cfg.layer_decay_rate == 1.0
         elif 'tiny' not in name:
             assert not backbone['freeze']
             assert cfg.optim_wrapper.constructor == (
@@ -80,6 +83,130 @@ def test_recipe_table():
             n = re.search(r'-1of(\d+)-', name).group(1)
             assert cfg.train_dataloader.dataset.ann_file == (
                 f'splits/train_1of{n}.txt')
+
+
+# InternVL's ADE20K recipes (segmentation/configs/intern_vit_6b/ of
+# OpenGVLab/InternVL: full_tuning, head_tuning, linear_probing), resolved.
+INTERN_VIT_6B = dict(
+    type='InternViT', pretrain_size=224, img_size=504, patch_size=14,
+    embed_dims=3200, depth=48, num_heads=25, mlp_ratio=4., qkv_bias=False,
+    qk_norm=True, norm='rms', init_values=0.1,
+    pretrained='pretrained/intern_vit_6b_224px.pth')
+INTERN_VIT_300M = dict(
+    INTERN_VIT_6B, pretrain_size=448, embed_dims=1024, depth=24,
+    num_heads=16, qkv_bias=True, qk_norm=False, norm='ln',
+    pretrained='pretrained/intern_vit_300m_448px.pth')
+FULL_6B = 'upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py'
+HEAD_6B = 'upernet_intern-vit-6b-frozen_8xb2-80k_ade20k-504x504.py'
+LINEAR_6B = 'linear_intern-vit-6b-frozen_8xb2-80k_ade20k-504x504.py'
+FULL_300M = 'upernet_intern-vit-300m_8xb2-80k_ade20k-504x504.py'
+HEAD_300M = 'upernet_intern-vit-300m-frozen_8xb2-80k_ade20k-504x504.py'
+LINEAR_300M = 'linear_intern-vit-300m-frozen_8xb2-80k_ade20k-504x504.py'
+# name: (architecture, out_indices, frozen, drop path, UperNet or linear
+#        head width, auxiliary head's input, weight decay, layer decay)
+INTERN_VL_RECIPES = {
+    FULL_6B: (INTERN_VIT_6B, (11, 23, 35, 47), False, 0.4, 3200, 2, 0.05,
+              0.95),
+    HEAD_6B: (INTERN_VIT_6B, (11, 23, 35, 47), True, 0.0, 3200, 1, 0.05,
+              1.0),
+    LINEAR_6B: (INTERN_VIT_6B, (44, ), True, 0.0, 3200, None, 0.0, 1.0),
+    # 300M: InternVL publishes no segmentation recipe; the 6B settings with
+    # quarters of 24 blocks, the probe four blocks from the end and the
+    # drop path this project chose for a 24-block ViT.
+    FULL_300M: (INTERN_VIT_300M, (5, 11, 17, 23), False, 0.1, 1024, 2, 0.05,
+                0.95),
+    HEAD_300M: (INTERN_VIT_300M, (5, 11, 17, 23), True, 0.0, 1024, 1, 0.05,
+                1.0),
+    LINEAR_300M: (INTERN_VIT_300M, (21, ), True, 0.0, 1024, None, 0.0, 1.0),
+}
+INTERN_VL_RECIPES.update({
+    f'upernet_intern-vit-6b-frozen_8xb2-80k_ade20k-1of{n}-504x504.py':
+    INTERN_VL_RECIPES[HEAD_6B]
+    for n in (1, 2, 4, 8, 16)
+})
+
+
+def test_every_ade20k_recipe_is_checked_against_intern_vl():
+    names = {n for n in os.listdir(RECIPES) if 'ade20k' in n}
+    assert names == set(INTERN_VL_RECIPES)
+
+
+@pytest.mark.parametrize('name', sorted(INTERN_VL_RECIPES))
+def test_recipes_reproduce_intern_vl(name):
+    (arch, out_indices, frozen, drop_path, width, aux_index, weight_decay,
+     layer_decay) = INTERN_VL_RECIPES[name]
+    cfg = Config.fromfile(osp.join(RECIPES, name))
+    model = cfg.model
+    backbone = model.backbone
+    assert {k: backbone[k] for k in arch} == arch
+    assert tuple(backbone.out_indices) == out_indices
+    assert backbone['freeze'] is frozen  # ConfigDict.freeze: a method
+    assert backbone.drop_path_rate == drop_path
+    assert backbone.with_fpn is (len(out_indices) == 4)
+    if not frozen:
+        assert backbone.with_cp is True
+    head, aux = model.decode_head, model.auxiliary_head
+    if aux_index is None:  # linear probing: one 1x1 convolution
+        assert (head.type, head.in_channels, head.channels, head.in_index,
+                head.num_convs, head.concat_input, head.dropout_ratio) == (
+                    'FCNHead', width, width, 0, 0, False, 0.0)
+        assert aux is None
+    else:
+        assert (head.type, head.in_channels, head.in_index, head.channels,
+                head.pool_scales, head.dropout_ratio) == (
+                    'UPerHead', [width] * 4, [0, 1, 2, 3], 1536,
+                    (1, 2, 3, 6), 0.1)
+        assert (aux.type, aux.in_channels, aux.in_index, aux.channels,
+                aux.num_convs, aux.concat_input, aux.dropout_ratio,
+                aux.loss_decode.loss_weight) == ('FCNHead', width, aux_index,
+                                                 1536, 1, False, 0.1, 0.4)
+    for h in (head, aux) if aux else (head, ):
+        assert h.num_classes == 150
+    assert model.test_cfg == dict(
+        mode='slide', crop_size=(504, 504), stride=(322, 322))
+    assert cfg.optim_wrapper.optimizer == dict(
+        type='AdamW', lr=4e-5, betas=(0.9, 0.999), weight_decay=weight_decay)
+    assert cfg.optim_wrapper.constructor == 'LayerDecayOptimWrapperConstructor'
+    assert cfg.optim_wrapper.paramwise_cfg == dict(
+        num_layers=arch['depth'], layer_decay_rate=layer_decay)
+    # MMCV's poly with linear warm-up: both from iteration 0, multiplied.
+    assert cfg.param_scheduler == [
+        dict(type='LinearLR', start_factor=1e-6, by_epoch=False, begin=0,
+             end=1500),
+        dict(type='PolyLR', eta_min=0.0, power=1.0, begin=0, end=80000,
+             by_epoch=False)
+    ]
+    assert cfg.train_cfg.max_iters == 80000
+    assert cfg.train_dataloader.batch_size == 2  # x 8 GPUs
+    assert cfg.crop_size == (504, 504)
+    assert model.data_preprocessor.size == (504, 504)
+
+
+def _upernet_params(c, k=1536, classes=150):
+    """UperNet (pool scales 1, 2, 3, 6) plus the FCN auxiliary head on
+    ``c``-channel inputs with ``k`` channels: convolutions without bias,
+    each followed by a BN (weight and bias)."""
+    bn = 2 * k
+    seg = k * classes + classes
+    ppm = 4 * (c * k + bn)
+    bottleneck = (c + 4 * k) * k * 9 + bn
+    laterals = 3 * (c * k + bn)
+    fpn = 3 * (k * k * 9 + bn)
+    fpn_bottleneck = 4 * k * k * 9 + bn
+    aux = c * k * 9 + bn + seg
+    return ppm + bottleneck + laterals + fpn + fpn_bottleneck + seg + aux
+
+
+@pytest.mark.parametrize('name,heads', [
+    (FULL_6B, 356_951_340),
+    (HEAD_6B, 356_951_340),
+    (FULL_300M, 273_392_940),
+])
+def test_upernet_recipe_head_sizes(name, heads):
+    s = _stats(name)
+    width = 3200 if '-6b' in name else 1024
+    assert heads == _upernet_params(width)
+    assert s['params'] - s['backbone_params'] == heads
 
 
 def test_fewshot_splits_are_nested_and_deterministic(tmp_path):

@@ -1,6 +1,8 @@
 # UperNet on InternViT-6B with the simple feature pyramid (blocks 12, 24,
-# 36 and 48 at 4x, 2x, 1x and 1/2 of the 1/14 patch grid). Weights: the
-# public InternViT-6B checkpoint (a flat state dict, optionally under
+# 36 and 48 at 4x, 2x, 1x and 1/2 of the 1/14 patch grid), as InternVL's
+# ADE20K recipes (segmentation/configs/intern_vit_6b/): 1536-channel
+# decode and auxiliary heads, sliding-window test with stride 322. Weights:
+# the public InternViT-6B checkpoint (a flat state dict, optionally under
 # `module`), e.g. pretrained='pretrained/intern_vit_6b_224px.pth'.
 norm_cfg = dict(type='SyncBN', requires_grad=True)
 data_preprocessor = dict(
@@ -16,6 +18,7 @@ model = dict(
     data_preprocessor=data_preprocessor,
     backbone=dict(
         type='InternViT',
+        pretrain_size=224,
         img_size=504,
         patch_size=14,
         embed_dims=3200,
@@ -37,7 +40,7 @@ model = dict(
         in_channels=[3200, 3200, 3200, 3200],
         in_index=[0, 1, 2, 3],
         pool_scales=(1, 2, 3, 6),
-        channels=512,
+        channels=1536,
         dropout_ratio=0.1,
         num_classes=150,
         norm_cfg=norm_cfg,
@@ -48,7 +51,7 @@ model = dict(
         type='FCNHead',
         in_channels=3200,
         in_index=2,
-        channels=256,
+        channels=1536,
         num_convs=1,
         concat_input=False,
         dropout_ratio=0.1,
@@ -58,4 +61,4 @@ model = dict(
         loss_decode=dict(
             type='CrossEntropyLoss', use_sigmoid=False, loss_weight=0.4)),
     train_cfg=dict(),
-    test_cfg=dict(mode='slide', crop_size=(504, 504), stride=(341, 341)))
+    test_cfg=dict(mode='slide', crop_size=(504, 504), stride=(322, 322)))
