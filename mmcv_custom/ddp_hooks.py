@@ -353,6 +353,25 @@ def _decompress(half: torch.Tensor, buffer: torch.Tensor,
     return buffer
 
 
+def _half_precision_mismatch(wire: str, bucket_dtype: torch.dtype) -> str:
+    """Why a ``wire`` ('fp16') hook refuses buckets of ``bucket_dtype``."""
+    return (f'{wire} compression cannot take {bucket_dtype} gradients '
+            '(a bf16 model or backbone, e.g. InternViT(dtype=\'bfloat16\')): '
+            'fp16 has less range than bf16, so it would overflow above 65504 '
+            'and flush values below about 6e-8 to zero. Use bf16_compress '
+            '(it sends bf16 buckets as they are) or wrapper=\'bf16\'.')
+
+
+def _record_nonfinite(state: 'CompressState', bucket: dist.GradBucket,
+                      buffer: torch.Tensor) -> None:
+    """Mark ``bucket`` when its average is not finite (on the device)."""
+    flag = ~torch.isfinite(buffer).all()
+    seen = state._nonfinite.get(bucket.index())
+    if seen is not None:
+        flag = flag | seen[1]
+    state._nonfinite[bucket.index()] = (bucket.parameters(), flag)
+
+
 def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
     """Average ``bucket`` on the wire in ``dtype``; the shared core of the
     fp16 and bf16 hooks. ``state`` is a process group, None or a
@@ -362,8 +381,27 @@ def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
         state._reuse_buffers = False  # nowhere to keep them
     group = _group_or_world(state.process_group)
     buffer = bucket.buffer()
+    if buffer.dtype is torch.bfloat16 and dtype is torch.float16:
+        raise TypeError(_half_precision_mismatch('fp16', buffer.dtype))
     _require_dtype_support(dtype, group, buffer.device)
     before, after = state.factors(dtype, group.size())
+
+    if buffer.dtype is dtype:
+        # Already in the wire format (a bf16 backbone's bucket): average it
+        # as it is, like DDP's own all-reduce: one rounding, no copy, no
+        # fp32 round trip.
+        buffer.mul_(1.0 / before)
+
+        def finish(fut: torch.futures.Future) -> torch.Tensor:
+            if after != 1:
+                buffer.mul_(1.0 / after)
+            if state.check_finite:
+                _record_nonfinite(state, bucket, buffer)
+            return buffer
+
+        fut = dist.all_reduce(buffer, group=group,
+                              async_op=True).get_future()
+        return fut.then(finish)
 
     # Divide in the buffer's own precision, then cast: the quotient is
     # computed in fp32 and only then rounded to half. Casting first (as
@@ -375,11 +413,7 @@ def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         _decompress(fut.value()[0], buffer, after)
         if state.check_finite:
-            flag = ~torch.isfinite(buffer).all()
-            seen = state._nonfinite.get(bucket.index())
-            if seen is not None:
-                flag = flag | seen[1]
-            state._nonfinite[bucket.index()] = (bucket.parameters(), flag)
+            _record_nonfinite(state, bucket, buffer)
         return buffer
 
     fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
@@ -453,6 +487,8 @@ def _compress_wrapper(dtype: torch.dtype, hook: CommHook) -> CommHook:
             state: Any,
             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
+        if buffer.dtype is torch.bfloat16 and dtype is torch.float16:
+            raise TypeError(_half_precision_mismatch('fp16', buffer.dtype))
         if dtype is torch.bfloat16:
             pg = getattr(state, 'process_group', state)
             if pg is None or isinstance(pg, dist.ProcessGroup):

@@ -57,10 +57,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
 
 from .batched_powersgd import batched_powersgd_hook
 from .powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
-from .ddp_hooks import (CompressState, _check_compress_args, _uses_nccl,
-                        allreduce_hook, bf16_compress_hook,
-                        bf16_compress_wrapper, check_bf16_support,
-                        fp16_compress_hook, fp16_compress_wrapper)
+from .ddp_hooks import (CompressState, _check_compress_args,
+                        _half_precision_mismatch, _uses_nccl, allreduce_hook,
+                        bf16_compress_hook, bf16_compress_wrapper,
+                        check_bf16_support, fp16_compress_hook,
+                        fp16_compress_wrapper)
 
 __all__ = [
     'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommCounter', 'CommHookSpec',
@@ -617,6 +618,24 @@ def _one_bucket_at_a_time(hook: Callable) -> Callable:
     return _serialized_hook
 
 
+def _refuse_fp16_on_bf16(checked: dict, param_names: dict) -> None:
+    """fp16 on the wire for bf16 gradients loses range: refuse it at
+    registration, naming the bf16 parameters (the hooks also refuse such a
+    bucket, for users who register them by hand)."""
+    bf16 = [name for param, name in param_names.items()
+            if param.requires_grad and param.dtype is torch.bfloat16]
+    if not bf16:
+        return
+    shown = ', '.join(bf16[:3]) + (f', ... ({len(bf16)} in all)'
+                                   if len(bf16) > 3 else '')
+    wrapper = checked['wrapper']
+    what = (f"type={checked['type']!r}" +
+            (f', wrapper={wrapper!r}' if wrapper is not None else ''))
+    raise TypeError(f'comm_hook {what}: the DDP model has bfloat16 '
+                    f'parameters ({shown}), so DDP\'s buckets are bf16. '
+                    + _half_precision_mismatch('fp16', torch.bfloat16))
+
+
 def build_comm_hook(cfg: dict,
                     process_group: Optional[dist.ProcessGroup] = None,
                     device: Optional[torch.device] = None,
@@ -635,12 +654,19 @@ def build_comm_hook(cfg: dict,
             into this. Defaults to None.
         param_names (dict, optional): Parameter -> name of the DDP model.
             Given, PowerSGD's state is kept per parameter across bucket
-            layouts and can be saved (``spec.relayout``). Defaults to None.
+            layouts and can be saved (``spec.relayout``), and fp16
+            compression of a model with bf16 parameters is refused here,
+            before the first step. Defaults to None.
 
     Returns:
         CommHookSpec: register it with
         ``ddp.register_comm_hook(spec.state, spec.hook)``. Build one per DDP
         module: stateful hooks must not share state between models.
+
+    Raises:
+        TypeError: ``fp16_compress`` or ``wrapper='fp16'`` for a model with
+            bf16 parameters (given ``param_names``): fp16 has less range
+            than bf16. Besides the errors of :func:`check_comm_hook_cfg`.
     """
     checked = check_comm_hook_cfg(cfg)
     hook_type, wrapper = checked['type'], checked['wrapper']
@@ -652,6 +678,9 @@ def build_comm_hook(cfg: dict,
 
     if wrapper == 'bf16' or base_hook is bf16_compress_hook:
         check_bf16_support(process_group, device)
+    if param_names is not None and (wrapper == 'fp16'
+                                    or base_hook is fp16_compress_hook):
+        _refuse_fp16_on_bf16(checked, param_names)
     hook = base_hook
     relayout = None
     if param_names is not None and base_hook in _RELAYOUTS:

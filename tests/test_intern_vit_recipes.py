@@ -38,8 +38,15 @@ def test_recipe_sizes_match_the_published_models(name, published):
     s = _stats(name)  # built on the meta device
     assert abs(s['vit_params'] - published) / published < 0.01
     assert s['trainable'] == s['params']  # full tuning
-    assert s['fp32_bytes'] == 4 * s['trainable']
+    # The backbone trains in bf16 (as InternVL), the heads in fp32: DDP
+    # sends the backbone's gradients in bf16 already, and bf16_compress
+    # halves only the heads'.
+    assert s['bf16_params'] == s['backbone_params']
+    heads = s['params'] - s['backbone_params']
+    assert s['grad_bytes'] == 2 * s['backbone_params'] + 4 * heads
     assert s['hook_bytes'] == 2 * s['trainable']  # bf16_compress
+    assert s['param_bytes'] == s['grad_bytes']  # all trainable
+    assert s['optim_bytes'] == 2 * s['grad_bytes']
 
 
 @pytest.mark.parametrize('name', sorted(os.listdir(RECIPES)))
@@ -54,8 +61,16 @@ def test_frozen_recipes_send_only_the_head():
     frozen = _stats('upernet_intern-vit-6b-frozen_8xb2-80k_ade20k-504x504.py')
     linear = _stats('linear_intern-vit-6b-frozen_8xb2-80k_ade20k-504x504.py')
     assert frozen['trainable'] == full['params'] - full['vit_params']
-    # A linear probe trains one 1x1 convolution to 150 classes.
-    assert linear['trainable'] == 3200 * 150 + 150
+    # A linear probe trains a BN over the 3200 channels (weight and bias)
+    # and one 1x1 convolution to 150 classes.
+    assert linear['trainable'] == 3200 * 150 + 150 + 2 * 3200
+    assert _stats(LINEAR_300M)['trainable'] == 1024 * 150 + 150 + 2 * 1024
+
+
+def test_fewshot_recipes_tune_everything_with_the_linear_head():
+    s = _stats('linear_intern-vit-6b_8xb2-5k_ade20k-1of16-504x504.py')
+    assert s['trainable'] == s['params']
+    assert s['params'] - s['backbone_params'] == 3200 * 150 + 150 + 2 * 3200
 
 
 def test_recipe_table():
@@ -83,6 +98,7 @@ def test_recipe_table():
             n = re.search(r'-1of(\d+)-', name).group(1)
             assert cfg.train_dataloader.dataset.ann_file == (
                 f'splits/train_1of{n}.txt')
+            assert name.startswith('linear_intern-vit-6b_')
 
 
 # InternVL's ADE20K recipes (segmentation/configs/intern_vit_6b/ of
@@ -103,26 +119,35 @@ FULL_300M = 'upernet_intern-vit-300m_8xb2-80k_ade20k-504x504.py'
 HEAD_300M = 'upernet_intern-vit-300m-frozen_8xb2-80k_ade20k-504x504.py'
 LINEAR_300M = 'linear_intern-vit-300m-frozen_8xb2-80k_ade20k-504x504.py'
 # name: (architecture, out_indices, frozen, drop path, UperNet or linear
-#        head width, auxiliary head's input, weight decay, layer decay)
+#        head width, auxiliary head's input, weight decay, layer decay,
+#        iterations, warm-up iterations)
 INTERN_VL_RECIPES = {
     FULL_6B: (INTERN_VIT_6B, (11, 23, 35, 47), False, 0.4, 3200, 2, 0.05,
-              0.95),
+              0.95, 80000, 1500),
     HEAD_6B: (INTERN_VIT_6B, (11, 23, 35, 47), True, 0.0, 3200, 1, 0.05,
-              1.0),
-    LINEAR_6B: (INTERN_VIT_6B, (44, ), True, 0.0, 3200, None, 0.0, 1.0),
+              1.0, 80000, 1500),
+    LINEAR_6B: (INTERN_VIT_6B, (44, ), True, 0.0, 3200, None, 0.0, 1.0,
+                80000, 1500),
     # 300M: InternVL publishes no segmentation recipe; the 6B settings with
     # quarters of 24 blocks, the probe four blocks from the end and the
     # drop path this project chose for a 24-block ViT.
     FULL_300M: (INTERN_VIT_300M, (5, 11, 17, 23), False, 0.1, 1024, 2, 0.05,
-                0.95),
+                0.95, 80000, 1500),
     HEAD_300M: (INTERN_VIT_300M, (5, 11, 17, 23), True, 0.0, 1024, 1, 0.05,
-                1.0),
-    LINEAR_300M: (INTERN_VIT_300M, (21, ), True, 0.0, 1024, None, 0.0, 1.0),
+                1.0, 80000, 1500),
+    LINEAR_300M: (INTERN_VIT_300M, (21, ), True, 0.0, 1024, None, 0.0, 1.0,
+                  80000, 1500),
 }
+# Few shot (few_shot/linear_intern_vit_6b_504_{k}k_ade20k_bs16_lr4e-5_1of{n}):
+# the linear head on the last block of a fully tuned 6B, shorter schedules
+# and warm-ups for smaller subsets.
 INTERN_VL_RECIPES.update({
-    f'upernet_intern-vit-6b-frozen_8xb2-80k_ade20k-1of{n}-504x504.py':
-    INTERN_VL_RECIPES[HEAD_6B]
-    for n in (1, 2, 4, 8, 16)
+    f'linear_intern-vit-6b_8xb2-{iters // 1000}k_ade20k-1of{n}-504x504.py':
+    (INTERN_VIT_6B, (47, ), False, 0.4, 3200, None, 0.05, 0.95, iters,
+     warmup)
+    for n, iters, warmup in ((1, 80000, 1500), (2, 40000, 800),
+                             (4, 20000, 400), (8, 10000, 200),
+                             (16, 5000, 100))
 })
 
 
@@ -134,7 +159,7 @@ def test_every_ade20k_recipe_is_checked_against_intern_vl():
 @pytest.mark.parametrize('name', sorted(INTERN_VL_RECIPES))
 def test_recipes_reproduce_intern_vl(name):
     (arch, out_indices, frozen, drop_path, width, aux_index, weight_decay,
-     layer_decay) = INTERN_VL_RECIPES[name]
+     layer_decay, iters, warmup) = INTERN_VL_RECIPES[name]
     cfg = Config.fromfile(osp.join(RECIPES, name))
     model = cfg.model
     backbone = model.backbone
@@ -146,10 +171,12 @@ def test_recipes_reproduce_intern_vl(name):
     if not frozen:
         assert backbone.with_cp is True
     head, aux = model.decode_head, model.auxiliary_head
-    if aux_index is None:  # linear probing: one 1x1 convolution
-        assert (head.type, head.in_channels, head.channels, head.in_index,
-                head.num_convs, head.concat_input, head.dropout_ratio) == (
-                    'FCNHead', width, width, 0, 0, False, 0.0)
+    if aux_index is None:  # InternVL's FCNHead(num_convs=0, with_norm=True)
+        assert (head.type, head.in_channels, head.in_index, head.with_norm,
+                head.norm_cfg, head.dropout_ratio) == (
+                    'LinearHead', width, 0, True,
+                    dict(type='SyncBN', requires_grad=True), 0.0)
+        assert 'channels' not in head
         assert aux is None
     else:
         assert (head.type, head.in_channels, head.in_index, head.channels,
@@ -172,11 +199,11 @@ def test_recipes_reproduce_intern_vl(name):
     # MMCV's poly with linear warm-up: both from iteration 0, multiplied.
     assert cfg.param_scheduler == [
         dict(type='LinearLR', start_factor=1e-6, by_epoch=False, begin=0,
-             end=1500),
-        dict(type='PolyLR', eta_min=0.0, power=1.0, begin=0, end=80000,
+             end=warmup),
+        dict(type='PolyLR', eta_min=0.0, power=1.0, begin=0, end=iters,
              by_epoch=False)
     ]
-    assert cfg.train_cfg.max_iters == 80000
+    assert cfg.train_cfg.max_iters == iters
     assert cfg.train_dataloader.batch_size == 2  # x 8 GPUs
     assert cfg.crop_size == (504, 504)
     assert model.data_preprocessor.size == (504, 504)

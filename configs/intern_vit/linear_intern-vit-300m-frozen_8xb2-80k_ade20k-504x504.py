@@ -8,5 +8,5 @@ _base_ = [
 ]
 model = dict(
     backbone=dict(**_base_.intern_vit_300m, out_indices=(21, )),
-    decode_head=dict(in_channels=1024, channels=1024))
+    decode_head=dict(in_channels=1024))
 optim_wrapper = dict(paramwise_cfg=dict(num_layers=24))

@@ -20,7 +20,10 @@ model = dict(
         num_heads=4,
         out_indices=(0, 1, 2, 3),
         with_cp=False,
-        drop_path_rate=0.1),
+        drop_path_rate=0.1,
+        # A CPU demo: fp32 (CPUs are slow at bf16 matmuls; the ADE20K
+        # recipes train the backbone in bf16 as InternVL does).
+        dtype='float32'),
     decode_head=dict(in_channels=[64, 64, 64, 64], channels=64,
                      num_classes=4),
     auxiliary_head=dict(in_channels=64, channels=32, num_classes=4),

@@ -5,10 +5,12 @@ The model is built on the meta device, so InternViT-6B needs no memory:
     python tools/analysis_tools/model_stats.py \\
         configs/intern_vit/upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py
 
-Gradient bytes are what each rank all-reduces per optimizer step: 4 bytes
-per trainable parameter in fp32, and what the configured ``comm_hook`` sends
-instead (half of it for fp16/bf16; for PowerSGD, the two factors of every
-matrix it compresses plus what it leaves alone, after its warm-up).
+Gradient bytes are what each rank all-reduces per optimizer step: each
+trainable parameter's gradient in its own dtype (4 bytes in fp32, 2 for a
+bf16 backbone), and what the configured ``comm_hook`` sends instead (2 bytes
+for fp16/bf16; for PowerSGD, the two factors of every matrix it compresses
+plus what it leaves alone, after its warm-up). The memory line adds the
+parameters and AdamW's two moments per GPU under DDP, activations aside.
 """
 import argparse
 import os.path as osp
@@ -66,23 +68,36 @@ def stats(cfg: Config) -> dict:
             p.numel() for p in backbone.parameters()),
         vit_params=None if vit is None else sum(p.numel() for p in vit()),
         trainable=sum(p.numel() for p in trainable))
-    out['fp32_bytes'] = out['trainable'] * 4
+    # What DDP all-reduces without a hook: each gradient in its parameter's
+    # dtype (a bf16 backbone's in bf16).
+    out['grad_bytes'] = sum(p.numel() * p.element_size() for p in trainable)
+    out['bf16_params'] = sum(p.numel() for p in params
+                             if p.dtype == torch.bfloat16)
+    out['bf16_trainable'] = sum(p.numel() for p in trainable
+                                if p.dtype == torch.bfloat16)
+    # Per GPU under DDP, activations aside: every parameter, the gradients
+    # and AdamW's two moments (kept in the parameters' dtype).
+    out['param_bytes'] = sum(p.numel() * p.element_size() for p in params)
+    out['optim_bytes'] = 2 * out['grad_bytes']
     hook = cfg.get('comm_hook')
     if hook is None:
-        out['hook'], out['hook_bytes'] = 'none (fp32 all-reduce)', out[
-            'fp32_bytes']
+        out['hook'], out['hook_bytes'] = 'none (plain all-reduce)', out[
+            'grad_bytes']
         return out
     checked = check_comm_hook_cfg(hook)
-    size = 2 if (checked['wrapper'] or checked['type'] in (
-        'fp16_compress', 'bf16_compress')) else 4
+    half = checked['wrapper'] or checked['type'] in ('fp16_compress',
+                                                     'bf16_compress')
     kwargs = checked['state_kwargs']
     if checked['type'] == 'powerSGD':
         numel = powersgd_numel(trainable,
                                kwargs.get('matrix_approximation_rank', 1),
                                kwargs.get('min_compression_rate', 2))
-        out['hook_bytes'] = numel * size
+        out['hook_bytes'] = numel * (2 if half else 4)
     elif checked['type'] in ('allreduce', 'fp16_compress', 'bf16_compress'):
-        out['hook_bytes'] = out['trainable'] * size
+        # Half precision halves fp32 gradients; bf16 ones go as they are.
+        out['hook_bytes'] = sum(
+            p.numel() * (min(p.element_size(), 2) if half else
+                         p.element_size()) for p in trainable)
     else:
         out['hook_bytes'] = None  # depends on DDP's buckets
     out['hook'] = ', '.join(f'{k}={v!r}' for k, v in hook.items())
@@ -125,10 +140,17 @@ def main():
     print(f'config            : {args.config}')
     print(f'parameters        : {s["params"]:,}{parts}')
     print(f'trainable         : {s["trainable"]:,}')
-    print(f'gradients, fp32   : {_size(s["fp32_bytes"])} per step')
+    kind = (f'{s["bf16_trainable"]:,} of them in bf16'
+            if s['bf16_trainable'] else 'fp32')
+    print(f'gradients         : {_size(s["grad_bytes"])} per step ({kind})')
     hook_bytes = ('depends on the DDP buckets' if s['hook_bytes'] is None
                   else f'{_size(s["hook_bytes"])} per step')
     print(f'with comm_hook    : {hook_bytes} ({s["hook"]})')
+    total = s['param_bytes'] + s['grad_bytes'] + s['optim_bytes']
+    print(f'memory per GPU    : {_size(total)} under DDP (parameters '
+          f'{_size(s["param_bytes"])}, gradients {_size(s["grad_bytes"])}, '
+          f'AdamW moments {_size(s["optim_bytes"])}; activations not '
+          'counted)')
 
 
 if __name__ == '__main__':

@@ -28,6 +28,9 @@ model = dict(
         qkv_bias=False,
         qk_norm=True,
         norm='rms',
+        # InternVL trains the backbone in bf16 (its parameters, gradients
+        # and so DDP's buckets); the heads stay fp32.
+        dtype='bfloat16',
         init_values=0.1,
         drop_path_rate=0.,
         out_indices=(11, 23, 35, 47),

@@ -24,6 +24,10 @@ from .intern_vit_checkpoint import (convert_checkpoint,
 
 __all__ = ['InternViT', 'resize_patch_kernel', 'resize_pos_embed']
 
+# What ``InternViT(dtype=...)`` accepts; fp16 is left out on purpose: its
+# range (65504) is too small for un-scaled training.
+_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16}
+
 
 def resize_pos_embed(pos_embed: torch.Tensor, new_grid: int) -> torch.Tensor:
     """Resize ``(1, 1 + g*g, C)`` position embeddings to ``new_grid``.
@@ -236,6 +240,23 @@ class InternViT(BaseModule):
             pre-trained ViT unloaded, or carry tensors the backbone does not
             have, with a WARNING; by default that is an error, since
             training would start from random weights. Defaults to False.
+        dtype (str): ``'float32'`` or ``'bfloat16'``: the dtype of the
+            backbone's parameters, hence of their gradients and of the DDP
+            buckets that carry them. ``'bfloat16'`` trains the backbone in
+            bf16 as InternVL does (with a runner hook), while the heads
+            stay fp32: ``forward`` casts its input to bf16 at the entrance
+            and returns fp32 features (the pyramid's channel LayerNorm
+            computes in fp32 either way). Defaults to ``'float32'``.
+
+            Why a backbone option, not a runner hook: MMEngine wraps the
+            model in DDP in ``Runner.__init__``, before any hook runs, and
+            DDP lays out its buckets (and their dtype) at construction.
+            Casting a DDP-wrapped module afterwards does not give bf16
+            buckets: DDP's reducer never sees the recast parameters'
+            gradients, and the next step fails with "Expected to have
+            finished reduction in the prior iteration" (checked on 2 gloo
+            ranks, torch 2.13). Cast at construction, DDP puts the bf16
+            parameters in buckets of their own, in bf16.
         init_cfg (dict, optional): Defaults to None.
     """
 
@@ -261,8 +282,12 @@ class InternViT(BaseModule):
                  freeze: bool = False,
                  pretrained: Optional[str] = None,
                  allow_partial: bool = False,
+                 dtype: str = 'float32',
                  init_cfg: Optional[dict] = None) -> None:
         super().__init__(init_cfg=init_cfg)
+        if dtype not in _DTYPES:
+            raise ValueError(f'dtype should be one of {sorted(_DTYPES)}, '
+                             f'but got {dtype!r}')
         out_indices = tuple(out_indices)
         bad = [i for i in out_indices if not -depth <= i < depth]
         if bad:
@@ -320,6 +345,12 @@ class InternViT(BaseModule):
         if freeze:
             for param in self.vit_parameters():
                 param.requires_grad_(False)
+        self.dtype = _DTYPES[dtype]
+        if self.dtype is not torch.float32:
+            # Here, before MMEngine wraps the model in DDP (see ``dtype``).
+            # Weights loaded or initialised later are written in place, so
+            # they keep this dtype.
+            self.to(self.dtype)
 
     def vit_parameters(self):
         """The pre-trained ViT's parameters (what ``freeze`` freezes and
@@ -438,7 +469,7 @@ class InternViT(BaseModule):
 
     def forward(self, x):
         b, _, h, w = x.shape
-        x = self.patch_embed(x)
+        x = self.patch_embed(x.to(self.dtype))
         gh, gw = x.shape[-2:]
         x = x.flatten(2).transpose(1, 2)
         pos = self.pos_embed
@@ -459,4 +490,5 @@ class InternViT(BaseModule):
                 op(m) for op, m in zip(
                     (self.up1, self.up2, self.up3, self.up4), maps)
             ]
-        return tuple(maps)
+        # The heads are fp32.
+        return tuple(m.float() for m in maps)

@@ -1,0 +1,3 @@
+from .linear_head import LinearHead
+
+__all__ = ['LinearHead']
