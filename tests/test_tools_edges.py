@@ -160,7 +160,7 @@ def test_load_from_is_checked_like_resume(trained, tmp_path):
     assert missing.returncode == 1
     assert log.count("FileNotFoundError: load_from='nothere.pth': no such "
                      'file (relative paths are from the current directory, '
-                     f'{tmp_path})') == 2  # one per rank
+                     f'{tmp_path})') in (1, 2)  # torchrun may stop one
     assert 'started a gloo process group' not in log
     assert not (tmp_path / 'work').exists()
 
@@ -203,7 +203,8 @@ def test_dist_train_refuses_a_wrapper_that_is_not_ddp(tmp_path):
     assert log.count(
         "ValueError: model_wrapper_cfg type 'MMFullyShardedDataParallel' is "
         'not supported without CUDA: the tools then train on a gloo process '
-        'group with a CPU DistributedDataParallel') == 2  # one per rank
+        'group with a CPU DistributedDataParallel') in (1, 2)
+    # (Each rank raises it; torchrun may stop the second before it prints.)
     assert 'started a gloo process group' not in log
     assert not (tmp_path / 'work').exists()
 
