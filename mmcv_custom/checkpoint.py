@@ -18,6 +18,7 @@ loader still only *calls* allow-listed functions, so an attribute fetched
 this way cannot be executed.
 """
 import builtins
+import os
 import os.path as osp
 import pickle
 from typing import Dict, List, Optional, Tuple
@@ -28,7 +29,8 @@ from mmengine.logging import HistoryBuffer
 
 __all__ = [
     'SAFE_CHECKPOINT_GLOBALS', 'allow_mmengine_checkpoints',
-    'check_checkpoint', 'load_checkpoint_file', 'resolve_resume_checkpoint',
+    'check_checkpoint', 'check_checkpoint_file', 'load_checkpoint_file',
+    'resolve_resume_checkpoint',
     'UnsafeCheckpointError'
 ]
 
@@ -97,6 +99,33 @@ def check_checkpoint(path: str) -> None:
             '(tensors, containers, MMEngine HistoryBuffer, numpy arrays and '
             'dtypes). If you trust this file, add those globals with '
             'torch.serialization.add_safe_globals([...]) before loading.')
+
+
+def check_checkpoint_file(path: str, source: str) -> None:
+    """Fail before any work starts if a checkpoint the run will load is
+    missing, or holds what torch's safe loader would refuse.
+
+    Args:
+        path (str): A local file. A URL or another ``scheme://`` name that
+            MMEngine fetches itself is not checked here (torch's safe
+            loader still refuses unsafe contents when it is loaded).
+        source (str): Where ``path`` came from, for the message, e.g.
+            ``'load_from'``.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        UnsafeCheckpointError: ``path`` holds objects off the allow-list
+            (see :func:`check_checkpoint`).
+    """
+    if '://' in path:
+        return
+    if not osp.isfile(path):
+        what = ('a directory, not a checkpoint file' if osp.isdir(path) else
+                'no such file')
+        raise FileNotFoundError(
+            f'{source}={path!r}: {what} (relative paths are from the '
+            f'current directory, {os.getcwd()})')
+    check_checkpoint(path)
 
 
 def load_checkpoint_file(path: str, map_location='cpu'):

@@ -362,6 +362,13 @@ def _half_precision_mismatch(wire: str, bucket_dtype: torch.dtype) -> str:
             '(it sends bf16 buckets as they are) or wrapper=\'bf16\'.')
 
 
+def _refuse_fp16_for_bf16(dtype: torch.dtype, buffer: torch.Tensor) -> None:
+    """Raise if a hook sending ``dtype`` got a bf16 bucket it cannot carry
+    (for hooks registered by hand; the registry refuses it earlier)."""
+    if buffer.dtype is torch.bfloat16 and dtype is torch.float16:
+        raise TypeError(_half_precision_mismatch('fp16', buffer.dtype))
+
+
 def _record_nonfinite(state: 'CompressState', bucket: dist.GradBucket,
                       buffer: torch.Tensor) -> None:
     """Mark ``bucket`` when its average is not finite (on the device)."""
@@ -381,8 +388,7 @@ def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
         state._reuse_buffers = False  # nowhere to keep them
     group = _group_or_world(state.process_group)
     buffer = bucket.buffer()
-    if buffer.dtype is torch.bfloat16 and dtype is torch.float16:
-        raise TypeError(_half_precision_mismatch('fp16', buffer.dtype))
+    _refuse_fp16_for_bf16(dtype, buffer)
     _require_dtype_support(dtype, group, buffer.device)
     before, after = state.factors(dtype, group.size())
 
@@ -487,8 +493,7 @@ def _compress_wrapper(dtype: torch.dtype, hook: CommHook) -> CommHook:
             state: Any,
             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
-        if buffer.dtype is torch.bfloat16 and dtype is torch.float16:
-            raise TypeError(_half_precision_mismatch('fp16', buffer.dtype))
+        _refuse_fp16_for_bf16(dtype, buffer)
         if dtype is torch.bfloat16:
             pg = getattr(state, 'process_group', state)
             if pg is None or isinstance(pg, dist.ProcessGroup):

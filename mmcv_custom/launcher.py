@@ -8,13 +8,9 @@ behaviour); without, it starts a gloo process group itself (the runner skips
 ``init_dist`` when a group exists), makes the DDP wrapper CPU-friendly and
 turns SyncBN into BN. It also refuses, before the process group starts, a
 ``model_wrapper_cfg`` that a CPU run cannot use (anything but DDP).
-
-:func:`check_checkpoint_file` lets the tools name a missing or unsafe
-checkpoint before any work starts.
 """
 import logging
 import os
-import os.path as osp
 from typing import Optional
 
 import torch
@@ -22,11 +18,9 @@ import torch.distributed as dist
 from mmengine.config import Config
 from mmengine.logging import print_log
 
-from .checkpoint import check_checkpoint
-
 __all__ = [
     'load_config', 'prepare_launch', 'is_launch_rank0',
-    'shutdown_distributed', 'check_checkpoint_file', 'check_cpu_wrapper'
+    'shutdown_distributed', 'check_cpu_wrapper'
 ]
 
 #: MMEngine's DDP wrappers, named in errors. A CPU launch takes any
@@ -69,33 +63,6 @@ def is_launch_rank0() -> bool:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return int(os.environ.get('RANK', os.environ.get('SLURM_PROCID', 0))) == 0
-
-
-def check_checkpoint_file(path: str, source: str) -> None:
-    """Fail before any work starts if a checkpoint the run will load is
-    missing, or holds what torch's safe loader would refuse.
-
-    Args:
-        path (str): A local file. A URL or another ``scheme://`` name that
-            MMEngine fetches itself is not checked here (torch's safe
-            loader still refuses unsafe contents when it is loaded).
-        source (str): Where ``path`` came from, for the message, e.g.
-            ``'load_from'``.
-
-    Raises:
-        FileNotFoundError: ``path`` is not a file.
-        UnsafeCheckpointError: ``path`` holds objects off the allow-list
-            (see :func:`mmcv_custom.checkpoint.check_checkpoint`).
-    """
-    if '://' in path:
-        return
-    if not osp.isfile(path):
-        what = ('a directory, not a checkpoint file' if osp.isdir(path) else
-                'no such file')
-        raise FileNotFoundError(
-            f'{source}={path!r}: {what} (relative paths are from the '
-            f'current directory, {os.getcwd()})')
-    check_checkpoint(path)
 
 
 def check_cpu_wrapper(cfg: Config) -> None:

@@ -130,7 +130,7 @@ def test_load_from_is_checked_like_resume(trained, tmp_path):
     """``load_from`` without ``--resume`` gets the safe-loading check: an
     unsafe file is refused, a missing one named, before anything starts."""
     import argparse
-    from mmcv_custom.launcher import check_checkpoint_file
+    from mmcv_custom.checkpoint import check_checkpoint_file
     cwd, out = trained
     assert out.returncode == 0
     good = str(cwd / 'work' / 'iter_2.pth')

@@ -17,8 +17,9 @@ from mmengine.config import DictAction
 from mmengine.runner import Runner
 
 import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
-from mmcv_custom.launcher import (check_checkpoint_file, load_config,
-                                  prepare_launch, shutdown_distributed)
+from mmcv_custom.checkpoint import check_checkpoint_file
+from mmcv_custom.launcher import (load_config, prepare_launch,
+                                  shutdown_distributed)
 
 
 def parse_args():

@@ -26,10 +26,10 @@ from mmengine.logging import print_log
 from mmengine.runner import Runner
 
 import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
-from mmcv_custom.checkpoint import resolve_resume_checkpoint
-from mmcv_custom.launcher import (check_checkpoint_file, is_launch_rank0,
-                                  load_config, prepare_launch,
-                                  shutdown_distributed)
+from mmcv_custom.checkpoint import (check_checkpoint_file,
+                                    resolve_resume_checkpoint)
+from mmcv_custom.launcher import (is_launch_rank0, load_config,
+                                  prepare_launch, shutdown_distributed)
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
 

@@ -51,6 +51,12 @@ class NonFiniteGradientsError(RuntimeError):
     """Training stopped: the all-reduced gradients stay non-finite."""
 
 
+def _first_names(names: List[str], shown: int = 5) -> str:
+    """``'a, b, c, d, e and 3 more'``: parameter names for a log line."""
+    more = f' and {len(names) - shown} more' if len(names) > shown else ''
+    return ', '.join(names[:shown]) + more
+
+
 def _describe_cfg(cfg: dict) -> str:
     return 'dict(' + ', '.join(f'{k}={v!r}' for k, v in cfg.items()) + ')'
 
@@ -303,15 +309,12 @@ class CommHookRegistrationHook(Hook):
                 continue
             for index, params in state.pop_nonfinite():
                 bad = True
-                shown = [names.get(id(p), '?') for p in params]
-                more = (f' and {len(shown) - 5} more'
-                        if len(shown) > 5 else '')
+                shown = _first_names([names.get(id(p), '?') for p in params])
                 where = f' of {name}' if name else ''
                 runner.logger.warning(
                     f'Iteration {runner.iter + 1}: non-finite gradients '
                     f'after the {spec.type} all-reduce in DDP bucket '
-                    f'{index}{where} (parameters: '
-                    f'{", ".join(shown[:5])}{more}). '
+                    f'{index}{where} (parameters: {shown}). '
                     f'{_nonfinite_advice(spec, world_size)}')
                 advice = _nonfinite_advice(spec, world_size)
         if not bad:
@@ -325,12 +328,10 @@ class CommHookRegistrationHook(Hook):
             if not bool(torch.isfinite(p.detach()).all())
         ]
         if broken:
-            more = (f' and {len(broken) - 5} more'
-                    if len(broken) > 5 else '')
             self._stop(
                 runner, advice, f'Iteration {runner.iter + 1}: the '
                 'optimizer applied non-finite gradients, and the parameters '
-                f'{", ".join(broken[:5])}{more} are no longer finite, so '
+                f'{_first_names(broken)} are no longer finite, so '
                 'training cannot recover. Stopped before saving a '
                 'checkpoint of these weights.')
         limit = self._max_nonfinite_iters

@@ -420,8 +420,8 @@ class InternViT(BaseModule):
             if k not in own or v.shape == own[k].shape
         }
         result = self.load_state_dict(state, strict=False)
-        vit = {n for n, p in self.named_parameters()
-               if not n.startswith(('up1.', 'up2.', 'up3.', 'up4.'))}
+        vit_ids = {id(p) for p in self.vit_parameters()}
+        vit = {n for n, p in self.named_parameters() if id(p) in vit_ids}
         missing = list(result.missing_keys)
         unexpected = list(result.unexpected_keys)
         missing_vit = [k for k in missing if k in vit]
