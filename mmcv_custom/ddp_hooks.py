@@ -20,7 +20,12 @@ PyTorch's built-ins of the same names:
   a rule meant for NCCL. We check the backend the bucket actually uses instead
   and raise the same kind of error on an NCCL that is too old;
 * the wrappers resolve to the bucket's original (fp32) buffer rather than to
-  a half-precision copy.
+  a half-precision copy;
+* a bucket that is already fp16 or bf16 (a bf16 backbone's, as InternVL
+  trains it) is sent as it is by every hook and wrapper here: the same bytes,
+  one rounding fewer, and bf16 gradients are never squeezed into fp16's much
+  smaller range. So ``fp16_compress_hook`` on a model with a bf16 backbone
+  sends the backbone's buckets as bf16 and the fp32 head's as fp16.
 
 Example:
     >>> from mmcv_custom.ddp_hooks import bf16_compress_hook
@@ -353,20 +358,18 @@ def _decompress(half: torch.Tensor, buffer: torch.Tensor,
     return buffer
 
 
-def _half_precision_mismatch(wire: str, bucket_dtype: torch.dtype) -> str:
-    """Why a ``wire`` ('fp16') hook refuses buckets of ``bucket_dtype``."""
-    return (f'{wire} compression cannot take {bucket_dtype} gradients '
-            '(a bf16 model or backbone, e.g. InternViT(dtype=\'bfloat16\')): '
-            'fp16 has less range than bf16, so it would overflow above 65504 '
-            'and flush values below about 6e-8 to zero. Use bf16_compress '
-            '(it sends bf16 buckets as they are) or wrapper=\'bf16\'.')
+_TWO_BYTE_FLOATS = (torch.float16, torch.bfloat16)
 
 
-def _refuse_fp16_for_bf16(dtype: torch.dtype, buffer: torch.Tensor) -> None:
-    """Raise if a hook sending ``dtype`` got a bf16 bucket it cannot carry
-    (for hooks registered by hand; the registry refuses it earlier)."""
-    if buffer.dtype is torch.bfloat16 and dtype is torch.float16:
-        raise TypeError(_half_precision_mismatch('fp16', buffer.dtype))
+def _wire_dtype(dtype: torch.dtype, buffer: torch.Tensor) -> torch.dtype:
+    """What a hook compressing to ``dtype`` sends ``buffer`` as.
+
+    A bucket already in a 2-byte float (a bf16 backbone's, say) goes out as
+    it is: the same bytes as a cast, without a second rounding, and never
+    from bf16 into fp16, whose range is far smaller (it would overflow above
+    65504 and flush values below about 6e-8 to zero).
+    """
+    return buffer.dtype if buffer.dtype in _TWO_BYTE_FLOATS else dtype
 
 
 def _record_nonfinite(state: 'CompressState', bucket: dist.GradBucket,
@@ -388,12 +391,12 @@ def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
         state._reuse_buffers = False  # nowhere to keep them
     group = _group_or_world(state.process_group)
     buffer = bucket.buffer()
-    _refuse_fp16_for_bf16(dtype, buffer)
-    _require_dtype_support(dtype, group, buffer.device)
-    before, after = state.factors(dtype, group.size())
+    wire = _wire_dtype(dtype, buffer)
+    _require_dtype_support(wire, group, buffer.device)
+    before, after = state.factors(wire, group.size())
 
-    if buffer.dtype is dtype:
-        # Already in the wire format (a bf16 backbone's bucket): average it
+    if buffer.dtype is wire:
+        # Already 2 bytes an element (a bf16 backbone's bucket): average it
         # as it is, like DDP's own all-reduce: one rounding, no copy, no
         # fp32 round trip.
         buffer.mul_(1.0 / before)
@@ -439,7 +442,8 @@ def fp16_compress_hook(
     Gradients below fp16's subnormal range (about 6e-8 after division) are
     flushed to zero. Pass a :class:`CompressState` as ``process_group`` to
     choose the split and to record non-finite buckets. Prefer bf16 when
-    gradients span a wide range.
+    gradients span a wide range. A bf16 bucket is averaged in bf16 as it
+    is, never cast to fp16 (see the module docstring).
 
     Args:
         process_group (ProcessGroup | CompressState, optional): Group to
@@ -493,11 +497,14 @@ def _compress_wrapper(dtype: torch.dtype, hook: CommHook) -> CommHook:
             state: Any,
             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
-        _refuse_fp16_for_bf16(dtype, buffer)
-        if dtype is torch.bfloat16:
+        wire = _wire_dtype(dtype, buffer)
+        if wire is torch.bfloat16:
             pg = getattr(state, 'process_group', state)
             if pg is None or isinstance(pg, dist.ProcessGroup):
-                _require_dtype_support(dtype, pg, buffer.device)
+                _require_dtype_support(wire, pg, buffer.device)
+        if buffer.dtype is wire:
+            # Already 2 bytes an element: the wrapped hook takes it as is.
+            return hook(state, bucket)
         # The wrapped hook reads the half-precision copy through the bucket
         # (``buffer()`` and ``gradients()`` are views of it), so it reduces
         # and returns half precision.
@@ -527,7 +534,8 @@ def fp16_compress_wrapper(hook: CommHook) -> CommHook:
     back into the bucket's original buffer. Unlike
     :func:`fp16_compress_hook`, the cast happens *before* the wrapped hook
     averages, so a raw gradient above 65504 becomes inf; use
-    :func:`bf16_compress_wrapper` when gradients can be that large.
+    :func:`bf16_compress_wrapper` when gradients can be that large. A
+    bucket already in fp16 or bf16 reaches ``hook`` as it is.
 
     Args:
         hook (Callable): A communication hook ``hook(state, bucket)``, for

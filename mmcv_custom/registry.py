@@ -58,7 +58,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
 from .batched_powersgd import batched_powersgd_hook
 from .powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
 from .ddp_hooks import (CompressState, _check_compress_args,
-                        _half_precision_mismatch, _uses_nccl, allreduce_hook,
+                        _uses_nccl, allreduce_hook,
                         bf16_compress_hook, bf16_compress_wrapper,
                         check_bf16_support, fp16_compress_hook,
                         fp16_compress_wrapper)
@@ -347,6 +347,9 @@ class CommHookSpec:
             (PowerSGD off NCCL, see ``_CALLBACK_COLLECTIVE_HOOKS``).
         relayout (PowerSGDRelayout, optional): Saves and restores a
             PowerSGD state per parameter.
+        notes (tuple[str]): What the user should read in the log besides
+            :meth:`describe`, as warnings (e.g. a bf16 backbone's buckets
+            sent as bf16 under ``fp16_compress``).
     """
     type: str
     hook: Callable
@@ -357,6 +360,7 @@ class CommHookSpec:
     defaults_set: tuple = ()
     serialized: bool = False
     relayout: Optional[PowerSGDRelayout] = None
+    notes: tuple = ()
 
     def describe(self) -> str:
         """One line saying what is registered, for the training log."""
@@ -618,22 +622,36 @@ def _one_bucket_at_a_time(hook: Callable) -> Callable:
     return _serialized_hook
 
 
-def _refuse_fp16_on_bf16(checked: dict, param_names: dict) -> None:
-    """fp16 on the wire for bf16 gradients loses range: refuse it at
-    registration, naming the bf16 parameters (the hooks also refuse such a
-    bucket, for users who register them by hand)."""
-    bf16 = [name for param, name in param_names.items()
-            if param.requires_grad and param.dtype is torch.bfloat16]
-    if not bf16:
-        return
-    shown = ', '.join(bf16[:3]) + (f', ... ({len(bf16)} in all)'
-                                   if len(bf16) > 3 else '')
+def _sent_as_they_are(checked: dict, base_hook: Callable,
+                      param_names: dict) -> Optional[str]:
+    """Say which parameters a half-precision hook or wrapper sends in their
+    own 2-byte dtype instead of its own (see ``ddp_hooks._wire_dtype``),
+    e.g. a bf16 backbone under ``fp16_compress``: a user who asked for fp16
+    should read that part of the model goes as bf16, and why."""
     wrapper = checked['wrapper']
+    wire = wrapper or _HALF_PRECISION_HOOKS.get(base_hook)
+    if wire is None:
+        return None
+    other = 'bf16' if wire == 'fp16' else 'fp16'
+    dtype = torch.bfloat16 if other == 'bf16' else torch.float16
+    names = [name for param, name in param_names.items()
+             if param.requires_grad and param.dtype is dtype]
+    if not names:
+        return None
+    shown = ', '.join(names[:3]) + (f', ... ({len(names)} in all)'
+                                    if len(names) > 3 else '')
     what = (f"type={checked['type']!r}" +
             (f', wrapper={wrapper!r}' if wrapper is not None else ''))
-    raise TypeError(f'comm_hook {what}: the DDP model has bfloat16 '
-                    f'parameters ({shown}), so DDP\'s buckets are bf16. '
-                    + _half_precision_mismatch('fp16', torch.bfloat16))
+    instead = (f"wrapper='{other}'" if wrapper is not None else
+               f"type='{other}_compress'")
+    why = ('fp16 has far less range than bf16: it would overflow above '
+           '65504 and flush values below about 6e-8 to zero'
+           if other == 'bf16' else
+           'bf16 keeps 3 fewer significant bits than fp16')
+    return (f'comm_hook {what}: the {other} parameters ({shown}) are sent '
+            f'as {other}, as they are, not cast to {wire} ({why}); the '
+            f'bytes are the same. Only fp32 buckets are cast to {wire}. '
+            f'For one wire format everywhere use {instead}.')
 
 
 def build_comm_hook(cfg: dict,
@@ -654,9 +672,9 @@ def build_comm_hook(cfg: dict,
             into this. Defaults to None.
         param_names (dict, optional): Parameter -> name of the DDP model.
             Given, PowerSGD's state is kept per parameter across bucket
-            layouts and can be saved (``spec.relayout``), and fp16
-            compression of a model with bf16 parameters is refused here,
-            before the first step. Defaults to None.
+            layouts and can be saved (``spec.relayout``), and
+            ``spec.notes`` says which parameters a half-precision hook
+            sends in their own dtype. Defaults to None.
 
     Returns:
         CommHookSpec: register it with
@@ -664,9 +682,7 @@ def build_comm_hook(cfg: dict,
         module: stateful hooks must not share state between models.
 
     Raises:
-        TypeError: ``fp16_compress`` or ``wrapper='fp16'`` for a model with
-            bf16 parameters (given ``param_names``): fp16 has less range
-            than bf16. Besides the errors of :func:`check_comm_hook_cfg`.
+        The errors of :func:`check_comm_hook_cfg`.
     """
     checked = check_comm_hook_cfg(cfg)
     hook_type, wrapper = checked['type'], checked['wrapper']
@@ -678,9 +694,10 @@ def build_comm_hook(cfg: dict,
 
     if wrapper == 'bf16' or base_hook is bf16_compress_hook:
         check_bf16_support(process_group, device)
-    if param_names is not None and (wrapper == 'fp16'
-                                    or base_hook is fp16_compress_hook):
-        _refuse_fp16_on_bf16(checked, param_names)
+    notes = ()
+    if param_names is not None:
+        note = _sent_as_they_are(checked, base_hook, param_names)
+        notes = (note, ) if note else ()
     hook = base_hook
     relayout = None
     if param_names is not None and base_hook in _RELAYOUTS:
@@ -708,4 +725,5 @@ def build_comm_hook(cfg: dict,
         state_kwargs=state_kwargs,
         defaults_set=checked['defaults_set'],
         serialized=serialized,
-        relayout=relayout)
+        relayout=relayout,
+        notes=notes)

@@ -26,12 +26,12 @@ ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TINY = osp.join(ROOT, 'configs', 'intern_vit',
                 'upernet_intern-vit-tiny_2xb8-200iter_toy-shapes-56x56.py')
 
-FP16_REFUSED = (
-    "fp16 compression cannot take torch.bfloat16 gradients (a bf16 model or "
-    "backbone, e.g. InternViT(dtype='bfloat16')): fp16 has less range than "
-    'bf16, so it would overflow above 65504 and flush values below about '
-    "6e-8 to zero. Use bf16_compress (it sends bf16 buckets as they are) or "
-    "wrapper='bf16'.")
+FP16_NOTE = (
+    "comm_hook type='fp16_compress': the bf16 parameters ({names}) are sent "
+    'as bf16, as they are, not cast to fp16 (fp16 has far less range than '
+    'bf16: it would overflow above 65504 and flush values below about 6e-8 '
+    'to zero); the bytes are the same. Only fp32 buckets are cast to fp16. '
+    "For one wire format everywhere use type='bf16_compress'.")
 
 
 def _tiny_vit(**kwargs):
@@ -71,119 +71,155 @@ def test_bad_dtype():
         _tiny_vit(dtype='float16')
 
 
-class _Bf16BackboneNet(nn.Module):
-    """A bf16 'backbone' and an fp32 'head', cast before DDP wraps them."""
+class _HalfBackboneNet(nn.Module):
+    """A bf16 (or fp16) 'backbone' and an fp32 'head', cast before DDP wraps
+    them."""
 
-    def __init__(self):
+    def __init__(self, dtype=torch.bfloat16):
         super().__init__()
-        self.backbone = nn.Linear(4, 4).to(torch.bfloat16)
+        self.dtype = dtype
+        self.backbone = nn.Linear(4, 4).to(dtype)
         self.head = nn.Linear(4, 1)
 
     def forward(self, x):
-        return self.head(self.backbone(x.to(torch.bfloat16)).float())
+        return self.head(self.backbone(x.to(self.dtype)).float())
+
+
+def _step(cfg, x, dtype=torch.bfloat16, by_hand=None):
+    """One DDP step of a fresh ``_HalfBackboneNet``: through the registry
+    with ``cfg``, by hand with ``by_hand = (state, hook)``, or with DDP's
+    own all-reduce when both are None."""
+    torch.manual_seed(0)
+    net = _HalfBackboneNet(dtype)
+    ddp = nn.parallel.DistributedDataParallel(net)
+    out = dict(seen=[])
+    if cfg is not None:
+        counter = CommCounter()
+        spec = build_comm_hook(cfg, counter=counter, param_names={
+            p: n
+            for n, p in net.named_parameters()
+        })
+        state, hook = spec.state, spec.hook
+        out['notes'] = spec.notes
+    elif by_hand is not None:
+        state, hook = by_hand
+    if cfg is not None or by_hand is not None:
+
+        def spy(state, bucket):
+            out['seen'].append(str(bucket.buffer().dtype))
+            return hook(state, bucket)
+
+        ddp.register_comm_hook(state, spy)
+    ddp(x).sum().backward()
+    out['grads'] = {n: p.grad.clone() for n, p in net.named_parameters()}
+    if cfg is not None:
+        out['baseline'], out['wire'] = counter.pop()
+    out['seen'].sort()
+    return out
 
 
 def _hooks_on_bf16_buckets(rank, world_size):
-    torch.manual_seed(0)
-    net = _Bf16BackboneNet()
-    ddp = nn.parallel.DistributedDataParallel(net)
-    counter = CommCounter()
-    spec = build_comm_hook(dict(type='bf16_compress'), counter=counter,
-                           param_names={
-                               p: n
-                               for n, p in net.named_parameters()
-                           })
-    seen = []
-
-    def spy(state, bucket):
-        seen.append(bucket.buffer().dtype)
-        return spec.hook(state, bucket)
-
-    ddp.register_comm_hook(spec.state, spy)
     x = torch.randn(8, 4) * (rank + 1)
-    ddp(x).sum().backward()
-    grads = {n: p.grad.clone() for n, p in net.named_parameters()}
-    baseline, wire = counter.pop()
-
-    # The same step by DDP's own all-reduce, as a reference.
+    # What the ranks' fp32 head gradients are before averaging, to compute
+    # the fp16 wire's result by hand.
     torch.manual_seed(0)
-    ref = _Bf16BackboneNet()
-    ref_ddp = nn.parallel.DistributedDataParallel(ref)
-    ref_ddp(x).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
-
-    errors = []
-    for cfg in (dict(type='fp16_compress'),
-                dict(type='allreduce', wrapper='fp16')):
-        try:
-            build_comm_hook(cfg, param_names={
-                p: n
-                for n, p in net.named_parameters()
-            })
-        except TypeError as e:
-            errors.append(str(e))
-    return dict(seen=sorted(map(str, seen)), grads=grads,
-                ref_grads=ref_grads, baseline=baseline, wire=wire,
-                errors=errors)
+    local = _HalfBackboneNet()
+    local(x).sum().backward()
+    head = torch.cat([local.head.weight.grad.flatten(),
+                      local.head.bias.grad])
+    heads = [torch.empty_like(head) for _ in range(world_size)]
+    dist.all_gather(heads, head)
+    return dict(
+        ref=_step(None, x),
+        bf16=_step(dict(type='bf16_compress'), x),
+        fp16=_step(dict(type='fp16_compress'), x),
+        fp16_wrapped=_step(dict(type='allreduce', wrapper='fp16'), x),
+        fp16_by_hand=_step(None, x,
+                           by_hand=(CompressState(None), fp16_compress_hook)),
+        wrapper_by_hand=_step(
+            None, x, by_hand=(None, fp16_compress_wrapper(allreduce_hook))),
+        heads=heads)
 
 
-def test_bf16_compress_passes_bf16_buckets_through():
+def test_half_precision_hooks_pass_bf16_buckets_through():
     results = run_ranks(_hooks_on_bf16_buckets)
+    backbone = ('backbone.weight', 'backbone.bias')
     for r in results:
-        # DDP buckets parameters of one dtype together.
-        assert r['seen'] == ['torch.bfloat16', 'torch.float32']
-        assert r['grads']['backbone.weight'].dtype is torch.bfloat16
-        assert r['grads']['head.weight'].dtype is torch.float32
-        # Passed through: one bf16 all-reduce of the halved bucket, exactly
-        # what DDP does without a hook (division by 2 is exact).
+        ref = r['ref']['grads']
+        assert ref['backbone.weight'].dtype is torch.bfloat16
+        assert ref['head.weight'].dtype is torch.float32
+        for run in ('bf16', 'fp16', 'fp16_wrapped', 'fp16_by_hand',
+                    'wrapper_by_hand'):
+            grads = r[run]['grads']
+            # DDP buckets parameters of one dtype together.
+            assert r[run]['seen'] == ['torch.bfloat16', 'torch.float32']
+            # Passed through: one bf16 all-reduce of the halved bucket,
+            # exactly what DDP does without a hook (division by 2 is exact),
+            # whether the hook's own wire format is bf16 or fp16.
+            for n in backbone:
+                assert grads[n].dtype is torch.bfloat16
+                assert torch.equal(grads[n], ref[n]), (run, n)
+            assert grads['head.weight'].dtype is torch.float32
+        # The fp32 head does go out in each hook's format: halve in fp32,
+        # round, sum in that format, widen.
+        for run, wire in (('bf16', torch.bfloat16), ('fp16', torch.float16),
+                          ('fp16_by_hand', torch.float16)):
+            halves = [(h * 0.5).to(wire) for h in r['heads']]
+            expected = (halves[0] + halves[1]).float()
+            grads = r[run]['grads']
+            got = torch.cat([grads['head.weight'].flatten(),
+                             grads['head.bias']])
+            assert torch.equal(got, expected), run
+        for run in ('bf16', 'fp16', 'fp16_wrapped'):
+            # 20 bf16 numbers at 2 bytes, 5 fp32 ones at 4; all on the wire
+            # at 2 bytes: baseline 60, wire 50.
+            assert r[run]['baseline'] == 20 * 2 + 5 * 4
+            assert r[run]['wire'] == 25 * 2
+        assert r['bf16']['notes'] == ()
+        assert r['fp16']['notes'] == (FP16_NOTE.format(
+            names='backbone.weight, backbone.bias'), )
+        assert r['fp16_wrapped']['notes'] == (
+            "comm_hook type='allreduce', wrapper='fp16': the bf16 parameters "
+            '(backbone.weight, backbone.bias) are sent as bf16, as they are, '
+            'not cast to fp16 (fp16 has far less range than bf16: it would '
+            'overflow above 65504 and flush values below about 6e-8 to '
+            'zero); the bytes are the same. Only fp32 buckets are cast to '
+            "fp16. For one wire format everywhere use wrapper='bf16'.", )
+    assert torch.equal(results[0]['fp16']['grads']['backbone.weight'],
+                       results[1]['fp16']['grads']['backbone.weight'])
+
+
+def _fp16_backbone_under_bf16(rank, world_size):
+    x = torch.randn(8, 4) * (rank + 1)
+    return dict(ref=_step(None, x, dtype=torch.float16),
+                bf16=_step(dict(type='bf16_compress'), x,
+                           dtype=torch.float16))
+
+
+def test_bf16_compress_passes_fp16_buckets_through():
+    """The mirror case: fp16 parameters keep their 3 extra bits."""
+    for r in run_ranks(_fp16_backbone_under_bf16):
         for n in ('backbone.weight', 'backbone.bias'):
-            assert torch.equal(r['grads'][n], r['ref_grads'][n]), n
-        # 20 bf16 numbers at 2 bytes, 5 fp32 ones at 4, both on the wire
-        # as bf16 (the fp32 bucket is compressed): baseline 60, wire 50.
-        assert r['baseline'] == 20 * 2 + 5 * 4
-        assert r['wire'] == 25 * 2
-        assert len(r['errors']) == 2
-        assert r['errors'][0] == (
-            "comm_hook type='fp16_compress': the DDP model has bfloat16 "
-            "parameters (backbone.weight, backbone.bias), so DDP's buckets "
-            'are bf16. ' + FP16_REFUSED)
-        assert r['errors'][1].startswith(
-            "comm_hook type='allreduce', wrapper='fp16': the DDP model has "
-            'bfloat16 parameters')
-    assert torch.equal(results[0]['grads']['backbone.weight'],
-                       results[1]['grads']['backbone.weight'])
+            assert r['bf16']['grads'][n].dtype is torch.float16
+            assert torch.equal(r['bf16']['grads'][n], r['ref']['grads'][n])
+        assert r['bf16']['notes'] == (
+            "comm_hook type='bf16_compress': the fp16 parameters "
+            '(backbone.weight, backbone.bias) are sent as fp16, as they are, '
+            'not cast to bf16 (bf16 keeps 3 fewer significant bits than '
+            'fp16); the bytes are the same. Only fp32 buckets are cast to '
+            "bf16. For one wire format everywhere use type='fp16_compress'.",
+        )
 
 
-def _fp16_at_first_bucket(rank, world_size, which):
-    net = _Bf16BackboneNet()
-    ddp = nn.parallel.DistributedDataParallel(net)
-    if which == 'hook':
-        ddp.register_comm_hook(CompressState(None), fp16_compress_hook)
-    else:
-        ddp.register_comm_hook(None, fp16_compress_wrapper(allreduce_hook))
-    try:
-        ddp(torch.randn(2, 4)).sum().backward()
-    except Exception as e:  # DDP may wrap it in a RuntimeError
-        return str(e)
-    return None
-
-
-@pytest.mark.parametrize('which', ['hook', 'wrapper'])
-def test_fp16_on_bf16_bucket_refused_at_first_bucket(which):
-    """Registered by hand (no param_names to look at): the first bf16 bucket
-    raises the same message."""
-    for message in run_ranks(_fp16_at_first_bucket, which):
-        assert message is not None and FP16_REFUSED in message
-
-
-def test_fp32_model_still_builds_fp16_compress():
+def test_fp32_model_has_no_note():
     spec = build_comm_hook(dict(type='fp16_compress'),
                            param_names={nn.Parameter(torch.ones(2)): 'w'})
-    assert spec.base_hook is fp16_compress_hook
+    assert spec.base_hook is fp16_compress_hook and spec.notes == ()
     frozen = nn.Parameter(torch.ones(2, dtype=torch.bfloat16),
                           requires_grad=False)
     # Frozen bf16 parameters are in no bucket.
-    build_comm_hook(dict(type='fp16_compress'), param_names={frozen: 'f'})
+    assert build_comm_hook(dict(type='fp16_compress'),
+                           param_names={frozen: 'f'}).notes == ()
 
 
 def _train_tiny(rank, world_size, work_dir, comm_hook):
@@ -210,11 +246,8 @@ def _train_tiny(rank, world_size, work_dir, comm_hook):
         loader.persistent_workers = False
         loader.dataset.generate = dict(num_train=16, num_val=4)
     cfg.test_dataloader = cfg.val_dataloader
-    try:
-        runner = Runner.from_cfg(cfg)
-        runner.train()
-    except TypeError as e:
-        return dict(error=str(e))
+    runner = Runner.from_cfg(cfg)
+    runner.train()
     model = runner.model.module
     hub = runner.message_hub
     flat = torch.cat([p.detach().float().flatten()
@@ -223,7 +256,12 @@ def _train_tiny(rank, world_size, work_dir, comm_hook):
     dist.all_gather(gathered, flat)
     trained = [(n, p) for n, p in model.named_parameters()
                if p.requires_grad]
+    log = ''
+    if rank == 0:
+        with open(osp.join(runner.log_dir, f'{runner.timestamp}.log')) as f:
+            log = f.read()
     return dict(
+        log=log,
         losses=list(hub.get_scalar('train/loss').data[0]),
         in_sync=torch.equal(gathered[0], gathered[1]),
         backbone={str(p.dtype) for p in model.backbone.parameters()},
@@ -237,11 +275,11 @@ def _train_tiny(rank, world_size, work_dir, comm_hook):
         comm_ratio=list(hub.get_scalar('train/comm_ratio').data[0]))
 
 
-def test_tiny_upernet_trains_with_a_bf16_backbone(tmp_path):
-    results = run_ranks(_train_tiny, str(tmp_path),
-                        dict(type='bf16_compress'), timeout=300)
+@pytest.mark.parametrize('hook', ['bf16_compress', 'fp16_compress'])
+def test_tiny_upernet_trains_with_a_bf16_backbone(tmp_path, hook):
+    results = run_ranks(_train_tiny, str(tmp_path), dict(type=hook),
+                        timeout=300)
     for r in results:
-        assert 'error' not in r, r['error']
         assert r['backbone'] == {'torch.bfloat16'}
         assert r['heads'] == {'torch.float32'}
         assert r['in_sync']
@@ -249,27 +287,29 @@ def test_tiny_upernet_trains_with_a_bf16_backbone(tmp_path):
         # From inside the hook: the telemetry's baseline is each bucket as
         # DDP hands it over, so bf16 buckets count 2 bytes an element: the
         # backbone's buckets are bf16, the heads' fp32. Everything goes out
-        # as bf16 (the backbone's passed through).
+        # at 2 bytes (the backbone's passed through as bf16).
         bf16, fp32 = r['bf16_numel'], r['fp32_numel']
         assert bf16 > 0 and fp32 > 0
         assert r['comm_mb'] == [2 * (bf16 + fp32) / 2**20] * 6
         assert r['comm_ratio'] == pytest.approx(
             [(2 * bf16 + 2 * fp32) / (2 * bf16 + 4 * fp32)] * 6)
-
-
-def test_tiny_upernet_refuses_fp16_compress_on_a_bf16_backbone(tmp_path):
-    results = run_ranks(_train_tiny, str(tmp_path),
-                        dict(type='fp16_compress'), timeout=300)
-    for r in results:
-        assert r['error'].startswith(
-            "comm_hook type='fp16_compress': the DDP model has bfloat16 "
-            'parameters (backbone.cls_token, backbone.pos_embed, '
-            'backbone.patch_embed.proj.weight, ... (')
-        assert FP16_REFUSED in r['error']  # MMEngine appends the hook
+    log = results[0]['log']
+    assert f"type='{hook}'" in log
+    note = FP16_NOTE.split('(')[0]
+    if hook == 'fp16_compress':
+        # Once, as a warning in the log file, naming the bf16 parameters.
+        assert log.count(note) == 1
+        head, tail = FP16_NOTE.split('{names}')
+        assert ('WARNING - ' + head + 'backbone.cls_token, '
+                'backbone.pos_embed, backbone.patch_embed.proj.weight, ... ('
+                ) in log
+        assert ' in all)' + tail in log
+    else:
+        assert note not in log
 
 
 def _nonfinite_bf16_bucket(rank, world_size):
-    net = _Bf16BackboneNet()
+    net = _HalfBackboneNet()
     ddp = nn.parallel.DistributedDataParallel(net)
     state = CompressState(None, check_finite=True)
     ddp.register_comm_hook(state, bf16_compress_hook)

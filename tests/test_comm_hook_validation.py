@@ -421,12 +421,13 @@ def test_baseline_is_what_ddp_would_send_in_the_bucket_dtype(
     dict(type='fp16_compress'),
     dict(type='allreduce', wrapper='fp16')
 ])
-def test_fp16_refuses_bf16_buckets(cfg):
-    # fp16 has less range than bf16: refused (at registration when the
-    # runner hook passes param_names, else at the first bucket, as here).
-    with pytest.raises(Exception, match='fp16 compression cannot take '
-                       'torch.bfloat16 gradients'):
-        run_ranks(_traffic, cfg, torch.bfloat16, 1)
+def test_fp16_sends_bf16_buckets_as_they_are(cfg):
+    # fp16 has less range than bf16: a bf16 bucket goes out as bf16 (same
+    # bytes), the gradients stay bf16 (tests/test_bf16_backbone.py checks
+    # the values).
+    popped, grad_dtypes = run_ranks(_traffic, cfg, torch.bfloat16, 1)[0]
+    assert grad_dtypes == [torch.bfloat16] * 4
+    assert popped == [(NUMEL * 2, NUMEL * 2)]
 
 
 # By hand, rank 2 and min_compression_rate 2: a (rows, cols) matrix is

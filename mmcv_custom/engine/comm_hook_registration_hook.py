@@ -238,6 +238,10 @@ class CommHookRegistrationHook(Hook):
                 f'{spec.describe()}; process group: {group.size()} '
                 f'ranks, backend {torch.distributed.get_backend(group)}'
                 f'{casts}.')
+            for name, installed, *_ in self._installed:
+                for note in installed.notes:
+                    runner.logger.warning(
+                        f'{name}: {note}' if name else note)
 
         if relayouts:
             self._state_files = HookStateFiles(relayouts, self._cfg)
