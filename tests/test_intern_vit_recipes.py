@@ -287,3 +287,34 @@ def test_tiny_intern_vit_config_trains_on_two_gloo_ranks(tmp_path):
     ]
     assert len(losses) >= 2 and losses[-1] < losses[0]
     assert 'mIoU' in log
+
+
+@pytest.mark.parametrize('hw,resized', [
+    ((512, 683), (504, 672)),  # a typical ADE20K image: 672 = 48 * 14
+    ((683, 512), (672, 504)),
+    ((300, 1500), (504, 2520)),  # wider than 4:1: no cap on the long side
+    ((1000, 1001), (504, 518)),  # 504.5 -> 505, then up to 37 * 14
+])
+def test_ade20k_test_resize_is_intern_vl_s(tmp_path, hw, resized):
+    """InternVL: short edge to 504 (SETR_Resize), then up to multiples of
+    14 (ResizeToMultiple); labels keep their size for the metric."""
+    import mmcv
+    import numpy as np
+    from mmengine.dataset import Compose
+    from mmengine.registry import DefaultScope
+
+    import mmseg.datasets  # noqa: F401  (registers the transforms)
+
+    cfg = Config.fromfile(osp.join(
+        RECIPES, 'upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py'))
+    assert cfg.test_dataloader.dataset.pipeline == cfg.test_pipeline
+    img, seg = tmp_path / 'a.jpg', tmp_path / 'a.png'
+    mmcv.imwrite(np.full(hw + (3, ), 128, np.uint8), str(img))
+    mmcv.imwrite(np.ones(hw, np.uint8), str(seg))
+    with DefaultScope.overwrite_default_scope('mmseg'):
+        pipeline = Compose(cfg.test_pipeline)
+        out = pipeline(dict(img_path=str(img), seg_map_path=str(seg),
+                            reduce_zero_label=True, seg_fields=[]))
+    assert tuple(out['inputs'].shape[1:]) == resized
+    assert out['data_samples'].gt_sem_seg.data.shape[1:] == hw
+    assert out['data_samples'].ori_shape == hw

@@ -312,3 +312,48 @@ def test_sharded_chat_checkpoint_reads_only_the_vision_model(tmp_path, ext):
     # The language model and projector are not even read.
     first_line = summary.splitlines()[0]
     assert first_line.endswith(f'{len(source.state_dict())} backbone tensors')
+
+
+INTERNVL_PYRAMID_INIT = dict(type='Kaiming', layer='ConvTranspose2d',
+                             mode='fan_out', nonlinearity='relu',
+                             distribution='normal')
+
+
+@pytest.mark.parametrize('layout', ['ours', 'segmentor'])
+def test_init_cfg_sets_what_the_checkpoint_leaves_new(tmp_path, layout):
+    """The 6B recipes' init_cfg (InternVL's He-normal for the pyramid) is
+    applied before ``pretrained``: a pre-trained ViT gets a fresh pyramid
+    of InternVL's init, a whole segmentor keeps its own pyramid."""
+    width = 256  # enough numbers for a std to within a few percent
+    tiny = dict(TINY, embed_dims=width, depth=4, num_heads=4)
+    source = _randomise(InternViT(**tiny, with_fpn=True)).eval()
+    path = _write(_layout(source.state_dict(), layout),
+                  str(tmp_path / 'ckpt.pth'))
+    torch.manual_seed(0)
+    model = InternViT(**tiny, with_fpn=True, pretrained=path,
+                      init_cfg=INTERNVL_PYRAMID_INIT)
+    model.init_weights()
+    own, ref = model.state_dict(), source.state_dict()
+    for key in ref:
+        if not key.startswith('up'):
+            assert torch.equal(own[key], ref[key]), key
+    for conv in (model.up1[0], model.up1[3], model.up2[0]):
+        if layout == 'segmentor':
+            assert torch.equal(conv.weight, ref[
+                [k for k, v in model.named_parameters()
+                 if v is conv.weight][0]])
+            continue
+        # InternVL: normal(0, sqrt(2 / fan_out)), fan_out = 2 * 2 * width.
+        assert conv.weight.std().item() == pytest.approx(
+            (2 / (4 * width))**0.5, rel=0.02)
+        assert conv.weight.mean().abs().item() < 1e-3
+        assert torch.equal(conv.bias, torch.zeros_like(conv.bias))
+
+
+def test_6b_recipes_use_internvl_pyramid_init_and_the_toy_does_not():
+    from mmengine.config import Config
+    base = Config.fromfile(osp.join(
+        ROOT, 'configs', 'intern_vit',
+        'upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py'))
+    assert base.model.backbone.init_cfg == INTERNVL_PYRAMID_INIT
+    assert Config.fromfile(TOY_CONFIG).model.backbone.init_cfg is None

@@ -23,7 +23,10 @@ model = dict(
         drop_path_rate=0.1,
         # A CPU demo: fp32 (CPUs are slow at bf16 matmuls; the ADE20K
         # recipes train the backbone in bf16 as InternVL does).
-        dtype='float32'),
+        dtype='float32',
+        # Trained from scratch: PyTorch's init of the pyramid did better
+        # here than InternVL's He-normal (mIoU 73 against 64 at 200 iters).
+        init_cfg=None),
     decode_head=dict(in_channels=[64, 64, 64, 64], channels=64,
                      num_classes=4),
     auxiliary_head=dict(in_channels=64, channels=32, num_classes=4),

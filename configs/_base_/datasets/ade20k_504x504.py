@@ -15,9 +15,14 @@ train_pipeline = [
     dict(type='PhotoMetricDistortion'),
     dict(type='PackSegInputs')
 ]
+# InternVL's test resize (SETR_Resize with setr_multi_scale, then
+# ResizeToMultiple): the short edge to 504 whatever the long one becomes
+# (no 2016 cap), then each side up to a multiple of 14. The labels are
+# loaded afterwards, so mIoU is computed at the original size.
 test_pipeline = [
     dict(type='LoadImageFromFile'),
-    dict(type='Resize', scale=(2016, 504), keep_ratio=True),
+    dict(type='ResizeShortestEdge', scale=504, max_size=2**31 - 1),
+    dict(type='ResizeToMultiple', size_divisor=14),
     dict(type='LoadAnnotations', reduce_zero_label=True),
     dict(type='PackSegInputs')
 ]

@@ -37,7 +37,16 @@ model = dict(
         with_fpn=True,
         with_cp=True,
         freeze=False,
-        pretrained=None),
+        pretrained=None,
+        # InternVL's init of the new pyramid's transposed convolutions:
+        # normal with std sqrt(2 / (2 * 2 * channels)), zero bias. The
+        # checkpoint, loaded after it, sets the ViT itself.
+        init_cfg=dict(
+            type='Kaiming',
+            layer='ConvTranspose2d',
+            mode='fan_out',
+            nonlinearity='relu',
+            distribution='normal')),
     decode_head=dict(
         type='UPerHead',
         in_channels=[3200, 3200, 3200, 3200],
