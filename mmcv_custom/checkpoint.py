@@ -30,7 +30,7 @@ from mmengine.logging import HistoryBuffer
 __all__ = [
     'SAFE_CHECKPOINT_GLOBALS', 'allow_mmengine_checkpoints',
     'check_checkpoint', 'check_checkpoint_file', 'load_checkpoint_file',
-    'resolve_resume_checkpoint',
+    'resolve_resume_checkpoint', 'is_sharded_checkpoint', 'SHARDED_META_FILE',
     'UnsafeCheckpointError'
 ]
 
@@ -59,6 +59,22 @@ SAFE_CHECKPOINT_GLOBALS: Dict[str, object] = {
     _name(obj): obj
     for obj in [HistoryBuffer, builtins.getattr, *_numpy_globals()]
 }
+
+
+#: The file of a sharded (FSDP2Strategy) checkpoint directory that holds
+#: everything but the tensors: meta, message hub, schedulers.
+SHARDED_META_FILE = 'meta.pth'
+# What torch.distributed.checkpoint writes last, once every rank's shards
+# are on disk.
+_DCP_METADATA = '.metadata'
+
+
+def is_sharded_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a complete sharded checkpoint directory of
+    :class:`~mmcv_custom.engine.FSDP2Strategy` (DCP shards and
+    ``meta.pth``)."""
+    return (osp.isdir(path) and osp.isfile(osp.join(path, _DCP_METADATA))
+            and osp.isfile(osp.join(path, SHARDED_META_FILE)))
 
 
 class UnsafeCheckpointError(RuntimeError):
@@ -106,7 +122,7 @@ def check_checkpoint_file(path: str, source: str) -> None:
     missing, or holds what torch's safe loader would refuse.
 
     Args:
-        path (str): A local file. A URL or another ``scheme://`` name that
+        path (str): A local file or sharded checkpoint directory. A URL or another ``scheme://`` name that
             MMEngine fetches itself is not checked here (torch's safe
             loader still refuses unsafe contents when it is loaded).
         source (str): Where ``path`` came from, for the message, e.g.
@@ -119,9 +135,18 @@ def check_checkpoint_file(path: str, source: str) -> None:
     """
     if '://' in path:
         return
+    if is_sharded_checkpoint(path):
+        # The tensors are DCP shards (read by the strategy's safe planner);
+        # meta.pth is an ordinary torch file.
+        check_checkpoint(osp.join(path, SHARDED_META_FILE))
+        return
     if not osp.isfile(path):
-        what = ('a directory, not a checkpoint file' if osp.isdir(path) else
-                'no such file')
+        if osp.isdir(path):
+            what = ('a directory, not a checkpoint file nor a complete '
+                    f'sharded checkpoint (which holds {_DCP_METADATA} and '
+                    f'{SHARDED_META_FILE})')
+        else:
+            what = 'no such file'
         raise FileNotFoundError(
             f'{source}={path!r}: {what} (relative paths are from the '
             f'current directory, {os.getcwd()})')
@@ -182,7 +207,7 @@ def resolve_resume_checkpoint(work_dir: str,
     same_dir = osp.abspath(osp.dirname(recorded)) == osp.abspath(work_dir)
     if same_dir or '://' in recorded:
         return recorded, None
-    if not osp.isfile(local):
+    if not osp.exists(local):
         # A CheckpointHook with its own out_dir, or a copy whose newest
         # checkpoint is gone: MMEngine's choice, but not silently.
         return recorded, (f'{recorded_file} names {recorded}, outside this '

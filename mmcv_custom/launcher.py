@@ -19,6 +19,7 @@ from mmengine.config import Config
 from mmengine.logging import print_log
 
 __all__ = [
+    'check_cpu_strategy',
     'load_config', 'prepare_launch', 'is_launch_rank0',
     'shutdown_distributed', 'check_cpu_wrapper'
 ]
@@ -111,6 +112,42 @@ def check_cpu_wrapper(cfg: Config) -> None:
         'Remove model_wrapper_cfg, or run it on GPUs.')
 
 
+# FlexibleRunner strategies that run on a CPU process group.
+_CPU_STRATEGIES = ('DDPStrategy', 'FSDP2Strategy')
+
+
+def _strategy_type(cfg: Config) -> Optional[str]:
+    """The FlexibleRunner strategy's type name, or None for MMEngine's
+    default Runner (which takes ``model_wrapper_cfg`` instead)."""
+    if cfg.get('runner_type') != 'FlexibleRunner':
+        return None
+    strategy = cfg.get('strategy') or {}
+    kind = strategy.get('type', 'DDPStrategy')
+    return kind if isinstance(kind, str) else kind.__name__
+
+
+def check_cpu_strategy(cfg: Config) -> None:
+    """Raise before gloo starts if the FlexibleRunner strategy needs CUDA.
+
+    MMEngine's ``FSDPStrategy`` wraps FSDP1, which refuses CPUs ("FSDP
+    needs a non-CPU accelerator device"), and the DeepSpeed and
+    ColossalAI strategies need GPUs too; without this check the run fails
+    after the process group started, in their words.
+
+    Raises:
+        ValueError: The strategy is not one of ``_CPU_STRATEGIES``.
+    """
+    kind = _strategy_type(cfg)
+    if kind is None or kind in _CPU_STRATEGIES:
+        return
+    hint = (" Use strategy=dict(type='FSDP2Strategy') (PyTorch's FSDP2, "
+            'which runs on CPUs) instead.' if 'FSDP' in kind else '')
+    raise ValueError(
+        f'strategy type {kind!r} needs CUDA, but there is none: on CPUs '
+        f'the tools run {" or ".join(_CPU_STRATEGIES)} on a gloo process '
+        f'group.{hint}')
+
+
 def _init_gloo(launcher: str) -> None:
     if launcher == 'slurm':
         for ours, slurm in _ENV_FROM_SLURM.items():
@@ -174,6 +211,7 @@ def prepare_launch(cfg: Config, launcher: str,
     if launcher != 'none':
         # Before the process group: every rank fails alike, at once.
         check_cpu_wrapper(cfg)
+        check_cpu_strategy(cfg)
         if not dist.is_initialized():
             _init_gloo(launcher)
     # One line per run, not per rank.
@@ -186,6 +224,18 @@ def prepare_launch(cfg: Config, launcher: str,
             level=logging.WARNING)
     if launcher == 'none':
         return cfg
+    env_cfg = dict(cfg.get('env_cfg') or {})
+    env_cfg['dist_cfg'] = dict(env_cfg.get('dist_cfg') or {}, backend='gloo')
+    cfg.env_cfg = env_cfg
+    strategy = _strategy_type(cfg)
+    if strategy is not None:
+        # FlexibleRunner: the strategy wraps the model, no model wrapper.
+        if main_process:
+            print_log(
+                f'No CUDA: started a gloo process group of '
+                f'{dist.get_world_size()} ranks on CPU ({strategy}).',
+                logger='current')
+        return cfg
     wrapper_cfg = cfg.get('model_wrapper_cfg') or dict(
         type='MMDistributedDataParallel')
     wrapper_cfg.setdefault(
@@ -195,10 +245,6 @@ def prepare_launch(cfg: Config, launcher: str,
     # the saved checkpoint will.
     wrapper_cfg['device_ids'] = None
     cfg.model_wrapper_cfg = wrapper_cfg
-    # What the saved config says matches what runs.
-    env_cfg = dict(cfg.get('env_cfg') or {})
-    env_cfg['dist_cfg'] = dict(env_cfg.get('dist_cfg') or {}, backend='gloo')
-    cfg.env_cfg = env_cfg
     if main_process:
         print_log(
             f'No CUDA: started a gloo process group of '

@@ -65,6 +65,7 @@ from .ddp_hooks import (CompressState, _check_compress_args,
 
 __all__ = [
     'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommCounter', 'CommHookSpec',
+    'ShardedCommSpec', 'build_sharded_comm',
     'build_comm_hook', 'check_comm_hook_cfg', 'with_args_check',
     'require_int', 'require_real', 'require_bool'
 ]
@@ -727,3 +728,83 @@ def build_comm_hook(cfg: dict,
         serialized=serialized,
         relayout=relayout,
         notes=notes)
+
+
+@dataclasses.dataclass
+class ShardedCommSpec:
+    """What a ``comm_hook`` config makes FSDP2's reduce-scatter do.
+
+    FSDP2 has no DDP communication hooks; the same config types that have
+    a sharded form (``allreduce``, ``fp16_compress``, ``bf16_compress``)
+    are carried out by :class:`~mmcv_custom.sharded_comm.AveragingReduceScatter`.
+
+    Attributes:
+        type (str): The config name.
+        wire_dtype (torch.dtype, optional): What is sent; None for the
+            gradients' own dtype.
+        notes (tuple[str]): Log warnings, as :class:`CommHookSpec`'s.
+    """
+    type: str
+    wire_dtype: Optional[torch.dtype]
+    notes: tuple = ()
+    state: Any = None  # no DDP-style state (no non-finite records)
+
+    def describe(self) -> str:
+        """One line saying what is installed, for the training log."""
+        wire = ('the gradients\' own dtype' if self.wire_dtype is None else
+                str(self.wire_dtype).replace('torch.', ''))
+        return (f"type='{self.type}' (FSDP2 reduce-scatter in {wire}, "
+                'averaged before the cast)')
+
+
+def build_sharded_comm(cfg: dict,
+                       param_names: Optional[dict] = None
+                       ) -> ShardedCommSpec:
+    """The sharded (FSDP2) form of a ``comm_hook`` config.
+
+    Args:
+        cfg (dict): See :func:`check_comm_hook_cfg`.
+        param_names (dict, optional): Parameter -> name of the sharded
+            model, for ``spec.notes`` (a bf16 backbone under
+            ``fp16_compress``). Defaults to None.
+
+    Raises:
+        ValueError: A type without a sharded form (PowerSGD, user hooks), a
+            ``wrapper``, or CompressState keys that change nothing under
+            FSDP2 (``predivide_factor``: the whole division is done before
+            the cast; ``check_finite``). Besides the errors of
+            :func:`check_comm_hook_cfg`.
+    """
+    from .sharded_comm import WIRE_DTYPES
+    checked = check_comm_hook_cfg(cfg)
+    hook_type = checked['type']
+    what = f'comm_hook type={hook_type!r}'
+    if not isinstance(hook_type, str) or hook_type not in WIRE_DTYPES:
+        raise ValueError(
+            f'{what} has no sharded form: under FSDP2 (FSDP2Strategy) '
+            'gradients are reduce-scattered, not all-reduced through DDP '
+            'communication hooks. Use one of '
+            f'{", ".join(repr(t) for t in WIRE_DTYPES)}, or train this hook '
+            'with DDP (the default Runner).')
+    if checked['wrapper'] is not None:
+        raise ValueError(
+            f"{what}, wrapper={checked['wrapper']!r}: wrappers have no "
+            f"sharded form under FSDP2; use type='{checked['wrapper']}"
+            "_compress' instead.")
+    given = {k: v for k, v in checked['state_kwargs'].items()
+             if k not in checked['defaults_set']
+             and v is not None and v is not False}
+    if given:
+        raise ValueError(
+            f'{what}: {", ".join(f"{k}={v!r}" for k, v in given.items())} '
+            'is not supported under FSDP2: the sharded form always divides '
+            'by the whole world size before the cast (fp16 overflows only '
+            'if the mean does) and does not record non-finite buckets. '
+            f"Remove it, e.g. comm_hook = dict(type='{hook_type}').")
+    notes = ()
+    if param_names is not None:
+        note = _sent_as_they_are(checked, _lookup_hook(hook_type),
+                                 param_names)
+        notes = (note, ) if note else ()
+    return ShardedCommSpec(type=hook_type, wire_dtype=WIRE_DTYPES[hook_type],
+                           notes=notes)

@@ -2,9 +2,10 @@
 from .comm_hook_registration_hook import (CommHookRegistrationHook,
                                           NonFiniteGradientsError)
 from .cpu_amp_optim_wrapper import CPUAmpOptimWrapper
+from .fsdp2_strategy import FSDP2Strategy
 from .layer_decay_constructor import LayerDecayOptimWrapperConstructor
 
 __all__ = [
-    'CommHookRegistrationHook', 'CPUAmpOptimWrapper',
+    'CommHookRegistrationHook', 'CPUAmpOptimWrapper', 'FSDP2Strategy',
     'LayerDecayOptimWrapperConstructor', 'NonFiniteGradientsError'
 ]

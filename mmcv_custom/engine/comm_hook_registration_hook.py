@@ -10,8 +10,9 @@ from mmengine.runner import find_latest_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 
 from ..ddp_hooks import CompressState, cpu_codec
-from ..registry import (CommCounter, build_comm_hook, check_comm_hook_cfg,
-                        require_int)
+from ..registry import (CommCounter, build_comm_hook, build_sharded_comm,
+                        check_comm_hook_cfg, require_int)
+from ..sharded_comm import fsdp_modules, install_reduce_scatter
 from .hook_state_files import HookStateFiles
 
 __all__ = ['CommHookRegistrationHook', 'NonFiniteGradientsError']
@@ -178,14 +179,21 @@ class CommHookRegistrationHook(Hook):
                 'DDP keeps its default full-precision all-reduce.')
         else:
             check_comm_hook_cfg(self._cfg)
-            # Raises for FSDP, DeepSpeed & co. before any heavy work starts.
-            self._ddp_modules(runner.model)
+            if fsdp_modules(runner.model):
+                # FSDP2 (FSDP2Strategy): only types with a sharded form.
+                build_sharded_comm(self._cfg)
+            else:
+                # Raises for FSDP1, DeepSpeed & co. before any heavy work.
+                self._ddp_modules(runner.model)
         self._checked = True
 
     def before_train(self, runner) -> None:
         if self._registered or self._cfg is None:
             return
         self._registered = True
+        if fsdp_modules(runner.model):
+            self._install_sharded(runner)
+            return
         targets = self._ddp_modules(runner.model)
         if not targets:
             runner.logger.info(
@@ -249,6 +257,26 @@ class CommHookRegistrationHook(Hook):
             if runner.iter > 0:
                 self._state_files.restore(runner, self._loaded_record,
                                           self._resumed_checkpoint(runner))
+
+    def _install_sharded(self, runner) -> None:
+        """FSDP2: the same config sets every sharded module's
+        reduce-scatter (see :mod:`mmcv_custom.sharded_comm`)."""
+        model = runner.model
+        names = {p: n for n, p in model.named_parameters()}
+        spec = build_sharded_comm(self._cfg, param_names=names)
+        counter = CommCounter() if self._telemetry else None
+        units = install_reduce_scatter(model, spec.wire_dtype, counter)
+        self._installed.append(
+            ('', spec, counter, {id(p): n for p, n in names.items()}))
+        if is_main_process():
+            group = torch.distributed.group.WORLD
+            runner.logger.info(
+                'Registered the gradient reduction on the FSDP2 model '
+                f'({units} sharded modules): {spec.describe()}; process '
+                f'group: {group.size()} ranks, backend '
+                f'{torch.distributed.get_backend(group)}.')
+            for note in spec.notes:
+                runner.logger.warning(note)
 
     def after_train_iter(self,
                          runner,

@@ -22,7 +22,8 @@ from torch import nn
 from .intern_vit_checkpoint import (convert_checkpoint,
                                     load_internvit_checkpoint)
 
-__all__ = ['InternViT', 'resize_patch_kernel', 'resize_pos_embed']
+__all__ = ['InternViT', 'InternViTBlock', 'resize_patch_kernel',
+           'resize_pos_embed']
 
 # What ``InternViT(dtype=...)`` accepts; fp16 is left out on purpose: its
 # range (65504) is too small for un-scaled training.
@@ -157,7 +158,10 @@ class _Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class _Block(nn.Module):
+class InternViTBlock(nn.Module):
+    """One pre-norm transformer block of :class:`InternViT` (attention and
+    MLP, each with LayerScale and stochastic depth). Public so that
+    sharding policies can name it (``FSDP2Strategy(shard_modules=...)``)."""
 
     def __init__(self, dim, num_heads, mlp_hidden, qkv_bias, qk_norm, norm,
                  eps, init_values, drop_path):
@@ -324,7 +328,7 @@ class InternViT(BaseModule):
         rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         hidden = int(embed_dims * mlp_ratio)
         self.blocks = nn.ModuleList(
-            _Block(embed_dims, num_heads, hidden, qkv_bias, qk_norm, norm,
+            InternViTBlock(embed_dims, num_heads, hidden, qkv_bias, qk_norm, norm,
                    norm_eps, init_values, rate) for rate in rates)
 
         self.with_fpn = with_fpn
@@ -492,8 +496,12 @@ class InternViT(BaseModule):
         with torch.set_grad_enabled(torch.is_grad_enabled()
                                     and not self.freeze):
             outs = self._forward_blocks(x)
+        # Contiguous copies, not views of the tokens: the heads' convolutions
+        # want them so anyway, and a view returned from an FSDP2 unit would
+        # lose its pre-backward hook to any in-place op downstream.
         maps = [
-            o[:, 1:].transpose(1, 2).reshape(b, -1, gh, gw) for o in outs
+            o[:, 1:].transpose(1, 2).reshape(b, -1, gh, gw).contiguous()
+            for o in outs
         ]
         if self.with_fpn:
             maps = [

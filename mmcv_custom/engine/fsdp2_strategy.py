@@ -1,0 +1,477 @@
+"""Shard a model with PyTorch's FSDP2 under MMEngine's ``FlexibleRunner``.
+
+MMEngine 0.10's ``FSDPStrategy`` wraps FSDP1, which refuses CPUs and keeps
+flat parameters; PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``)
+shards each parameter as a ``DTensor`` and runs on gloo/CPU and NCCL/CUDA
+alike. This strategy only decides *what* to shard and how checkpoints are
+written; the sharding engine is PyTorch's. A config uses it with::
+
+    runner_type = 'FlexibleRunner'
+    strategy = dict(type='FSDP2Strategy')
+    comm_hook = dict(type='bf16_compress')  # the reduce-scatter's format
+
+How gradients are reduced is the ``comm_hook`` key's business, read by
+:class:`~mmcv_custom.engine.CommHookRegistrationHook` as for DDP (see
+:mod:`mmcv_custom.sharded_comm`); the strategy refuses a ``reduce_dtype`` of
+its own so that there is one place to say it.
+
+Checkpoints are directories (MMEngine's CheckpointHook already handles
+those, as it does DeepSpeed's): ``iter_N.pth/`` holds the model and
+optimizer shards in ``torch.distributed.checkpoint`` (DCP) format, written
+by every rank, and ``meta.pth`` (rank 0) with what MMEngine keeps besides
+(meta, message hub, schedulers). A save goes to ``iter_N.pth.partial/`` and
+is renamed when every rank has finished, so a directory of the final name
+is always complete. Loading is safe: DCP's own loader unpickles non-tensor
+entries with ``weights_only=False``; ours does not (``_SafeLoadPlanner``).
+"""
+import os
+import os.path as osp
+import shutil
+import time
+from typing import Callable, Optional, Sequence, Union
+
+import mmengine
+import torch
+import torch.distributed as dist
+from mmengine.dist import is_distributed
+from mmengine.registry import STRATEGIES
+from mmengine._strategy import DDPStrategy
+from torch import nn
+
+from ..checkpoint import (SHARDED_META_FILE, is_sharded_checkpoint,
+                          load_checkpoint_file)
+
+__all__ = ['FSDP2Strategy']
+
+_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
+           'float16': torch.float16}
+_DEFAULT_SHARD_MODULES = ('InternViTBlock', 'InternViT')
+
+
+def _safe_load_planner():
+    """DCP's default load planner, but non-tensor entries (the optimizer's
+    hyper-parameters) are unpickled by torch's safe loader."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class _SafeLoadPlanner(DefaultLoadPlanner):
+
+        def load_bytes(self, read_item, value) -> None:
+            obj = torch.load(value, weights_only=True)
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return _SafeLoadPlanner()
+
+
+def _parse_mp_policy(mp_policy: Optional[dict]):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    if mp_policy is None:
+        return MixedPrecisionPolicy()
+    if not isinstance(mp_policy, dict):
+        raise TypeError('FSDP2Strategy mp_policy should be a dict such as '
+                        "dict(param_dtype='bfloat16'), but got "
+                        f'{type(mp_policy).__name__}: {mp_policy!r}')
+    mp_policy = dict(mp_policy)
+    if 'reduce_dtype' in mp_policy:
+        raise ValueError(
+            'FSDP2Strategy mp_policy: reduce_dtype is set by the comm_hook '
+            "key, the one place that chooses how gradients are reduced: "
+            "e.g. comm_hook = dict(type='bf16_compress') sends bf16, "
+            "dict(type='allreduce') the gradients' own dtype. Remove "
+            f"reduce_dtype={mp_policy['reduce_dtype']!r}.")
+    known = ('param_dtype', 'output_dtype', 'cast_forward_inputs')
+    unknown = sorted(set(mp_policy) - set(known))
+    if unknown:
+        raise TypeError(f'FSDP2Strategy mp_policy got unknown keys '
+                        f'{unknown}; valid keys: {list(known)}')
+    kwargs = {}
+    for key in ('param_dtype', 'output_dtype'):
+        value = mp_policy.get(key)
+        if value is None:
+            continue
+        if value not in _DTYPES:
+            raise ValueError(f'FSDP2Strategy mp_policy {key} should be one '
+                             f'of {sorted(_DTYPES)} or None, but got '
+                             f'{value!r}')
+        kwargs[key] = _DTYPES[value]
+    if 'cast_forward_inputs' in mp_policy:
+        value = mp_policy['cast_forward_inputs']
+        if not isinstance(value, bool):
+            raise TypeError('FSDP2Strategy mp_policy cast_forward_inputs '
+                            f'should be True or False, but got {value!r}')
+        kwargs['cast_forward_inputs'] = value
+    return MixedPrecisionPolicy(**kwargs)
+
+
+@STRATEGIES.register_module()
+class FSDP2Strategy(DDPStrategy):
+    """Fully sharded data parallel training with PyTorch's FSDP2.
+
+    Each module whose class is named in ``shard_modules`` becomes an FSDP2
+    unit (its parameters are gathered for its forward and backward only),
+    then the whole model does, for what is left (the heads). A unit's own
+    parameters must share one dtype (FSDP2 reduce-scatters each unit's
+    gradients as one buffer); the strategy checks this before sharding and
+    names the unit. InternViT's ``with_cp`` activation checkpointing
+    recomputes a block inside its unit and composes with this.
+
+    Not distributed (``launcher='none'``), nothing is sharded and the model
+    runs as with MMEngine's single-device strategy; the checkpoints it
+    writes and reads are the same sharded directories.
+
+    Args:
+        shard_modules (Sequence[str | type], optional): Module classes (or
+            their names) that become units, e.g. ``['InternViTBlock',
+            'InternViT']``. Defaults to None: InternViT's blocks and the
+            InternViT backbone when the model has them, else only the whole
+            model. A name that matches no module of the model is an error.
+        reshard_after_forward (bool): Free the gathered parameters after
+            each unit's forward (gathered again for backward): less memory,
+            one more all-gather per unit. Defaults to True.
+        mp_policy (dict, optional): FSDP2's ``MixedPrecisionPolicy``:
+            ``param_dtype`` and ``output_dtype`` (``'float32'``,
+            ``'bfloat16'``, ``'float16'`` or None) and
+            ``cast_forward_inputs``. ``reduce_dtype`` is the ``comm_hook``
+            key's (an error here). Defaults to None: compute in the
+            parameters' own dtype.
+        **kwargs: Of MMEngine's ``DDPStrategy`` (``sync_bn``...).
+    """
+
+    def __init__(self,
+                 *,
+                 shard_modules: Optional[Sequence[Union[str, type]]] = None,
+                 reshard_after_forward: bool = True,
+                 mp_policy: Optional[dict] = None,
+                 **kwargs) -> None:
+        if 'model_wrapper' in kwargs:
+            raise TypeError(
+                'FSDP2Strategy takes no model_wrapper: fully_shard changes '
+                'the model in place instead of wrapping it.')
+        super().__init__(**kwargs)
+        if shard_modules is not None:
+            if isinstance(shard_modules, (str, type)) or not all(
+                    isinstance(m, (str, type)) for m in shard_modules):
+                raise TypeError(
+                    'FSDP2Strategy shard_modules should be a list of module '
+                    "classes or class names, e.g. ['InternViTBlock'], but "
+                    f'got {shard_modules!r}')
+            shard_modules = tuple(shard_modules)
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError('FSDP2Strategy reshard_after_forward should be '
+                            f'True or False, but got {reshard_after_forward!r}')
+        self.shard_modules = shard_modules
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = _parse_mp_policy(mp_policy)
+        self.units: list = []  # (name, module) sharded, root last
+
+    # -- process group -----------------------------------------------------
+    def _setup_distributed(self, launcher: str = 'pytorch',
+                           backend: str = 'nccl', **kwargs) -> None:
+        if is_distributed():
+            return
+        if not torch.cuda.is_available():
+            # MMEngine's init_dist calls torch.cuda.set_device.
+            dist.init_process_group(backend='gloo', init_method='env://')
+            return
+        super()._setup_distributed(launcher, backend, **kwargs)
+
+    def convert_model(self, model: nn.Module) -> nn.Module:
+        if not self.distributed:
+            from mmengine.model import revert_sync_batchnorm
+            return revert_sync_batchnorm(model)
+        return super().convert_model(model)
+
+    # -- sharding ------------------------------------------------------------
+    def _wrap_model(self, model: nn.Module) -> nn.Module:
+        from mmengine.device import get_device
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(model, FSDPModule):
+            return model
+        model = self.convert_model(model.to(get_device()))
+        if not self.distributed:
+            self.logger.info(
+                'FSDP2Strategy: not distributed, so nothing is sharded.')
+            return model
+        units = self._select_units(model)
+        self._check_unit_dtypes(model, units)
+        counts = {}
+        for _, module in units:
+            name = type(module).__name__
+            counts[name] = counts.get(name, 0) + 1
+        root = type(model).__name__
+        for _, module in units:
+            fully_shard(module, mp_policy=self.mp_policy,
+                        reshard_after_forward=self.reshard_after_forward)
+        fully_shard(model, mp_policy=self.mp_policy,
+                    reshard_after_forward=self.reshard_after_forward)
+        self.units = units + [('', model)]
+        shown = ''.join(f'{n} {k}, ' for k, n in counts.items())
+        self.logger.info(
+            f'FSDP2Strategy: sharded {shown}and the whole {root} over '
+            f'{self.world_size} ranks ({dist.get_backend()}); '
+            f'reshard_after_forward={self.reshard_after_forward}, '
+            f'param_dtype={self.mp_policy.param_dtype or "as the parameters"}.')
+        return model
+
+    def _select_units(self, model: nn.Module) -> list:
+        """(name, module) to shard, children before their parents."""
+        wanted = self.shard_modules
+        explicit = wanted is not None
+        if not explicit:
+            wanted = _DEFAULT_SHARD_MODULES
+
+        def matches(module, spec):
+            if isinstance(spec, type):
+                return isinstance(module, spec)
+            return type(module).__name__ == spec
+
+        found = {spec: 0 for spec in wanted}
+        units = []
+        for name, module in model.named_modules():
+            if module is model:
+                continue
+            for spec in wanted:
+                if matches(module, spec):
+                    found[spec] += 1
+                    units.append((name, module))
+                    break
+        missing = [s if isinstance(s, str) else s.__name__
+                   for s, n in found.items() if n == 0]
+        if explicit and missing:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(
+                f'FSDP2Strategy shard_modules {missing} match no module of '
+                f'the model; its module classes are: {", ".join(present)}')
+        # named_modules() is parents first: shard the deepest first.
+        return units[::-1]
+
+    @staticmethod
+    def _check_unit_dtypes(model: nn.Module, units: list) -> None:
+        """Each unit's own parameters (not in a unit below it) must share a
+        dtype: FSDP2 reduce-scatters them as one buffer."""
+        claimed = set()
+        for name, module in units + [('(the whole model)', model)]:
+            dtypes = {}
+            for pname, param in module.named_parameters():
+                if id(param) in claimed:
+                    continue
+                claimed.add(id(param))
+                dtypes.setdefault(param.dtype, pname)
+            if len(dtypes) > 1:
+                shown = ', '.join(f'{p} ({str(d).replace("torch.", "")})'
+                                  for d, p in dtypes.items())
+                raise ValueError(
+                    f'FSDP2Strategy: unit {name or "(the whole model)"} '
+                    f'holds parameters of several dtypes, e.g. {shown}; '
+                    'FSDP2 reduces a unit\'s gradients as one buffer of one '
+                    'dtype. Add the module class that holds the other '
+                    'dtype to shard_modules (e.g. the bf16 backbone).')
+
+    # -- checkpoints ---------------------------------------------------------
+    def _optimizers(self) -> list:
+        wrapper = getattr(self, 'optim_wrapper', None)
+        if wrapper is None:
+            return []
+        if hasattr(wrapper, 'optim_wrappers'):  # OptimWrapperDict
+            return [w.optimizer for w in wrapper.optim_wrappers.values()]
+        return [wrapper.optimizer]
+
+    def _wrapper_extras(self) -> dict:
+        """What an optim wrapper saves besides its optimizer (AMP's loss
+        scaler)."""
+        wrapper = getattr(self, 'optim_wrapper', None)
+        if wrapper is None or hasattr(wrapper, 'optim_wrappers'):
+            return {}
+        state = wrapper.state_dict()
+        return {k: v for k, v in state.items()
+                if k not in ('state', 'param_groups')}
+
+    def save_checkpoint(self,
+                        filename: str,
+                        *,
+                        save_optimizer: bool = True,
+                        save_param_scheduler: bool = True,
+                        extra_ckpt: Optional[dict] = None,
+                        callback: Optional[Callable] = None) -> None:
+        """Write the sharded checkpoint directory ``filename`` (all ranks).
+
+        Model and optimizer shards go through DCP from every rank; the rest
+        (``meta``, ``message_hub``, ``param_schedulers`` and what hooks add
+        in ``before_save_checkpoint``) into ``meta.pth`` from rank 0.
+        Written under ``filename + '.partial'`` and renamed at the end.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        optimizers = self._optimizers() if save_optimizer else []
+        model_sd, optim_sd = get_state_dict(self.model, optimizers)
+        state = {'model': model_sd}
+        if optimizers:
+            state['optimizer'] = optim_sd
+
+        extra = dict(extra_ckpt or {})
+        extra['meta'] = dict(extra.get('meta') or {})
+        extra['meta'].update(
+            seed=self.seed,
+            time=time.strftime('%Y%m%d_%H%M%S', time.localtime()),
+            mmengine=mmengine.__version__,
+            sharded=dict(world_size=self.world_size, format='dcp'))
+        if save_optimizer:
+            extra['optim_wrapper_extras'] = self._wrapper_extras()
+        if save_param_scheduler and hasattr(self, 'param_schedulers'):
+            extra['param_schedulers'] = self.scheduler_state_dict()
+        if callback is not None:
+            callback(extra)
+
+        main = self.rank == 0
+        partial = filename + '.partial'
+        if main and osp.exists(partial):
+            shutil.rmtree(partial)
+        self._barrier()
+        dcp.save(state, checkpoint_id=partial)
+        error = None
+        if main:
+            try:
+                torch.save(extra, osp.join(partial, SHARDED_META_FILE))
+                old = filename + '.old'
+                if osp.exists(filename):
+                    os.replace(filename, old)
+                os.replace(partial, filename)
+                if osp.exists(old):
+                    shutil.rmtree(old) if osp.isdir(old) else os.remove(old)
+            except Exception as e:  # every rank must leave the barrier
+                error = e
+        self._barrier()
+        if error is not None:
+            raise error
+
+    def _barrier(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.barrier()
+
+    def _load_sharded(self, filename: str, with_optimizer: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (get_state_dict,
+                                                             set_state_dict)
+        optimizers = self._optimizers() if with_optimizer else []
+        model_sd, optim_sd = get_state_dict(self.model, optimizers)
+        state = {'model': model_sd}
+        if optimizers:
+            state['optimizer'] = optim_sd
+        dcp.load(state, checkpoint_id=filename, planner=_safe_load_planner())
+        set_state_dict(self.model, optimizers,
+                       model_state_dict=state['model'],
+                       optim_state_dict=state.get('optimizer', {}))
+
+    def load_checkpoint(self,
+                        filename: str,
+                        *,
+                        map_location: Union[str, Callable] = 'cpu',
+                        strict: bool = False,
+                        revise_keys: list = [(r'^module.', '')],
+                        callback: Optional[Callable] = None) -> dict:
+        """Load weights: from a sharded checkpoint directory (any number of
+        ranks), or from an ordinary single-file checkpoint (a DDP run's,
+        a converted InternVL segmentor), sharded on load."""
+        self.logger.info(f'Load checkpoint from {filename}')
+        if is_sharded_checkpoint(filename):
+            self._load_sharded(filename, with_optimizer=False)
+            checkpoint = load_checkpoint_file(
+                osp.join(filename, SHARDED_META_FILE))
+            if callback is not None:
+                callback(checkpoint)
+            return checkpoint
+        if osp.isdir(filename):
+            raise FileNotFoundError(
+                f'{filename} is a directory but not a complete sharded '
+                f'checkpoint (no .metadata or {SHARDED_META_FILE}): '
+                'a save that did not finish leaves a .partial directory, '
+                'never one of the final name.')
+        from mmengine.runner.checkpoint import _load_checkpoint
+        checkpoint = _load_checkpoint(filename, map_location='cpu')
+        if callback is not None:
+            callback(checkpoint)
+        state_dict = checkpoint.pop('state_dict', checkpoint)
+        self.load_model_state_dict(state_dict, strict=strict,
+                                   revise_keys=revise_keys)
+        return checkpoint
+
+    def load_model_state_dict(self, state_dict: dict, *, strict: bool = False,
+                              revise_keys: list = [(r'^module.', '')]
+                              ) -> None:
+        """Load a full (unsharded) state dict into the sharded model."""
+        import re
+
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict)
+        for pattern, replacement in revise_keys:
+            state_dict = {re.sub(pattern, replacement, k): v
+                          for k, v in state_dict.items()}
+        own = self.model.state_dict()
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f'Checkpoint does not match the model: missing keys '
+                f'{missing}, unexpected keys {unexpected}')
+        if missing or unexpected:
+            self.logger.warning(
+                f'Checkpoint: missing keys {missing}, unexpected keys '
+                f'{unexpected}')
+        state_dict = {k: v for k, v in state_dict.items() if k in own}
+        set_model_state_dict(
+            self.model, state_dict,
+            options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def resume(self,
+               filename: str,
+               *,
+               resume_optimizer: bool = True,
+               resume_param_scheduler: bool = True,
+               map_location: Union[str, Callable] = 'default',
+               callback: Optional[Callable] = None) -> dict:
+        """Resume model, optimizer, schedulers and meta from a sharded
+        checkpoint directory; the world size may differ from the save's
+        (DCP reshards)."""
+        self.logger.info(f'Resume checkpoint from {filename}')
+        if not is_sharded_checkpoint(filename):
+            raise ValueError(
+                f'FSDP2Strategy resumes from a sharded checkpoint directory '
+                f'written by FSDP2Strategy, but {filename} is not one. To '
+                'start from an ordinary checkpoint (a DDP run\'s), use '
+                'load_from without --resume: it loads the weights.')
+        self._load_sharded(filename, with_optimizer=resume_optimizer)
+        checkpoint = load_checkpoint_file(
+            osp.join(filename, SHARDED_META_FILE))
+        if callback is not None:
+            callback(checkpoint)
+        extras = checkpoint.pop('optim_wrapper_extras', None)
+        if resume_optimizer and extras:
+            wrapper = self.optim_wrapper
+            full = wrapper.optimizer.state_dict()
+            full.update(extras)
+            wrapper.load_state_dict(full)
+        if resume_param_scheduler and hasattr(self, 'param_schedulers'):
+            self.load_scheduler_state_dict(checkpoint.pop('param_schedulers'))
+        resumed_seed = checkpoint['meta'].get('seed', None)
+        current_seed = self._randomness.get('seed')
+        if resumed_seed is not None and resumed_seed != current_seed:
+            if current_seed is not None:
+                self.logger.warning(
+                    f'The random seed in the checkpoint ({resumed_seed}) '
+                    f'differs from the one in `randomness` ({current_seed})'
+                    '; using the checkpoint\'s.')
+            self._randomness.update(seed=resumed_seed)
+            self._set_randomness(**self._randomness)
+        accumulative_counts = getattr(self.optim_wrapper,
+                                      '_accumulative_counts', 1)
+        if accumulative_counts > 1:
+            self.optim_wrapper.initialize_count_status(
+                self.model, checkpoint['meta']['iter'],
+                self.dispatch_kwargs['max_iters'])
+        return checkpoint
