@@ -6,27 +6,40 @@ checkpoint is checked first: it must exist and hold only what is on the
 safe-loading allow-list (:mod:`mmcv_custom.checkpoint`). ``--out`` is
 created on every rank, since each writes its predictions there.
 
+CHECKPOINT may also be a sharded checkpoint directory of FSDP2Strategy
+(``iter_N.pth/``): an FSDP2 config reads it on any number of ranks; any
+other config evaluates its consolidated weights (as
+``tools/model_converters/fsdp2_to_pth.py`` writes them).
+
 Examples:
     python tools/test.py CONFIG CHECKPOINT
     bash tools/dist_test.sh CONFIG CHECKPOINT 8 --out results/
 """
 import argparse
 import os
+import os.path as osp
+import shutil
+import tempfile
 
+import torch
 from mmengine.config import DictAction
+from mmengine.logging import print_log
 from mmengine.runner import Runner
 
 import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
-from mmcv_custom.checkpoint import check_checkpoint_file
-from mmcv_custom.launcher import (load_config, prepare_launch,
-                                  shutdown_distributed)
+from mmcv_custom.checkpoint import check_checkpoint_file, is_sharded_checkpoint
+from mmcv_custom.launcher import (is_launch_rank0, load_config,
+                                  prepare_launch, shutdown_distributed)
+from mmcv_custom.sharded_checkpoint import consolidate_sharded_checkpoint
 
 
 def parse_args():
     parser = argparse.ArgumentParser(
         description='Test (and eval) a model')
     parser.add_argument('config', help='test config file path')
-    parser.add_argument('checkpoint', help='checkpoint file')
+    parser.add_argument(
+        'checkpoint',
+        help='checkpoint file, or a sharded (FSDP2) checkpoint directory')
     parser.add_argument(
         '--work-dir',
         help='if specified, the evaluation metric results will be dumped '
@@ -113,7 +126,23 @@ def main():
         os.makedirs(args.out, exist_ok=True)
 
     prepare_launch(cfg, args.launcher)
-    runner = Runner.from_cfg(cfg)
+    consolidated = None
+    if is_sharded_checkpoint(args.checkpoint) and not _is_fsdp2(cfg):
+        # Written by FSDP2Strategy, evaluated with an ordinary (DDP)
+        # config: each rank reads the shards into one file of its own.
+        consolidated = tempfile.mkdtemp(prefix='sharded_ckpt_')
+        cfg.load_from = osp.join(consolidated, 'model.pth')
+        torch.save(consolidate_sharded_checkpoint(args.checkpoint),
+                   cfg.load_from)
+        if is_launch_rank0():
+            print_log(f'{args.checkpoint} is a sharded checkpoint: '
+                      'evaluating its consolidated weights.',
+                      logger='current')
+    if 'runner_type' not in cfg:
+        runner = Runner.from_cfg(cfg)
+    else:
+        from mmengine.registry import RUNNERS
+        runner = RUNNERS.build(cfg)
     try:
         runner.test()
     finally:
@@ -121,6 +150,16 @@ def main():
         # while the process group still exists, then destroy the group.
         del runner
         shutdown_distributed()
+        if consolidated is not None:
+            shutil.rmtree(consolidated, ignore_errors=True)
+
+
+def _is_fsdp2(cfg) -> bool:
+    """Whether ``cfg`` runs FSDP2Strategy, which reads sharded checkpoints
+    itself (resharded to this run's ranks)."""
+    strategy = cfg.get('strategy') or {}
+    return (cfg.get('runner_type') == 'FlexibleRunner'
+            and strategy.get('type') == 'FSDP2Strategy')
 
 
 if __name__ == '__main__':

@@ -40,31 +40,13 @@ from torch import nn
 
 from ..checkpoint import (SHARDED_META_FILE, is_sharded_checkpoint,
                           load_checkpoint_file)
+from ..sharded_checkpoint import safe_load_planner
 
 __all__ = ['FSDP2Strategy']
 
 _DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
            'float16': torch.float16}
 _DEFAULT_SHARD_MODULES = ('InternViTBlock', 'InternViT')
-
-
-def _safe_load_planner():
-    """DCP's default load planner, but non-tensor entries (the optimizer's
-    hyper-parameters) are unpickled by torch's safe loader."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
-
-    class _SafeLoadPlanner(DefaultLoadPlanner):
-
-        def load_bytes(self, read_item, value) -> None:
-            obj = torch.load(value, weights_only=True)
-            fqn = read_item.dest_index.fqn
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[fqn], obj)
-            else:
-                self.state_dict[fqn] = obj
-
-    return _SafeLoadPlanner()
 
 
 def _parse_mp_policy(mp_policy: Optional[dict]):
@@ -107,6 +89,21 @@ def _parse_mp_policy(mp_policy: Optional[dict]):
     return MixedPrecisionPolicy(**kwargs)
 
 
+def _broadcast_buffers(module: nn.Module, *args) -> None:
+    """Give every rank rank 0's buffers: one broadcast per dtype. A forward
+    pre-hook of the root, and run before each save."""
+    by_dtype = {}
+    for buffer in module.buffers():
+        if buffer.numel():
+            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for buffers in by_dtype.values():
+        flat = torch.cat([b.reshape(-1) for b in buffers])
+        dist.broadcast(flat, src=0)
+        for buffer, value in zip(buffers, flat.split(
+                [b.numel() for b in buffers])):
+            buffer.copy_(value.view_as(buffer))
+
+
 @STRATEGIES.register_module()
 class FSDP2Strategy(DDPStrategy):
     """Fully sharded data parallel training with PyTorch's FSDP2.
@@ -138,6 +135,12 @@ class FSDP2Strategy(DDPStrategy):
             ``cast_forward_inputs``. ``reduce_dtype`` is the ``comm_hook``
             key's (an error here). Defaults to None: compute in the
             parameters' own dtype.
+        broadcast_buffers (bool): Before each forward and each save, copy
+            rank 0's buffers (BatchNorm statistics) to every rank, as DDP
+            does before its forwards: FSDP2 shards parameters only, so with
+            per-rank BN (CPUs, where SyncBN is unavailable) the ranks'
+            statistics would drift apart, and validation would not use
+            what the checkpoint keeps. Defaults to True.
         **kwargs: Of MMEngine's ``DDPStrategy`` (``sync_bn``...).
     """
 
@@ -146,6 +149,7 @@ class FSDP2Strategy(DDPStrategy):
                  shard_modules: Optional[Sequence[Union[str, type]]] = None,
                  reshard_after_forward: bool = True,
                  mp_policy: Optional[dict] = None,
+                 broadcast_buffers: bool = True,
                  **kwargs) -> None:
         if 'model_wrapper' in kwargs:
             raise TypeError(
@@ -163,6 +167,10 @@ class FSDP2Strategy(DDPStrategy):
         if not isinstance(reshard_after_forward, bool):
             raise TypeError('FSDP2Strategy reshard_after_forward should be '
                             f'True or False, but got {reshard_after_forward!r}')
+        if not isinstance(broadcast_buffers, bool):
+            raise TypeError('FSDP2Strategy broadcast_buffers should be True '
+                            f'or False, but got {broadcast_buffers!r}')
+        self.broadcast_buffers = broadcast_buffers
         self.shard_modules = shard_modules
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = _parse_mp_policy(mp_policy)
@@ -210,6 +218,8 @@ class FSDP2Strategy(DDPStrategy):
         fully_shard(model, mp_policy=self.mp_policy,
                     reshard_after_forward=self.reshard_after_forward)
         self.units = units + [('', model)]
+        if self.broadcast_buffers and any(True for _ in model.buffers()):
+            model.register_forward_pre_hook(_broadcast_buffers)
         shown = ''.join(f'{n} {k}, ' for k, n in counts.items())
         self.logger.info(
             f'FSDP2Strategy: sharded {shown}and the whole {root} over '
@@ -308,6 +318,8 @@ class FSDP2Strategy(DDPStrategy):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        if self.broadcast_buffers and self.distributed:
+            _broadcast_buffers(self.model)
         optimizers = self._optimizers() if save_optimizer else []
         model_sd, optim_sd = get_state_dict(self.model, optimizers)
         state = {'model': model_sd}
@@ -363,7 +375,7 @@ class FSDP2Strategy(DDPStrategy):
         state = {'model': model_sd}
         if optimizers:
             state['optimizer'] = optim_sd
-        dcp.load(state, checkpoint_id=filename, planner=_safe_load_planner())
+        dcp.load(state, checkpoint_id=filename, planner=safe_load_planner())
         set_state_dict(self.model, optimizers,
                        model_state_dict=state['model'],
                        optim_state_dict=state.get('optimizer', {}))

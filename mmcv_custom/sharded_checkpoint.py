@@ -1,0 +1,88 @@
+"""Read the sharded checkpoints of :class:`~mmcv_custom.engine.FSDP2Strategy`.
+
+A sharded checkpoint is a directory (``iter_N.pth/``) of
+``torch.distributed.checkpoint`` (DCP) files, one per saving rank, plus
+``meta.pth`` with MMEngine's meta, message hub and scheduler states. DCP
+reshards on load, so any number of ranks (or one process) can read it.
+
+Safety: DCP's default planner unpickles every non-tensor entry (the
+optimizer's hyper-parameters) with ``torch.load(weights_only=False)``, which
+runs whatever a crafted file says. :func:`safe_load_planner` reads them with
+torch's safe loader and this project's allow-list instead
+(:mod:`mmcv_custom.checkpoint`), and ``meta.pth`` is read the same way.
+"""
+import os.path as osp
+import warnings
+
+import torch
+
+from .checkpoint import (SHARDED_META_FILE, is_sharded_checkpoint,
+                         load_checkpoint_file)
+
+__all__ = ['safe_load_planner', 'consolidate_sharded_checkpoint']
+
+
+def safe_load_planner():
+    """DCP's default load planner with safe unpickling of non-tensor
+    entries (a file that holds anything off the allow-list is refused)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class _SafeLoadPlanner(DefaultLoadPlanner):
+
+        def load_bytes(self, read_item, value) -> None:
+            obj = torch.load(value, weights_only=True)
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return _SafeLoadPlanner()
+
+
+def consolidate_sharded_checkpoint(path: str) -> dict:
+    """The model of a sharded checkpoint as one ordinary checkpoint.
+
+    Reads in this process, without a process group, whatever the number of
+    ranks that saved it.
+
+    Args:
+        path (str): A sharded checkpoint directory.
+
+    Returns:
+        dict: ``{'meta': ..., 'state_dict': {name: full tensor}}``, what
+        MMEngine's ``load_from`` and ``tools/test.py`` take. The optimizer
+        state is left out (it only serves a resume, which reads the
+        directory itself).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a complete sharded checkpoint.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not is_sharded_checkpoint(path):
+        raise FileNotFoundError(
+            f'{path} is not a complete sharded checkpoint (a directory '
+            f'holding .metadata and {SHARDED_META_FILE}, written by '
+            'FSDP2Strategy)')
+    reader = FileSystemReader(path)
+    prefix = 'model.'
+    state = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():
+        # "torch.distributed is ... uninitialized, assuming the intent is to
+        # load in a single process": that is the intent.
+        warnings.filterwarnings('ignore', message='torch.distributed is')
+        dcp.load(state, storage_reader=reader, planner=safe_load_planner(),
+                 no_dist=True)
+    meta = load_checkpoint_file(osp.join(path, SHARDED_META_FILE))
+    return {
+        'meta': meta.get('meta', {}),
+        'state_dict': {k[len(prefix):]: v for k, v in state.items()},
+    }

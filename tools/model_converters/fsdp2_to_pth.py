@@ -1,0 +1,59 @@
+"""Consolidate a sharded (FSDP2Strategy) checkpoint into one ordinary file.
+
+    python tools/model_converters/fsdp2_to_pth.py SRC_DIR DST
+
+SRC_DIR is a checkpoint directory written by ``FSDP2Strategy`` (e.g.
+``work_dirs/<config>/iter_200.pth/``), by any number of ranks. DST gets the
+model's full weights and the run's meta in MMEngine's single-file format
+(``{'meta': ..., 'state_dict': ...}``), what ``load_from``, DDP configs
+and ``tools/test.py`` take. The optimizer state is left out: resume reads
+the directory itself. Runs in one process, without a process group; the
+non-tensor contents are read with torch's safe loader.
+
+``tools/test.py`` also takes SRC_DIR directly.
+"""
+import argparse
+import os
+import os.path as osp
+import sys
+
+import torch
+
+sys.path.insert(0,
+                osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
+from mmcv_custom.sharded_checkpoint import (  # noqa: E402
+    consolidate_sharded_checkpoint)
+
+
+def convert(src: str, dst: str) -> str:
+    """Consolidate ``src`` into ``dst``; returns the summary line."""
+    checkpoint = consolidate_sharded_checkpoint(src)
+    state = checkpoint['state_dict']
+    folder = osp.dirname(osp.abspath(dst))
+    os.makedirs(folder, exist_ok=True)
+    partial = dst + '.partial'
+    torch.save(checkpoint, partial)
+    os.replace(partial, dst)
+    numel = sum(v.numel() for v in state.values())
+    saved_by = checkpoint['meta'].get('sharded', {}).get('world_size', '?')
+    return (f'{src}: {len(state)} tensors, {numel:,} numbers, saved by '
+            f'{saved_by} ranks at iteration {checkpoint["meta"].get("iter")}'
+            f'\nwrote {dst}; use it as load_from={dst!r}')
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('src', help='sharded checkpoint directory')
+    parser.add_argument('dst', help='output .pth')
+    args = parser.parse_args(argv)
+    try:
+        print(convert(args.src, args.dst))
+    except (OSError, EOFError, ValueError, RuntimeError) as e:
+        message = str(e).strip().splitlines() or [type(e).__name__]
+        print(f'fsdp2_to_pth: error: {message[0]}', file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
