@@ -11,6 +11,28 @@ bf16 backbone), and what the configured ``comm_hook`` sends instead (2 bytes
 for fp16/bf16; for PowerSGD, the two factors of every matrix it compresses
 plus what it leaves alone, after its warm-up). The memory line adds the
 parameters and AdamW's two moments per GPU under DDP, activations aside.
+
+Under FSDP2 (``FSDP2Strategy``, for ``--gpus N [N ...]``) each GPU keeps
+1/N of those, and gathers whole units only while they run. The FSDP2 lines
+count, for the fullest rank (rank 0: ``fully_shard`` splits each parameter
+along its first dimension in ``torch.chunk``'s pieces, so rank 0's is
+rounded up and a parameter of one row lives on rank 0 alone):
+
+* its shards of the parameters, of the gradients and of AdamW's two moments
+  (kept in the parameters' dtype);
+* what is gathered unsharded at the peak: the units are the modules named in
+  the strategy's ``shard_modules`` (InternViT's blocks and the backbone by
+  default) and the root, which holds what they leave (the heads). A unit
+  stays gathered while the units inside it run, and FSDP2 keeps the root
+  gathered from the start of the forward to the end of the backward, so the
+  peak is a block with its enclosing units (backbone and root) plus one more
+  block being prefetched: two units of the innermost kind at once. The
+  unsharded gradients of the unit being reduced, the reduce-scatter's
+  buffer and the activations are not counted.
+
+Both are printed for the parameters' dtypes as the config builds them (the
+6B recipes' backbone in bf16, their heads in fp32) and for all-fp32
+parameters.
 """
 import argparse
 import os.path as osp
@@ -23,8 +45,13 @@ from mmengine.utils import import_modules_from_strings
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(
     __file__)))))
+from mmcv_custom.engine.fsdp2_strategy import \
+    _DEFAULT_SHARD_MODULES  # noqa: E402
 from mmcv_custom.launcher import load_config  # noqa: E402
 from mmcv_custom.registry import check_comm_hook_cfg  # noqa: E402
+
+__all__ = ['stats', 'powersgd_numel', 'fsdp2_units', 'fsdp2_memory',
+           'shard_numel']
 
 GiB = 2**30
 
@@ -50,7 +77,171 @@ def _size(num_bytes: int) -> str:
     return f'{num_bytes / 2**20:.3f} MiB'
 
 
-def stats(cfg: Config) -> dict:
+def shard_numel(shape, world_size: int) -> int:
+    """Numbers of a parameter of ``shape`` on rank 0 under FSDP2, the
+    fullest rank: ``fully_shard`` gives rank r the r-th of ``torch.chunk``'s
+    pieces along the first dimension, ``ceil(rows / world_size)`` rows for
+    rank 0 (a 0-d parameter counts as one row)."""
+    shape = tuple(shape) or (1, )
+    rows = shape[0]
+    numel = 1
+    for d in shape:
+        numel *= d
+    if rows == 0:
+        return 0
+    return -(-rows // world_size) * (numel // rows)
+
+
+def _matches(module, spec) -> bool:
+    if isinstance(spec, type):
+        return isinstance(module, spec)
+    return type(module).__name__ == spec
+
+
+def fsdp2_units(model, shard_modules=None) -> list:
+    """The FSDP2 units ``FSDP2Strategy`` makes of ``model``, with the
+    parameters each one gathers.
+
+    As the strategy: every module whose class is in ``shard_modules`` (by
+    name or class; None for the strategy's default, InternViT's blocks and
+    the backbone when present) is a unit, and the root holds the rest. A
+    parameter belongs to the innermost unit that contains it.
+
+    Returns:
+        list[dict]: ``name`` (``''`` for the root), ``type`` (class name),
+        ``params`` (its own parameters) and ``ancestors`` (names of the
+        units containing it, the root included), innermost units first,
+        the root last.
+
+    Raises:
+        ValueError: An explicit ``shard_modules`` entry matches no module of
+            the model (the strategy's own check).
+    """
+    explicit = shard_modules is not None
+    wanted = tuple(shard_modules) if explicit else _DEFAULT_SHARD_MODULES
+    found = {spec: 0 for spec in wanted}
+    matched = []
+    for name, module in model.named_modules():
+        if module is model:
+            continue
+        for spec in wanted:
+            if _matches(module, spec):
+                found[spec] += 1
+                matched.append((name, module))
+                break
+    missing = [s if isinstance(s, str) else s.__name__
+               for s, n in found.items() if n == 0]
+    if explicit and missing:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f'shard_modules {missing} match no module of the model; its '
+            f'module classes are: {", ".join(present)}')
+    claimed = set()
+    units = []
+    # named_modules() lists parents first: claim from the deepest up.
+    for name, module in matched[::-1] + [('', model)]:
+        own = [p for p in module.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        ancestors = [n for n, _ in matched
+                     if n != name and name.startswith(n + '.')]
+        units.append(dict(name=name, type=type(module).__name__,
+                          params=own,
+                          ancestors=ancestors + [''] if name else []))
+    return units
+
+
+def _gathered_bytes(units, size) -> int:
+    """Peak bytes gathered at once: a unit with the units around it, plus
+    the largest other unit (the one prefetched); ``size(p)`` is a
+    parameter's gathered bytes."""
+    own = {u['name']: sum(size(p) for p in u['params']) for u in units}
+    peak = 0
+    for unit in units:
+        chain = [unit['name']] + unit['ancestors']
+        others = [b for n, b in own.items() if n not in chain]
+        peak = max(peak, sum(own[n] for n in chain) + max(others, default=0))
+    return peak
+
+
+def fsdp2_memory(model, world_size: int, shard_modules=None,
+                 param_dtype=None, all_fp32: bool = False) -> dict:
+    """Bytes on the fullest GPU (rank 0) when FSDP2 shards ``model`` over
+    ``world_size`` GPUs with AdamW, activations aside.
+
+    Args:
+        model (nn.Module): Built as the config builds it (e.g. on the meta
+            device).
+        world_size (int): GPUs.
+        shard_modules (Sequence, optional): ``FSDP2Strategy``'s.
+        param_dtype (torch.dtype, optional): Its ``mp_policy`` compute
+            dtype: the dtype units are gathered in. None: the parameters'.
+        all_fp32 (bool): Count every parameter as fp32 instead of its own
+            dtype.
+
+    Returns:
+        dict: ``param_bytes``, ``grad_bytes`` and ``optim_bytes`` (this
+        rank's shards of parameters, of the gradients of the trainable
+        ones and of AdamW's two moments), ``gathered_bytes`` (see the
+        module's docstring) and ``total_bytes``.
+    """
+    def element(p):
+        return 4 if all_fp32 else p.element_size()
+
+    params = list(model.parameters())
+    shard = {id(p): shard_numel(p.shape, world_size) * element(p)
+             for p in params}
+    out = dict(
+        param_bytes=sum(shard[id(p)] for p in params),
+        grad_bytes=sum(shard[id(p)] for p in params if p.requires_grad))
+    out['optim_bytes'] = 2 * out['grad_bytes']
+    gathered = (torch.empty((), dtype=param_dtype).element_size()
+                if param_dtype is not None else None)
+    out['gathered_bytes'] = _gathered_bytes(
+        fsdp2_units(model, shard_modules),
+        lambda p: p.numel() * (gathered or element(p)))
+    out['total_bytes'] = sum(out[k] for k in ('param_bytes', 'grad_bytes',
+                                              'optim_bytes',
+                                              'gathered_bytes'))
+    return out
+
+
+def _fsdp2_strategy(cfg: Config) -> dict:
+    """The config's FSDP2Strategy arguments that change the count
+    (``shard_modules``, ``mp_policy.param_dtype``); empty for any other
+    config, which is counted as the strategy's defaults would shard it."""
+    strategy = cfg.get('strategy') or {}
+    kind = strategy.get('type')
+    name = kind if isinstance(kind, str) else getattr(kind, '__name__', None)
+    if cfg.get('runner_type') != 'FlexibleRunner' or name != 'FSDP2Strategy':
+        return {}
+    out = {}
+    if strategy.get('shard_modules') is not None:
+        out['shard_modules'] = tuple(strategy['shard_modules'])
+    dtype = (strategy.get('mp_policy') or {}).get('param_dtype')
+    if dtype is not None:
+        valid = ('float32', 'bfloat16', 'float16')
+        if dtype not in valid:
+            raise ValueError(f'strategy.mp_policy.param_dtype should be one '
+                             f'of {list(valid)} or None, but got {dtype!r}')
+        out['param_dtype'] = getattr(torch, dtype)
+    return out
+
+
+def stats(cfg: Config, gpus=(8, )) -> dict:
+    """Counts for ``cfg``'s model, built on the meta device.
+
+    Args:
+        cfg (Config): A training config.
+        gpus (Sequence[int]): Numbers of GPUs for the FSDP2 keys. Defaults
+            to ``(8, )``.
+
+    Returns:
+        dict: Besides the DDP counts, ``fsdp2`` and ``fsdp2_fp32`` map each
+        number of GPUs to :func:`fsdp2_memory`'s dict (the parameters'
+        dtypes as built, and all in fp32), ``fsdp2_units`` counts the units
+        by class (the root under its own class name) and
+        ``fsdp2_shard_modules`` is what selected them.
+    """
     if cfg.get('custom_imports'):
         import_modules_from_strings(**cfg.custom_imports)
     init_default_scope(cfg.get('default_scope', 'mmseg'))
@@ -79,6 +270,19 @@ def stats(cfg: Config) -> dict:
     # and AdamW's two moments (kept in the parameters' dtype).
     out['param_bytes'] = sum(p.numel() * p.element_size() for p in params)
     out['optim_bytes'] = 2 * out['grad_bytes']
+    strategy = _fsdp2_strategy(cfg)
+    shard_modules = strategy.get('shard_modules')
+    units = fsdp2_units(model, shard_modules)
+    out['fsdp2_shard_modules'] = shard_modules or _DEFAULT_SHARD_MODULES
+    out['fsdp2_units'] = {}
+    for unit in units:
+        out['fsdp2_units'][unit['type']] = out['fsdp2_units'].get(
+            unit['type'], 0) + 1
+    for key, all_fp32 in (('fsdp2', False), ('fsdp2_fp32', True)):
+        out[key] = {
+            n: fsdp2_memory(model, n, shard_modules,
+                            strategy.get('param_dtype'), all_fp32=all_fp32)
+            for n in gpus}
     hook = cfg.get('comm_hook')
     if hook is None:
         out['hook'], out['hook_bytes'] = 'none (plain all-reduce)', out[
@@ -119,7 +323,19 @@ def main():
         help='override some settings in the used config, as in '
         'tools/train.py: the key-value pairs in xxx=yyy format are merged '
         'into the config, e.g. comm_hook.type=fp16_compress')
+    parser.add_argument(
+        '--gpus',
+        type=int,
+        nargs='+',
+        default=[8],
+        metavar='N',
+        help='numbers of GPUs to print the memory per GPU under FSDP2 for '
+        '(default: 8)')
     args = parser.parse_args()
+    bad = [n for n in args.gpus if n < 1]
+    if bad:
+        parser.error(f'--gpus should be positive numbers of GPUs, but got '
+                     f'{bad[0]}')
     cfg = load_config(args.config, args.cfg_options)
     if cfg.get('comm_hook') is not None:
         # Before building the model (seconds for InternViT-6B). The errors
@@ -132,7 +348,10 @@ def main():
             _error(str(message))
     with DefaultScope.overwrite_default_scope(
             cfg.get('default_scope', 'mmseg')):
-        s = stats(cfg)
+        try:
+            s = stats(cfg, gpus=args.gpus)
+        except ValueError as e:  # the strategy's shard_modules or dtype
+            _error(str(e))
     vit = ('' if s['vit_params'] is None else
            f', of which the pre-trained ViT {s["vit_params"]:,}')
     parts = ('' if s['backbone_params'] is None else
@@ -151,6 +370,27 @@ def main():
           f'{_size(s["param_bytes"])}, gradients {_size(s["grad_bytes"])}, '
           f'AdamW moments {_size(s["optim_bytes"])}; activations not '
           'counted)')
+    _print_fsdp2(s)
+
+
+def _print_fsdp2(s: dict) -> None:
+    units = ', '.join(f'{n} {k}' for k, n in s['fsdp2_units'].items())
+    print(f'FSDP2 units       : {units} (the last: the root, with the '
+          f'heads); shard_modules={list(s["fsdp2_shard_modules"])}')
+    built = ('bf16 and fp32 as built' if s['bf16_params'] else
+             'fp32 as built')
+    for key, kind in (('fsdp2', built), ('fsdp2_fp32', 'all fp32')):
+        print(f'FSDP2 per GPU     : parameters {kind}; rank 0\'s shards of '
+              'parameters, gradients and AdamW moments, plus the largest '
+              'set of units gathered at once (a block with the units '
+              'around it and the next block, prefetched); activations not '
+              'counted')
+        for n, m in s[key].items():
+            print(f'  {n:>4} GPUs       : {_size(m["total_bytes"])} '
+                  f'(parameters {_size(m["param_bytes"])}, gradients '
+                  f'{_size(m["grad_bytes"])}, AdamW moments '
+                  f'{_size(m["optim_bytes"])}, gathered '
+                  f'{_size(m["gathered_bytes"])})')
 
 
 if __name__ == '__main__':
