@@ -455,3 +455,45 @@ def test_dist_train_refuses_powersgd_under_fsdp2(tmp_path):
     assert ("comm_hook type='powerSGD' has no sharded form: under FSDP2"
             in log)
     assert not osp.exists(str(tmp_path / 'w' / 'iter_4.pth'))
+
+
+def _unsavable_hook():
+    """A hook that puts what torch.save cannot write (a lambda) into the
+    checkpoint of iteration 4, as a broken user hook would."""
+    from mmengine.hooks import Hook
+
+    class UnsavableHook(Hook):
+
+        def before_save_checkpoint(self, runner, checkpoint):
+            if runner.iter + 1 == 4:
+                checkpoint['broken'] = lambda: None
+
+    return UnsavableHook()
+
+
+def _train_with_a_failing_save(rank, world_size, work_dir):
+    from mmengine.runner import FlexibleRunner
+    os.chdir(osp.dirname(work_dir))
+    cfg = _cfg(work_dir, 6)
+    runner = FlexibleRunner.from_cfg(cfg)
+    runner.register_hook(_unsavable_hook())
+    try:
+        runner.train()
+    except Exception as e:
+        return type(e).__name__, str(e), runner.iter
+    return None
+
+
+def test_a_failed_save_stops_every_rank_and_leaves_no_checkpoint(tmp_path):
+    work = str(tmp_path / 'w')
+    results = run_ranks(_train_with_a_failing_save, work, timeout=300)
+    # Rank 0 raises what torch.save raised; rank 1 that rank 0 failed.
+    assert results[0][0] == 'PicklingError' and 'lambda' in results[0][1]
+    assert results[1][0] == 'RuntimeError'
+    assert results[1][1] == (
+        f'Saving {work}/iter_4.pth failed on rank 0 (see its log); nothing '
+        f'of that name was written, only {work}/iter_4.pth.partial.')
+    assert sorted(n for n in os.listdir(work) if n.startswith('iter_')) == [
+        'iter_2.pth', 'iter_4.pth.partial']
+    with open(osp.join(work, 'last_checkpoint')) as f:
+        assert f.read() == osp.join(work, 'iter_2.pth')

@@ -93,6 +93,7 @@ def test_recipe_table():
             assert cfg.optim_wrapper.paramwise_cfg.layer_decay_rate == 0.95
         if '-6b_' in name:
             assert backbone.drop_path_rate == 0.4
+            assert backbone.dtype == 'bfloat16'
             assert cfg.comm_hook == dict(type='bf16_compress')
         if name in fewshot:
             n = re.search(r'-1of(\d+)-', name).group(1)
@@ -113,6 +114,7 @@ INTERN_VIT_300M = dict(
     num_heads=16, qkv_bias=True, qk_norm=False, norm='ln',
     pretrained='pretrained/intern_vit_300m_448px.pth')
 FULL_6B = 'upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py'
+FULL_6B_FSDP2 = 'upernet_intern-vit-6b_fsdp2-8xb2-80k_ade20k-504x504.py'
 HEAD_6B = 'upernet_intern-vit-6b-frozen_8xb2-80k_ade20k-504x504.py'
 LINEAR_6B = 'linear_intern-vit-6b-frozen_8xb2-80k_ade20k-504x504.py'
 FULL_300M = 'upernet_intern-vit-300m_8xb2-80k_ade20k-504x504.py'
@@ -124,6 +126,9 @@ LINEAR_300M = 'linear_intern-vit-300m-frozen_8xb2-80k_ade20k-504x504.py'
 INTERN_VL_RECIPES = {
     FULL_6B: (INTERN_VIT_6B, (11, 23, 35, 47), False, 0.4, 3200, 2, 0.05,
               0.95, 80000, 1500),
+    # The same recipe, sharded by FSDP2 instead of DDP.
+    FULL_6B_FSDP2: (INTERN_VIT_6B, (11, 23, 35, 47), False, 0.4, 3200, 2,
+                    0.05, 0.95, 80000, 1500),
     HEAD_6B: (INTERN_VIT_6B, (11, 23, 35, 47), True, 0.0, 3200, 1, 0.05,
               1.0, 80000, 1500),
     LINEAR_6B: (INTERN_VIT_6B, (44, ), True, 0.0, 3200, None, 0.0, 1.0,
@@ -318,3 +323,15 @@ def test_ade20k_test_resize_is_intern_vl_s(tmp_path, hw, resized):
     assert tuple(out['inputs'].shape[1:]) == resized
     assert out['data_samples'].gt_sem_seg.data.shape[1:] == hw
     assert out['data_samples'].ori_shape == hw
+
+
+def test_6b_fsdp2_recipe_is_the_ddp_recipe_sharded():
+    ddp = Config.fromfile(osp.join(RECIPES, FULL_6B))
+    fsdp2 = Config.fromfile(osp.join(RECIPES, FULL_6B_FSDP2))
+    assert fsdp2.runner_type == 'FlexibleRunner'
+    assert fsdp2.strategy == dict(
+        type='FSDP2Strategy', shard_modules=['InternViTBlock', 'InternViT'],
+        reshard_after_forward=True)
+    for key in ('model', 'optim_wrapper', 'param_scheduler', 'train_cfg',
+                'train_dataloader', 'val_dataloader', 'comm_hook'):
+        assert fsdp2[key] == ddp[key], key

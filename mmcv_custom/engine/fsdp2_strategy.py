@@ -356,11 +356,26 @@ class FSDP2Strategy(DDPStrategy):
                 os.replace(partial, filename)
                 if osp.exists(old):
                     shutil.rmtree(old) if osp.isdir(old) else os.remove(old)
-            except Exception as e:  # every rank must leave the barrier
+            except Exception as e:  # every rank must hear of it
                 error = e
-        self._barrier()
+        # All ranks stop together, not rank 0 alone with the others
+        # training on into a collective it will never join.
+        failed = self._any_rank(error is not None)
         if error is not None:
             raise error
+        if failed:
+            raise RuntimeError(
+                f'Saving {filename} failed on rank 0 (see its log); '
+                f'nothing of that name was written, only {partial}.')
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (a barrier as well)."""
+        if not (self.distributed and dist.is_initialized()):
+            return flag
+        from mmengine.device import get_device
+        value = torch.tensor([int(flag)], device=get_device())
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     def _barrier(self) -> None:
         if self.distributed and dist.is_initialized():

@@ -150,17 +150,19 @@ def fsdp2_units(model, shard_modules=None) -> list:
     return units
 
 
-def _gathered_bytes(units, size) -> int:
+def _gathered_bytes(units, size) -> tuple:
     """Peak bytes gathered at once: a unit with the units around it, plus
     the largest other unit (the one prefetched); ``size(p)`` is a
-    parameter's gathered bytes."""
+    parameter's gathered bytes. Returns the peak and its prefetched
+    part."""
     own = {u['name']: sum(size(p) for p in u['params']) for u in units}
-    peak = 0
+    best = (0, 0)
     for unit in units:
         chain = [unit['name']] + unit['ancestors']
-        others = [b for n, b in own.items() if n not in chain]
-        peak = max(peak, sum(own[n] for n in chain) + max(others, default=0))
-    return peak
+        prefetch = max((b for n, b in own.items() if n not in chain),
+                       default=0)
+        best = max(best, (sum(own[n] for n in chain) + prefetch, prefetch))
+    return best
 
 
 def fsdp2_memory(model, world_size: int, shard_modules=None,
@@ -182,7 +184,8 @@ def fsdp2_memory(model, world_size: int, shard_modules=None,
         dict: ``param_bytes``, ``grad_bytes`` and ``optim_bytes`` (this
         rank's shards of parameters, of the gradients of the trainable
         ones and of AdamW's two moments), ``gathered_bytes`` (see the
-        module's docstring) and ``total_bytes``.
+        module's docstring), ``prefetch_bytes`` (the part of it that is the
+        unit being prefetched) and ``total_bytes``.
     """
     def element(p):
         return 4 if all_fp32 else p.element_size()
@@ -196,7 +199,7 @@ def fsdp2_memory(model, world_size: int, shard_modules=None,
     out['optim_bytes'] = 2 * out['grad_bytes']
     gathered = (torch.empty((), dtype=param_dtype).element_size()
                 if param_dtype is not None else None)
-    out['gathered_bytes'] = _gathered_bytes(
+    out['gathered_bytes'], out['prefetch_bytes'] = _gathered_bytes(
         fsdp2_units(model, shard_modules),
         lambda p: p.numel() * (gathered or element(p)))
     out['total_bytes'] = sum(out[k] for k in ('param_bytes', 'grad_bytes',
