@@ -488,7 +488,8 @@ def test_a_failed_save_stops_every_rank_and_leaves_no_checkpoint(tmp_path):
     work = str(tmp_path / 'w')
     results = run_ranks(_train_with_a_failing_save, work, timeout=300)
     # Rank 0 raises what torch.save raised; rank 1 that rank 0 failed.
-    assert results[0][0] == 'PicklingError' and 'lambda' in results[0][1]
+    assert results[0][0] in ('PicklingError', 'AttributeError')
+    assert 'lambda' in results[0][1]
     assert results[1][0] == 'RuntimeError'
     assert results[1][1] == (
         f'Saving {work}/iter_4.pth failed on rank 0 (see its log); nothing '

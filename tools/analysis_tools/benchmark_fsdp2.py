@@ -63,7 +63,8 @@ MiB = 2**20
 KINDS = ('ddp', 'fsdp2')
 # Rows of the table: (key, label).
 _ROWS = (('param_bytes', 'parameters'), ('grad_bytes', 'gradients'),
-         ('optim_bytes', 'optimizer state'), ('total_bytes', 'total'))
+         ('optim_bytes', 'optimizer state'),
+         ('total_bytes', 'all three'))
 
 
 def _local_bytes(tensor) -> int:
@@ -290,11 +291,6 @@ def report(results) -> str:
             f'| {label} | {_mib(ddp[key])} | {_mib(fsdp2[key])} | '
             f'{fsdp2[key] / ddp[key]:.3f} | {1 / n:.3f} | '
             f'{_mib(predicted[key])} |')
-    step = results['step_s']
-    lines.append(
-        f'| step time (median) | {step["ddp"] * 1e3:.1f} ms | '
-        f'{step["fsdp2"] * 1e3:.1f} ms | '
-        f'{step["fsdp2"] / step["ddp"]:.2f} | | |')
     # The prefetched unit's all-gather output is registered as its
     # parameters only when it starts: the sampling does not see it.
     in_use = predicted['gathered_bytes'] - predicted['prefetch_bytes']
@@ -302,6 +298,11 @@ def report(results) -> str:
         f'| whole parameters at once | | '
         f'{_mib(fsdp2["gathered_peak_bytes"])} | | | {_mib(in_use)} '
         f'(+ {_mib(predicted["prefetch_bytes"])} prefetched) |')
+    step = results['step_s']
+    lines.append(
+        f'| step time (median) | {step["ddp"] * 1e3:.1f} ms | '
+        f'{step["fsdp2"] * 1e3:.1f} ms | '
+        f'{step["fsdp2"] / step["ddp"]:.2f} | | |')
     summed = sum(r['fsdp2']['param_bytes'] for r in ranks)
     lines += [
         '',
