@@ -22,9 +22,13 @@ Per rank it reports the bytes actually held:
   which are not);
 
 and the median step time after the warm-up (the slowest rank sets each
-step). Not counted: DDP's gradient buckets (a second copy of the gradients
-unless ``gradient_as_bucket_view``), the parameters FSDP2 gathers while a
-unit runs, activations.
+step). Not counted there: DDP's gradient buckets (a second copy of the
+gradients unless ``gradient_as_bucket_view``) and activations. What FSDP2
+gathers is measured apart, in one more (untimed) step: the most bytes of
+whole parameters registered on the model at once, sampled at every
+operator of the forward and backward. That leaves out a unit being
+prefetched, whose all-gather output becomes its parameters only when it
+runs; ``model_stats.py`` counts it separately.
 
 The table sets FSDP2's fullest rank (rank 0, see
 ``tools/analysis_tools/model_stats.py``) against DDP, next to 1/N and to
@@ -295,7 +299,7 @@ def report(results) -> str:
     # parameters only when it starts: the sampling does not see it.
     in_use = predicted['gathered_bytes'] - predicted['prefetch_bytes']
     lines.append(
-        f'| whole parameters at once | | '
+        f'| gathered at once (FSDP2) | | '
         f'{_mib(fsdp2["gathered_peak_bytes"])} | | | {_mib(in_use)} '
         f'(+ {_mib(predicted["prefetch_bytes"])} prefetched) |')
     step = results['step_s']
