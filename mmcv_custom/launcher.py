@@ -19,7 +19,7 @@ from mmengine.config import Config
 from mmengine.logging import print_log
 
 __all__ = [
-    'check_cpu_strategy',
+    'check_cpu_strategy', 'uses_fsdp2',
     'load_config', 'prepare_launch', 'is_launch_rank0',
     'shutdown_distributed', 'check_cpu_wrapper'
 ]
@@ -124,6 +124,12 @@ def _strategy_type(cfg: Config) -> Optional[str]:
     strategy = cfg.get('strategy') or {}
     kind = strategy.get('type', 'DDPStrategy')
     return kind if isinstance(kind, str) else kind.__name__
+
+
+def uses_fsdp2(cfg: Config) -> bool:
+    """Whether ``cfg`` trains with FSDP2Strategy (FlexibleRunner), which
+    reads and writes sharded checkpoint directories itself."""
+    return _strategy_type(cfg) == 'FSDP2Strategy'
 
 
 def check_cpu_strategy(cfg: Config) -> None:

@@ -443,6 +443,22 @@ def test_dist_train_then_evaluate_the_sharded_checkpoint(tmp_path):
     state = torch.load(converted, weights_only=True)['state_dict']
     assert state['backbone.cls_token'].shape == (1, 1, 64)
 
+    # Fine-tuning the DDP config from the sharded run; resuming it cannot.
+    tuned = _tool([sys.executable, osp.join(ROOT, 'tools', 'train.py'),
+                   TINY_DDP, '--work-dir', str(tmp_path / 'tuned'),
+                   '--cfg-options', f'load_from={ckpt}', *SHORT],
+                  str(tmp_path))
+    log = tuned.stdout + tuned.stderr
+    assert tuned.returncode == 0, log[-3000:]
+    assert 'is a sharded checkpoint: loading its consolidated weights' in log
+    resumed = _tool([sys.executable, osp.join(ROOT, 'tools', 'train.py'),
+                     TINY_DDP, '--work-dir', str(tmp_path / 'tuned'),
+                     '--resume', '--cfg-options', f'load_from={ckpt}',
+                     *SHORT], str(tmp_path))
+    assert resumed.returncode != 0
+    assert (f'ValueError: {ckpt} is a sharded checkpoint of FSDP2Strategy: '
+            'it resumes under an FSDP2 config only') in resumed.stderr
+
 
 @pytest.mark.slow
 def test_dist_train_refuses_powersgd_under_fsdp2(tmp_path):

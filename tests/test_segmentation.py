@@ -298,7 +298,8 @@ def test_stock_mmseg_train_tool_with_custom_imports(tmp_path):
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
     assert ("comm_hook=dict(type='bf16_compress') not registered: the model "
-            '(EncoderDecoder) is not wrapped in DistributedDataParallel') in log
+            '(EncoderDecoder) is not distributed (neither wrapped in '
+            'DistributedDataParallel nor sharded by FSDP2)') in log
     assert 'mIoU' in log
 
 

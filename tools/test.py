@@ -29,7 +29,8 @@ from mmengine.runner import Runner
 import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
 from mmcv_custom.checkpoint import check_checkpoint_file, is_sharded_checkpoint
 from mmcv_custom.launcher import (is_launch_rank0, load_config,
-                                  prepare_launch, shutdown_distributed)
+                                  prepare_launch, shutdown_distributed,
+                                  uses_fsdp2)
 from mmcv_custom.sharded_checkpoint import consolidate_sharded_checkpoint
 
 
@@ -127,7 +128,7 @@ def main():
 
     prepare_launch(cfg, args.launcher)
     consolidated = None
-    if is_sharded_checkpoint(args.checkpoint) and not _is_fsdp2(cfg):
+    if is_sharded_checkpoint(args.checkpoint) and not uses_fsdp2(cfg):
         # Written by FSDP2Strategy, evaluated with an ordinary (DDP)
         # config: each rank reads the shards into one file of its own.
         consolidated = tempfile.mkdtemp(prefix='sharded_ckpt_')
@@ -152,14 +153,6 @@ def main():
         shutdown_distributed()
         if consolidated is not None:
             shutil.rmtree(consolidated, ignore_errors=True)
-
-
-def _is_fsdp2(cfg) -> bool:
-    """Whether ``cfg`` runs FSDP2Strategy, which reads sharded checkpoints
-    itself (resharded to this run's ranks)."""
-    strategy = cfg.get('strategy') or {}
-    return (cfg.get('runner_type') == 'FlexibleRunner'
-            and strategy.get('type') == 'FSDP2Strategy')
 
 
 if __name__ == '__main__':

@@ -11,7 +11,11 @@ Same arguments as MMSegmentation 1.x's ``tools/train.py``. Additionally:
   refuses, fails before the process group or the runner exists;
 * without CUDA, a distributed launch starts a gloo process group and a
   CPU DDP, and SyncBN becomes BN; a ``model_wrapper_cfg`` other than a DDP
-  is refused by name (see :mod:`mmcv_custom.launcher`).
+  is refused by name (see :mod:`mmcv_custom.launcher`);
+* ``runner_type='FlexibleRunner'`` configs are built by MMEngine's
+  ``RUNNERS`` (FSDP2Strategy, see :mod:`mmcv_custom.engine.fsdp2_strategy`);
+  an ordinary config given a sharded checkpoint as ``load_from`` loads its
+  consolidated weights.
 
 Examples:
     python tools/train.py CONFIG
@@ -20,16 +24,22 @@ Examples:
 import argparse
 import logging
 import os
+import shutil
+import tempfile
 
+import torch
 from mmengine.config import Config, DictAction
 from mmengine.logging import print_log
 from mmengine.runner import Runner
 
 import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
 from mmcv_custom.checkpoint import (check_checkpoint_file,
+                                    is_sharded_checkpoint,
                                     resolve_resume_checkpoint)
 from mmcv_custom.launcher import (is_launch_rank0, load_config,
-                                  prepare_launch, shutdown_distributed)
+                                  prepare_launch, shutdown_distributed,
+                                  uses_fsdp2)
+from mmcv_custom.sharded_checkpoint import consolidate_sharded_checkpoint
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
 
@@ -103,7 +113,6 @@ def main():
                                  "optim_wrapper type 'OptimWrapper', but got "
                                  f'{optim_wrapper!r}')
             # MMEngine's AmpOptimWrapper refuses CPUs.
-            import torch
             cfg.optim_wrapper.type = ('AmpOptimWrapper'
                                       if torch.cuda.is_available() else
                                       'CPUAmpOptimWrapper')
@@ -130,6 +139,23 @@ def main():
                 print_log(moved, logger='current', level=logging.WARNING)
     add_comm_hook_runner_hook(cfg)
     prepare_launch(cfg, args.launcher)
+    consolidated = None
+    if (checkpoint and is_sharded_checkpoint(checkpoint)
+            and not uses_fsdp2(cfg)):
+        if args.resume:
+            raise ValueError(
+                f'{checkpoint} is a sharded checkpoint of FSDP2Strategy: it '
+                'resumes under an FSDP2 config only (its optimizer state is '
+                'sharded). To start this config from its weights, use '
+                f'--cfg-options load_from={checkpoint} without --resume.')
+        # Fine-tuning an ordinary config from a sharded run: each rank
+        # reads the shards into one file of its own.
+        consolidated = tempfile.mkdtemp(prefix='sharded_ckpt_')
+        cfg.load_from = os.path.join(consolidated, 'model.pth')
+        torch.save(consolidate_sharded_checkpoint(checkpoint), cfg.load_from)
+        if is_launch_rank0():
+            print_log(f'{checkpoint} is a sharded checkpoint: loading its '
+                      'consolidated weights.', logger='current')
 
     if 'runner_type' not in cfg:
         runner = Runner.from_cfg(cfg)
@@ -143,6 +169,8 @@ def main():
         # while the process group still exists, then destroy the group.
         del runner
         shutdown_distributed()
+        if consolidated is not None:
+            shutil.rmtree(consolidated, ignore_errors=True)
 
 
 if __name__ == '__main__':

@@ -198,9 +198,9 @@ class CommHookRegistrationHook(Hook):
         if not targets:
             runner.logger.info(
                 f'comm_hook={_describe_cfg(self._cfg)} not registered: the '
-                f'model ({type(runner.model).__name__}) is not wrapped in '
-                'DistributedDataParallel, so there is no gradient all-reduce '
-                'to change.')
+                f'model ({type(runner.model).__name__}) is not distributed '
+                '(neither wrapped in DistributedDataParallel nor sharded by '
+                'FSDP2), so there is no gradient reduction to change.')
             return
 
         relayouts = {}

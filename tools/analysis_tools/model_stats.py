@@ -161,8 +161,10 @@ def _gathered_bytes(units, size) -> tuple:
         chain = [unit['name']] + unit['ancestors']
         prefetch = max((b for n, b in own.items() if n not in chain),
                        default=0)
-        best = max(best, (sum(own[n] for n in chain) + prefetch, prefetch))
-    return best
+        # Of equal peaks, the one with more in use (a unit runs inside
+        # the root rather than being prefetched beside it).
+        best = max(best, (sum(own[n] for n in chain) + prefetch, -prefetch))
+    return best[0], -best[1]
 
 
 def fsdp2_memory(model, world_size: int, shard_modules=None,
