@@ -514,3 +514,54 @@ def test_a_failed_save_stops_every_rank_and_leaves_no_checkpoint(tmp_path):
         'iter_2.pth', 'iter_4.pth.partial']
     with open(osp.join(work, 'last_checkpoint')) as f:
         assert f.read() == osp.join(work, 'iter_2.pth')
+
+
+@pytest.mark.parametrize('comm_hook,ratio,extra', [
+    (dict(type='allreduce'), 1.0, {}),
+    (dict(type='fp16_compress'), 0.5, {}),
+    # Accumulation: every micro-batch is reduce-scattered and accumulated
+    # sharded (FSDP2 modules have no no_sync: skipping the reduction would
+    # keep whole unsharded gradients on every rank).
+    (dict(type='bf16_compress'), 0.5,
+     {'optim_wrapper.accumulative_counts': 2}),
+])
+def test_each_sharded_type_trains(tmp_path, comm_hook, ratio, extra):
+    results = run_ranks(_train, str(tmp_path / 'w'), 4, comm_hook=comm_hook,
+                        timeout=300, **extra)
+    for r in results:
+        assert r['comm_ratio'] == [ratio] * 4
+        assert r['losses'][-1] < r['losses'][0]
+
+
+def test_unsafe_contents_of_a_sharded_checkpoint_are_refused(tmp_path):
+    """A crafted sharded checkpoint: DCP's own planner would unpickle any
+    object; ours refuses it, and meta.pth is checked like any file."""
+    import argparse
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from mmcv_custom.checkpoint import (UnsafeCheckpointError,
+                                        check_checkpoint_file)
+    from mmcv_custom.sharded_checkpoint import safe_load_planner
+
+    path = str(tmp_path / 'iter_1.pth')
+    state = {'model': {'w': torch.ones(2)},
+             'optimizer': {'hyper': argparse.Namespace(lr=1)}}
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    torch.save({'meta': {'iter': 1}, 'x': argparse.Namespace()},
+               osp.join(path, 'meta.pth'))
+    assert is_sharded_checkpoint(path)
+
+    def fresh():
+        return {'model': {'w': torch.zeros(2)}, 'optimizer': {'hyper': None}}
+
+    loaded = fresh()
+    dcp.load(loaded, checkpoint_id=path, planner=DefaultLoadPlanner(),
+             no_dist=True)
+    assert isinstance(loaded['optimizer']['hyper'], argparse.Namespace)
+    with pytest.raises(Exception, match='Namespace'):
+        dcp.load(fresh(), checkpoint_id=path, planner=safe_load_planner(),
+                 no_dist=True)
+    with pytest.raises(UnsafeCheckpointError, match='argparse.Namespace'):
+        check_checkpoint_file(path, 'load_from')

@@ -17,6 +17,7 @@ RECIPES = osp.join(ROOT, 'configs', 'intern_vit')
 TINY = 'upernet_intern-vit-tiny_2xb8-200iter_toy-shapes-56x56.py'
 TINY_FSDP2 = 'upernet_intern-vit-tiny_fsdp2-2xb8-200iter_toy-shapes-56x56.py'
 FULL_6B = 'upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py'
+FULL_6B_FSDP2 = 'upernet_intern-vit-6b_fsdp2-8xb2-80k_ade20k-504x504.py'
 STATS = osp.join(ROOT, 'tools', 'analysis_tools', 'model_stats.py')
 BENCH = osp.join(ROOT, 'tools', 'analysis_tools', 'benchmark_fsdp2.py')
 
@@ -172,6 +173,10 @@ def test_6b_full_tuning_on_8_gpus(model_stats):
     assert round(s['fsdp2_fp32'][8]['total_bytes'] / 2**30, 3) == 14.675
     # The DDP keys the other tests read are unchanged.
     assert s['param_bytes'] == 2 * s['backbone_params'] + 4 * heads
+    # The FSDP2 recipe (its strategy names the default units) counts alike.
+    fsdp2 = _stats(model_stats, FULL_6B_FSDP2, gpus=(8, ))
+    assert fsdp2['fsdp2'] == s['fsdp2']
+    assert fsdp2['fsdp2_fp32'] == s['fsdp2_fp32']
 
 
 def _run(*args):
@@ -191,7 +196,8 @@ def test_model_stats_prints_fsdp2_lines():
     ]
     assert lines[6].startswith(
         'FSDP2 units       : 4 InternViTBlock, 1 InternViT, 1 '
-        'EncoderDecoder')
+        'EncoderDecoder (the last: the root, with what the others '
+        "leave); shard_modules=['InternViTBlock', 'InternViT']")
     assert 'parameters fp32 as built' in lines[7]
     assert 'parameters all fp32' in lines[10]
     # 4 * ((779464 - 1152) / 2 + 1152) bytes of parameters on rank 0.

@@ -23,12 +23,14 @@ rounded up and a parameter of one row lives on rank 0 alone):
 * what is gathered unsharded at the peak: the units are the modules named in
   the strategy's ``shard_modules`` (InternViT's blocks and the backbone by
   default) and the root, which holds what they leave (the heads). A unit
-  stays gathered while the units inside it run, and FSDP2 keeps the root
-  gathered from the start of the forward to the end of the backward, so the
-  peak is a block with its enclosing units (backbone and root) plus one more
-  block being prefetched: two units of the innermost kind at once. The
-  unsharded gradients of the unit being reduced, the reduce-scatter's
-  buffer and the activations are not counted.
+  stays gathered while the units inside it run: through its forward, which
+  encloses theirs, and in the backward until its gradients are reduced,
+  which for the root and the backbone (whose input, the image, needs no
+  gradient) is at the end. So the peak is a block with the units around it
+  (backbone and root) plus the next block, which FSDP2 prefetches in the
+  backward: two units of the innermost kind at once. The unsharded
+  gradients of the unit being reduced, the reduce-scatter's buffer and the
+  activations are not counted.
 
 Both are printed for the parameters' dtypes as the config builds them (the
 6B recipes' backbone in bf16, their heads in fp32) and for all-fp32
@@ -380,16 +382,15 @@ def main():
 
 def _print_fsdp2(s: dict) -> None:
     units = ', '.join(f'{n} {k}' for k, n in s['fsdp2_units'].items())
-    print(f'FSDP2 units       : {units} (the last: the root, with the '
-          f'heads); shard_modules={list(s["fsdp2_shard_modules"])}')
+    shard_modules = list(s['fsdp2_shard_modules'])
+    print(f'FSDP2 units       : {units} (the last: the root, with what '
+          f'the others leave); shard_modules={shard_modules}')
     built = ('bf16 and fp32 as built' if s['bf16_params'] else
              'fp32 as built')
     for key, kind in (('fsdp2', built), ('fsdp2_fp32', 'all fp32')):
-        print(f'FSDP2 per GPU     : parameters {kind}; rank 0\'s shards of '
-              'parameters, gradients and AdamW moments, plus the largest '
-              'set of units gathered at once (a block with the units '
-              'around it and the next block, prefetched); activations not '
-              'counted')
+        print(f'FSDP2 per GPU     : parameters {kind}; rank 0\'s shards '
+              'plus the units gathered at once (a block, the units around '
+              'it, the next block prefetched); activations not counted')
         for n, m in s[key].items():
             print(f'  {n:>4} GPUs       : {_size(m["total_bytes"])} '
                   f'(parameters {_size(m["param_bytes"])}, gradients '
