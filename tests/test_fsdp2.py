@@ -31,7 +31,7 @@ from .dist_utils import run_ranks
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TINY_FSDP2 = osp.join(
     ROOT, 'configs', 'intern_vit',
-    'upernet_intern-vit-tiny_fsdp2-2xb8-200iter_toy-shapes-56x56.py')
+    'upernet_intern-vit-tiny_2xb8-fsdp2-200iter_toy-shapes-56x56.py')
 TINY_DDP = osp.join(ROOT, 'configs', 'intern_vit',
                     'upernet_intern-vit-tiny_2xb8-200iter_toy-shapes-56x56.py')
 
@@ -413,9 +413,10 @@ def test_dist_train_then_evaluate_the_sharded_checkpoint(tmp_path):
                  *SHORT], str(tmp_path))
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
-    assert ('FSDP2Strategy: sharded 4 InternViTBlock, 1 InternViT, and the '
-            'whole EncoderDecoder over 2 ranks (gloo)') in log
-    assert ("Registered the gradient reduction on the FSDP2 model (6 "
+    assert ('FSDP2Strategy: sharded 1 FCNHead, 1 UPerHead, 4 InternViTBlock, '
+            '1 InternViT, and the whole EncoderDecoder over 2 ranks (gloo)'
+            ) in log
+    assert ("Registered the gradient reduction on the FSDP2 model (8 "
             "sharded modules): type='bf16_compress' (FSDP2 reduce-scatter "
             'in bfloat16, averaged before the cast); process group: 2 '
             'ranks, backend gloo.') in log

@@ -15,9 +15,9 @@ from mmengine.config import Config
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 RECIPES = osp.join(ROOT, 'configs', 'intern_vit')
 TINY = 'upernet_intern-vit-tiny_2xb8-200iter_toy-shapes-56x56.py'
-TINY_FSDP2 = 'upernet_intern-vit-tiny_fsdp2-2xb8-200iter_toy-shapes-56x56.py'
+TINY_FSDP2 = 'upernet_intern-vit-tiny_2xb8-fsdp2-200iter_toy-shapes-56x56.py'
 FULL_6B = 'upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py'
-FULL_6B_FSDP2 = 'upernet_intern-vit-6b_fsdp2-8xb2-80k_ade20k-504x504.py'
+FULL_6B_FSDP2 = 'upernet_intern-vit-6b_8xb2-fsdp2-80k_ade20k-504x504.py'
 STATS = osp.join(ROOT, 'tools', 'analysis_tools', 'model_stats.py')
 BENCH = osp.join(ROOT, 'tools', 'analysis_tools', 'benchmark_fsdp2.py')
 
@@ -114,8 +114,15 @@ def test_units_are_the_strategys(model_stats):
 def test_fsdp2_config_and_its_strategy_arguments(model_stats):
     ddp = _stats(model_stats, TINY, gpus=(2, ))
     fsdp2 = _stats(model_stats, TINY_FSDP2, gpus=(2, ))
-    assert fsdp2['fsdp2'] == ddp['fsdp2']
-    assert fsdp2['fsdp2_shard_modules'] == ('InternViTBlock', 'InternViT')
+    assert fsdp2['fsdp2_shard_modules'] == ('InternViTBlock', 'InternViT',
+                                            'UPerHead', 'FCNHead')
+    # The heads as units: the same shards, fewer bytes gathered at once.
+    assert fsdp2['fsdp2'][2]['param_bytes'] == ddp['fsdp2'][2]['param_bytes']
+    assert (fsdp2['fsdp2'][2]['gathered_bytes'] <
+            ddp['fsdp2'][2]['gathered_bytes'])
+    default = _stats(model_stats, TINY_FSDP2, gpus=(2, ), strategy=dict(
+        shard_modules=['InternViTBlock', 'InternViT']))
+    assert default['fsdp2'] == ddp['fsdp2']
     total = ddp['params']
     # Only the backbone as a unit: backbone and heads gathered at once,
     # nothing to prefetch.
@@ -126,7 +133,8 @@ def test_fsdp2_config_and_its_strategy_arguments(model_stats):
     assert one['fsdp2'][2]['prefetch_bytes'] == 0
     # A bf16 compute dtype gathers half the bytes; the shards keep theirs.
     bf16 = _stats(model_stats, TINY_FSDP2, gpus=(2, ),
-                  strategy=dict(mp_policy=dict(param_dtype='bfloat16')))
+                  strategy=dict(shard_modules=['InternViTBlock', 'InternViT'],
+                                mp_policy=dict(param_dtype='bfloat16')))
     assert bf16['fsdp2'][2]['gathered_bytes'] == 2 * (total - 2 * TINY_BLOCK)
     assert bf16['fsdp2'][2]['param_bytes'] == ddp['fsdp2'][2]['param_bytes']
     with pytest.raises(ValueError, match=r"shard_modules \['Block'\] match "
@@ -173,10 +181,17 @@ def test_6b_full_tuning_on_8_gpus(model_stats):
     assert round(s['fsdp2_fp32'][8]['total_bytes'] / 2**30, 3) == 14.675
     # The DDP keys the other tests read are unchanged.
     assert s['param_bytes'] == 2 * s['backbone_params'] + 4 * heads
-    # The FSDP2 recipe (its strategy names the default units) counts alike.
+    # The FSDP2 recipe also makes each head a unit: the same shards, and
+    # the fp32 heads are no longer gathered while the blocks run.
     fsdp2 = _stats(model_stats, FULL_6B_FSDP2, gpus=(8, ))
-    assert fsdp2['fsdp2'] == s['fsdp2']
-    assert fsdp2['fsdp2_fp32'] == s['fsdp2_fp32']
+    for key in ('fsdp2', 'fsdp2_fp32'):
+        ours, default = fsdp2[key][8], s[key][8]
+        for part in ('param_bytes', 'grad_bytes', 'optim_bytes'):
+            assert ours[part] == default[part]
+        assert ours['gathered_bytes'] < default['gathered_bytes']
+    # As printed: 7.940 GiB as built, 14.051 GiB in fp32.
+    assert round(fsdp2['fsdp2'][8]['total_bytes'] / 2**30, 3) == 7.940
+    assert round(fsdp2['fsdp2_fp32'][8]['total_bytes'] / 2**30, 3) == 14.051
 
 
 def _run(*args):
@@ -194,10 +209,11 @@ def test_model_stats_prints_fsdp2_lines():
         'memory per GPU', 'FSDP2 units', 'FSDP2 per GPU', '2 GPUs',
         '4 GPUs', 'FSDP2 per GPU', '2 GPUs', '4 GPUs'
     ]
-    assert lines[6].startswith(
-        'FSDP2 units       : 4 InternViTBlock, 1 InternViT, 1 '
-        'EncoderDecoder (the last: the root, with what the others '
-        "leave); shard_modules=['InternViTBlock', 'InternViT']")
+    assert lines[6] == (
+        'FSDP2 units       : 1 FCNHead, 1 UPerHead, 4 InternViTBlock, 1 '
+        'InternViT, 1 EncoderDecoder (the last: the root, with what the '
+        "others leave); shard_modules=['InternViTBlock', 'InternViT', "
+        "'UPerHead', 'FCNHead']")
     assert 'parameters fp32 as built' in lines[7]
     assert 'parameters all fp32' in lines[10]
     # 4 * ((779464 - 1152) / 2 + 1152) bytes of parameters on rank 0.

@@ -114,7 +114,7 @@ INTERN_VIT_300M = dict(
     num_heads=16, qkv_bias=True, qk_norm=False, norm='ln',
     pretrained='pretrained/intern_vit_300m_448px.pth')
 FULL_6B = 'upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py'
-FULL_6B_FSDP2 = 'upernet_intern-vit-6b_fsdp2-8xb2-80k_ade20k-504x504.py'
+FULL_6B_FSDP2 = 'upernet_intern-vit-6b_8xb2-fsdp2-80k_ade20k-504x504.py'
 HEAD_6B = 'upernet_intern-vit-6b-frozen_8xb2-80k_ade20k-504x504.py'
 LINEAR_6B = 'linear_intern-vit-6b-frozen_8xb2-80k_ade20k-504x504.py'
 FULL_300M = 'upernet_intern-vit-300m_8xb2-80k_ade20k-504x504.py'
@@ -330,7 +330,8 @@ def test_6b_fsdp2_recipe_is_the_ddp_recipe_sharded():
     fsdp2 = Config.fromfile(osp.join(RECIPES, FULL_6B_FSDP2))
     assert fsdp2.runner_type == 'FlexibleRunner'
     assert fsdp2.strategy == dict(
-        type='FSDP2Strategy', shard_modules=['InternViTBlock', 'InternViT'],
+        type='FSDP2Strategy',
+        shard_modules=['InternViTBlock', 'InternViT', 'UPerHead', 'FCNHead'],
         reshard_after_forward=True)
     for key in ('model', 'optim_wrapper', 'param_scheduler', 'train_cfg',
                 'train_dataloader', 'val_dataloader', 'comm_hook'):

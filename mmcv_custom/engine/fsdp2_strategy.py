@@ -47,6 +47,9 @@ __all__ = ['FSDP2Strategy']
 _DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
            'float16': torch.float16}
 _DEFAULT_SHARD_MODULES = ('InternViTBlock', 'InternViT')
+# Entry points besides forward() that gather a unit's parameters (the
+# methods of MMSegmentation's decode heads the segmentor calls).
+_FORWARD_METHODS = ('loss', 'predict')
 
 
 def _parse_mp_policy(mp_policy: Optional[dict]):
@@ -128,7 +131,9 @@ class FSDP2Strategy(DDPStrategy):
             model. A name that matches no module of the model is an error.
         reshard_after_forward (bool): Free the gathered parameters after
             each unit's forward (gathered again for backward): less memory,
-            one more all-gather per unit. Defaults to True.
+            one more all-gather per unit. Not for the root (the whole
+            model), whose backward follows its forward at once. Defaults to
+            True.
         mp_policy (dict, optional): FSDP2's ``MixedPrecisionPolicy``:
             ``param_dtype`` and ``output_dtype`` (``'float32'``,
             ``'bfloat16'``, ``'float16'`` or None) and
@@ -196,7 +201,8 @@ class FSDP2Strategy(DDPStrategy):
     # -- sharding ------------------------------------------------------------
     def _wrap_model(self, model: nn.Module) -> nn.Module:
         from mmengine.device import get_device
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import (FSDPModule, fully_shard,
+                                            register_fsdp_forward_method)
 
         if isinstance(model, FSDPModule):
             return model
@@ -215,8 +221,17 @@ class FSDP2Strategy(DDPStrategy):
         for _, module in units:
             fully_shard(module, mp_policy=self.mp_policy,
                         reshard_after_forward=self.reshard_after_forward)
+            # MMSegmentation's segmentor calls its heads' loss() and
+            # predict(), which call self.forward() directly: FSDP2's hooks
+            # on __call__ would not gather the head's parameters.
+            for method in _FORWARD_METHODS:
+                if callable(getattr(type(module), method, None)):
+                    register_fsdp_forward_method(module, method)
+        # The root's forward spans the whole model and its backward starts
+        # at once: resharding it after forward would only gather the heads
+        # a second time.
         fully_shard(model, mp_policy=self.mp_policy,
-                    reshard_after_forward=self.reshard_after_forward)
+                    reshard_after_forward=False)
         self.units = units + [('', model)]
         if self.broadcast_buffers and any(True for _ in model.buffers()):
             model.register_forward_pre_hook(_broadcast_buffers)

@@ -383,8 +383,14 @@ def main():
 def _print_fsdp2(s: dict) -> None:
     units = ', '.join(f'{n} {k}' for k, n in s['fsdp2_units'].items())
     shard_modules = list(s['fsdp2_shard_modules'])
-    print(f'FSDP2 units       : {units} (the last: the root, with what '
-          f'the others leave); shard_modules={shard_modules}')
+    if len(s['fsdp2_units']) == 1:
+        # Only the root: the default classes are not in this model, and
+        # naming them would only confuse.
+        print(f'FSDP2 units       : {units} (the whole model is one unit; '
+              'set strategy.shard_modules to shard it finer)')
+    else:
+        print(f'FSDP2 units       : {units} (the last: the root, with what '
+              f'the others leave); shard_modules={shard_modules}')
     built = ('bf16 and fp32 as built' if s['bf16_params'] else
              'fp32 as built')
     for key, kind in (('fsdp2', built), ('fsdp2_fp32', 'all fp32')):

@@ -1,9 +1,9 @@
 # The tiny InternViT UperNet of upernet_intern-vit-tiny_2xb8-200iter_toy-
-# shapes-56x56.py, sharded with PyTorch's FSDP2 instead of DDP: each
-# InternViT block and the backbone are FSDP2 units, the heads live in the
-# root unit, and bf16_compress now sets the reduce-scatter's format. Trains
-# on two CPU ranks in a couple of minutes:
-#   bash tools/dist_train.sh configs/intern_vit/upernet_intern-vit-tiny_fsdp2-2xb8-200iter_toy-shapes-56x56.py 2
+# shapes-56x56.py, sharded with PyTorch's FSDP2 instead of DDP, with the
+# units of the 6B FSDP2 recipe: each InternViT block, the rest of the
+# backbone, and each head; bf16_compress sets the reduce-scatter's format.
+# Trains on two CPU ranks in a couple of minutes:
+#   bash tools/dist_train.sh configs/intern_vit/upernet_intern-vit-tiny_2xb8-fsdp2-200iter_toy-shapes-56x56.py 2
 # Checkpoints are sharded directories (iter_200.pth/); evaluate one with
 # tools/test.py as any checkpoint, or consolidate it with
 # tools/model_converters/fsdp2_to_pth.py.
@@ -11,6 +11,6 @@ _base_ = ['./upernet_intern-vit-tiny_2xb8-200iter_toy-shapes-56x56.py']
 runner_type = 'FlexibleRunner'
 strategy = dict(
     type='FSDP2Strategy',
-    shard_modules=['InternViTBlock', 'InternViT'],
+    shard_modules=['InternViTBlock', 'InternViT', 'UPerHead', 'FCNHead'],
     reshard_after_forward=True)
 comm_hook = dict(type='bf16_compress')

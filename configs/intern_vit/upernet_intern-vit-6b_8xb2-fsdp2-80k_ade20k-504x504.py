@@ -2,11 +2,13 @@
 # InternVL's recipe, unchanged) sharded with PyTorch's FSDP2 instead of DDP.
 # Under DDP every GPU holds all 6.4e9 parameters, their gradients and
 # AdamW's two moments (about 50 GiB with the bf16 backbone, before
-# activations); FSDP2 keeps 1/N of them per GPU plus the block being
-# computed (tools/analysis_tools/model_stats.py prints both). Each InternViT
-# block is a unit, then the backbone's embeddings and pyramid (bf16), then
-# the heads (fp32): a unit holds parameters of one dtype.
-#   bash tools/dist_train.sh configs/intern_vit/upernet_intern-vit-6b_fsdp2-8xb2-80k_ade20k-504x504.py 8
+# activations); FSDP2 keeps 1/N of them per GPU plus the units gathered at
+# the time (tools/analysis_tools/model_stats.py prints both for N GPUs).
+# Units: each InternViT block, the rest of the backbone (embeddings and
+# pyramid, bf16), and each head (fp32, 0.5e9 parameters together: as units
+# of their own they are not gathered while the backbone runs). A unit holds
+# parameters of one dtype.
+#   bash tools/dist_train.sh configs/intern_vit/upernet_intern-vit-6b_8xb2-fsdp2-80k_ade20k-504x504.py 8
 # bf16_compress reduce-scatters the heads' fp32 gradients as bf16 and the
 # backbone's bf16 ones as they are. Checkpoints are sharded directories:
 # `--resume` reads them on any number of GPUs, tools/test.py evaluates them,
@@ -15,6 +17,6 @@ _base_ = ['./upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py']
 runner_type = 'FlexibleRunner'
 strategy = dict(
     type='FSDP2Strategy',
-    shard_modules=['InternViTBlock', 'InternViT'],
+    shard_modules=['InternViTBlock', 'InternViT', 'UPerHead', 'FCNHead'],
     reshard_after_forward=True)
 comm_hook = dict(type='bf16_compress')
