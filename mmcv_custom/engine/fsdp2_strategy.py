@@ -40,7 +40,7 @@ from torch import nn
 
 from ..checkpoint import (SHARDED_META_FILE, is_sharded_checkpoint,
                           load_checkpoint_file)
-from ..sharded_checkpoint import safe_load_planner
+from ..sharded_checkpoint import safe_dcp_load
 
 __all__ = ['FSDP2Strategy']
 
@@ -405,7 +405,7 @@ class FSDP2Strategy(DDPStrategy):
         state = {'model': model_sd}
         if optimizers:
             state['optimizer'] = optim_sd
-        dcp.load(state, checkpoint_id=filename, planner=safe_load_planner())
+        safe_dcp_load(state, filename)
         set_state_dict(self.model, optimizers,
                        model_state_dict=state['model'],
                        optim_state_dict=state.get('optimizer', {}))
