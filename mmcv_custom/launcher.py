@@ -210,6 +210,15 @@ def prepare_launch(cfg: Config, launcher: str,
             starts.
     """
     cfg.launcher = launcher
+    if _strategy_type(cfg) is not None and cfg.get('model_wrapper_cfg'):
+        # FlexibleRunner.from_cfg never reads it: refuse rather than train
+        # with something else than the config says.
+        raise ValueError(
+            'model_wrapper_cfg is not used with runner_type='
+            "'FlexibleRunner': the strategy "
+            f'({_strategy_type(cfg)}) wraps or shards the model. Remove '
+            'model_wrapper_cfg, or set the wrapper through the strategy '
+            "(e.g. strategy=dict(type='DDPStrategy', model_wrapper=...)).")
     if cuda is None:
         cuda = torch.cuda.is_available()
     if cuda:

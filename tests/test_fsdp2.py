@@ -572,3 +572,28 @@ def test_unsafe_contents_of_a_sharded_checkpoint_are_refused(tmp_path):
         'argparse.Namespace, which is not on the allow-list')
     with pytest.raises(UnsafeCheckpointError, match='argparse.Namespace'):
         check_checkpoint_file(path, 'load_from')
+
+
+def test_model_wrapper_cfg_with_a_flexible_runner_is_refused():
+    from mmengine.config import Config
+
+    from mmcv_custom.launcher import prepare_launch
+    cfg = Config(dict(runner_type='FlexibleRunner',
+                      strategy=dict(type='FSDP2Strategy'),
+                      model_wrapper_cfg=dict(type='MMDistributedDataParallel',
+                                             find_unused_parameters=True)))
+    with pytest.raises(ValueError, match="model_wrapper_cfg is not used with "
+                       "runner_type='FlexibleRunner': the strategy "
+                       r'\(FSDP2Strategy\) wraps or shards the model'):
+        prepare_launch(cfg, 'none', cuda=False)
+
+
+def test_activation_checkpointing_composes_with_sharding(tmp_path):
+    """InternViT's with_cp recomputes each block inside its FSDP2 unit
+    during backward: the same losses, step for step, as without it."""
+    plain = run_ranks(_train_with, str(tmp_path / 'plain'), 3, {},
+                      timeout=300)
+    cp = run_ranks(_train_with, str(tmp_path / 'cp'), 3,
+                   {'model.backbone.with_cp': True}, timeout=300)
+    assert cp[0]['losses'] == plain[0]['losses']
+    assert cp[0]['losses'][-1] < cp[0]['losses'][0]
