@@ -736,7 +736,8 @@ class ShardedCommSpec:
 
     FSDP2 has no DDP communication hooks; the same config types that have
     a sharded form (``allreduce``, ``fp16_compress``, ``bf16_compress``)
-    are carried out by :class:`~mmcv_custom.sharded_comm.AveragingReduceScatter`.
+    are carried out by
+    :class:`~mmcv_custom.sharded_comm.AveragingReduceScatter`.
 
     Attributes:
         type (str): The config name.

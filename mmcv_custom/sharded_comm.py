@@ -2,9 +2,10 @@
 
 FSDP2 has no DDP communication hooks: each sharded module reduce-scatters
 its gradients through a ``ReduceScatter`` object, which
-``FSDPModule.set_custom_reduce_scatter`` replaces. :class:`AveragingReduceScatter`
-is that object for this project's ``comm_hook`` types, with the DDP hooks'
-semantics (:mod:`mmcv_custom.ddp_hooks`):
+``FSDPModule.set_custom_reduce_scatter`` replaces.
+:class:`AveragingReduceScatter` is that object for this project's
+``comm_hook`` types, with the DDP hooks' semantics
+(:mod:`mmcv_custom.ddp_hooks`):
 
 * the average is taken in the gradients' own precision *before* the cast,
   so fp16 overflows only when the mean does;
@@ -14,10 +15,11 @@ semantics (:mod:`mmcv_custom.ddp_hooks`):
 * gradients already in a 2-byte float (a bf16 backbone's) are sent as they
   are, never cast from bf16 to fp16.
 
-FSDP2 must hand over the plain sum: the strategy sets
-``set_gradient_divide_factor(1.0)`` and ``set_force_sum_reduction_for_comms(True)``
-on every sharded module (:func:`install_reduce_scatter`), so FSDP neither
-divides nor asks for an averaging reduce op, and this object divides once.
+FSDP2 must hand over the plain sum: :func:`install_reduce_scatter` sets
+``set_gradient_divide_factor(1.0)`` and
+``set_force_sum_reduction_for_comms(True)`` on every sharded module, so
+FSDP neither divides nor asks for an averaging reduce op, and this object
+divides once.
 
 Like :mod:`mmcv_custom.ddp_hooks`, this module imports only torch.
 """

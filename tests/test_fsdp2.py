@@ -150,7 +150,7 @@ def test_fsdp2_gradients_match_ddp(wire):
         assert sent == (4 if wire is None else 2) * numel
 
 
-# -- configuration errors ------------------------------------------------------
+# -- configuration errors -----------------------------------------------------
 @pytest.mark.parametrize('cfg,message', [
     (dict(type='powerSGD'),
      "comm_hook type='powerSGD' has no sharded form: under FSDP2 "
@@ -223,7 +223,7 @@ def test_fsdp1_strategy_is_refused_on_cpu_before_gloo_starts():
     check_cpu_strategy(cfg)
 
 
-# -- a real FlexibleRunner on 2 ranks ------------------------------------------
+# -- a real FlexibleRunner on 2 ranks -----------------------------------------
 def _cfg(work_dir, max_iters, **overrides):
     """The tiny FSDP2 config, deterministic (no drop path, dropout or flip),
     on 16 toy images, checkpointing every 2 iterations."""
@@ -387,7 +387,7 @@ def test_a_bf16_backbone_must_be_a_unit_of_its_own(tmp_path):
     assert 'match no module' in run_ranks(build, ['Block'], timeout=300)[0]
 
 
-# -- through the tools ---------------------------------------------------------
+# -- through the tools --------------------------------------------------------
 def _free_port():
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))

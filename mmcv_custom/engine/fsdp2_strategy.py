@@ -170,8 +170,9 @@ class FSDP2Strategy(DDPStrategy):
                     f'got {shard_modules!r}')
             shard_modules = tuple(shard_modules)
         if not isinstance(reshard_after_forward, bool):
-            raise TypeError('FSDP2Strategy reshard_after_forward should be '
-                            f'True or False, but got {reshard_after_forward!r}')
+            raise TypeError(
+                'FSDP2Strategy reshard_after_forward should be True or '
+                f'False, but got {reshard_after_forward!r}')
         if not isinstance(broadcast_buffers, bool):
             raise TypeError('FSDP2Strategy broadcast_buffers should be True '
                             f'or False, but got {broadcast_buffers!r}')
@@ -240,7 +241,8 @@ class FSDP2Strategy(DDPStrategy):
             f'FSDP2Strategy: sharded {shown}and the whole {root} over '
             f'{self.world_size} ranks ({dist.get_backend()}); '
             f'reshard_after_forward={self.reshard_after_forward}, '
-            f'param_dtype={self.mp_policy.param_dtype or "as the parameters"}.')
+            'param_dtype='
+            f'{self.mp_policy.param_dtype or "as the parameters"}.')
         return model
 
     def _select_units(self, model: nn.Module) -> list:
@@ -397,7 +399,6 @@ class FSDP2Strategy(DDPStrategy):
             dist.barrier()
 
     def _load_sharded(self, filename: str, with_optimizer: bool) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (get_state_dict,
                                                              set_state_dict)
         optimizers = self._optimizers() if with_optimizer else []
