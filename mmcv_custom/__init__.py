@@ -2,7 +2,8 @@
 
 ``import mmcv_custom`` (or ``custom_imports=dict(imports=['mmcv_custom'])``
 in a config) registers the communication-hook registry and the
-``CommHookRegistrationHook`` runner hook, and lets torch's safe loader read
+``CommHookRegistrationHook`` runner hook and the ``FSDP2Strategy`` of
+MMEngine's FlexibleRunner, and lets torch's safe loader read
 MMEngine's own checkpoints (see :mod:`mmcv_custom.checkpoint`), so
 ``--resume`` works on torch >= 2.6. The hook functions themselves live in
 :mod:`mmcv_custom.ddp_hooks`, which needs only torch.
@@ -14,7 +15,7 @@ from .ddp_hooks import (CompressState, allreduce_hook, bf16_compress_hook,
                         default_predivide_factor, fp16_compress_hook,
                         fp16_compress_wrapper)
 from .engine import (CommHookRegistrationHook, CPUAmpOptimWrapper,
-                     LayerDecayOptimWrapperConstructor,
+                     FSDP2Strategy, LayerDecayOptimWrapperConstructor,
                      NonFiniteGradientsError)
 from .registry import (COMM_HOOK_STATES, COMM_HOOKS, CommCounter,
                        CommHookSpec, build_comm_hook, check_comm_hook_cfg,
@@ -46,6 +47,7 @@ __all__ = [
     'require_bool',
     'CommHookRegistrationHook',
     'CPUAmpOptimWrapper',
+    'FSDP2Strategy',
     'LayerDecayOptimWrapperConstructor',
     'NonFiniteGradientsError',
     'allow_mmengine_checkpoints',

@@ -42,7 +42,7 @@ from ..checkpoint import (SHARDED_META_FILE, is_sharded_checkpoint,
                           load_checkpoint_file)
 from ..sharded_checkpoint import safe_dcp_load
 
-__all__ = ['FSDP2Strategy']
+__all__ = ['FSDP2Strategy', 'select_units']
 
 _DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
            'float16': torch.float16}
@@ -90,6 +90,54 @@ def _parse_mp_policy(mp_policy: Optional[dict]):
                             f'should be True or False, but got {value!r}')
         kwargs['cast_forward_inputs'] = value
     return MixedPrecisionPolicy(**kwargs)
+
+
+def select_units(model: nn.Module,
+                 shard_modules: Optional[Sequence[Union[str, type]]] = None
+                 ) -> list:
+    """The modules :class:`FSDP2Strategy` shards as units of their own.
+
+    Every module of ``model`` (not the model itself) whose class is in
+    ``shard_modules``, by class or class name; None means InternViT's
+    blocks and the InternViT backbone where the model has them. Shared
+    with ``tools/analysis_tools/model_stats.py``, which counts what each
+    unit gathers.
+
+    Returns:
+        list[tuple[str, nn.Module]]: ``(name, module)``, children before
+        their parents (the order to shard them in).
+
+    Raises:
+        ValueError: An entry of an explicit ``shard_modules`` matches no
+            module; the message lists the model's module classes.
+    """
+    explicit = shard_modules is not None
+    wanted = tuple(shard_modules) if explicit else _DEFAULT_SHARD_MODULES
+
+    def matches(module, spec):
+        if isinstance(spec, type):
+            return isinstance(module, spec)
+        return type(module).__name__ == spec
+
+    found = {spec: 0 for spec in wanted}
+    units = []
+    for name, module in model.named_modules():
+        if module is model:
+            continue
+        for spec in wanted:
+            if matches(module, spec):
+                found[spec] += 1
+                units.append((name, module))
+                break
+    missing = [s if isinstance(s, str) else s.__name__
+               for s, n in found.items() if n == 0]
+    if explicit and missing:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f'FSDP2Strategy shard_modules {missing} match no module of '
+            f'the model; its module classes are: {", ".join(present)}')
+    # named_modules() is parents first: shard the deepest first.
+    return units[::-1]
 
 
 def _broadcast_buffers(module: nn.Module, *args) -> None:
@@ -246,36 +294,7 @@ class FSDP2Strategy(DDPStrategy):
         return model
 
     def _select_units(self, model: nn.Module) -> list:
-        """(name, module) to shard, children before their parents."""
-        wanted = self.shard_modules
-        explicit = wanted is not None
-        if not explicit:
-            wanted = _DEFAULT_SHARD_MODULES
-
-        def matches(module, spec):
-            if isinstance(spec, type):
-                return isinstance(module, spec)
-            return type(module).__name__ == spec
-
-        found = {spec: 0 for spec in wanted}
-        units = []
-        for name, module in model.named_modules():
-            if module is model:
-                continue
-            for spec in wanted:
-                if matches(module, spec):
-                    found[spec] += 1
-                    units.append((name, module))
-                    break
-        missing = [s if isinstance(s, str) else s.__name__
-                   for s, n in found.items() if n == 0]
-        if explicit and missing:
-            present = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(
-                f'FSDP2Strategy shard_modules {missing} match no module of '
-                f'the model; its module classes are: {", ".join(present)}')
-        # named_modules() is parents first: shard the deepest first.
-        return units[::-1]
+        return select_units(model, self.shard_modules)
 
     @staticmethod
     def _check_unit_dtypes(model: nn.Module, units: list) -> None:

@@ -142,14 +142,18 @@ class _GatheredPeak:
         return self.peak
 
 
-def _model_stats():
-    """tools/analysis_tools/model_stats.py as a module (a script, not in a
-    package)."""
-    path = osp.join(osp.dirname(osp.abspath(__file__)), 'model_stats.py')
-    spec = importlib.util.spec_from_file_location('_model_stats', path)
+def _script(path: str, name: str):
+    """A script of tools/ as a module (scripts are not in a package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _model_stats():
+    """tools/analysis_tools/model_stats.py, for its predictions."""
+    return _script(osp.join(osp.dirname(osp.abspath(__file__)),
+                            'model_stats.py'), '_model_stats')
 
 
 def _build(kind, cfg, work_dir):
@@ -321,21 +325,6 @@ def report(results) -> str:
     return '\n'.join(lines)
 
 
-def _check_writable(parser, option, path):
-    """``parser.error`` now, not after the run, if ``path`` cannot be
-    written: its folder is missing or read-only, or it is a folder."""
-    if os.path.isdir(path):
-        parser.error(f'{option} {path}: is a directory, not a file')
-    existed = os.path.exists(path)
-    try:
-        with open(path, 'a'):
-            pass
-    except OSError as e:
-        parser.error(f'{option} {path}: cannot write there ({e.strerror})')
-    if not existed:
-        os.remove(path)
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -363,7 +352,10 @@ def parse_args(argv=None):
     if not osp.isfile(osp.join(ROOT, args.config)):
         parser.error(f'--config {args.config}: no such file in {ROOT}')
     if args.json:
-        _check_writable(parser, '--json', args.json)
+        # The same check as the hooks' benchmark's.
+        _script(osp.join(ROOT, 'tools', 'benchmark_comm_hooks.py'),
+                '_benchmark_comm_hooks')._check_writable(
+                    parser, '--json', args.json)
     return args
 
 

@@ -47,8 +47,8 @@ from mmengine.utils import import_modules_from_strings
 
 sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(
     __file__)))))
-from mmcv_custom.engine.fsdp2_strategy import \
-    _DEFAULT_SHARD_MODULES  # noqa: E402
+from mmcv_custom.engine.fsdp2_strategy import (  # noqa: E402
+    _DEFAULT_SHARD_MODULES, select_units)
 from mmcv_custom.launcher import load_config  # noqa: E402
 from mmcv_custom.registry import check_comm_hook_cfg  # noqa: E402
 
@@ -94,12 +94,6 @@ def shard_numel(shape, world_size: int) -> int:
     return -(-rows // world_size) * (numel // rows)
 
 
-def _matches(module, spec) -> bool:
-    if isinstance(spec, type):
-        return isinstance(module, spec)
-    return type(module).__name__ == spec
-
-
 def fsdp2_units(model, shard_modules=None) -> list:
     """The FSDP2 units ``FSDP2Strategy`` makes of ``model``, with the
     parameters each one gathers.
@@ -119,29 +113,13 @@ def fsdp2_units(model, shard_modules=None) -> list:
         ValueError: An explicit ``shard_modules`` entry matches no module of
             the model (the strategy's own check).
     """
-    explicit = shard_modules is not None
-    wanted = tuple(shard_modules) if explicit else _DEFAULT_SHARD_MODULES
-    found = {spec: 0 for spec in wanted}
-    matched = []
-    for name, module in model.named_modules():
-        if module is model:
-            continue
-        for spec in wanted:
-            if _matches(module, spec):
-                found[spec] += 1
-                matched.append((name, module))
-                break
-    missing = [s if isinstance(s, str) else s.__name__
-               for s, n in found.items() if n == 0]
-    if explicit and missing:
-        present = sorted({type(m).__name__ for m in model.modules()})
-        raise ValueError(
-            f'shard_modules {missing} match no module of the model; its '
-            f'module classes are: {", ".join(present)}')
+    # Deepest first, as the strategy shards them.
+    deepest_first = select_units(model, shard_modules)
+    matched = deepest_first[::-1]
     claimed = set()
     units = []
     # named_modules() lists parents first: claim from the deepest up.
-    for name, module in matched[::-1] + [('', model)]:
+    for name, module in deepest_first + [('', model)]:
         own = [p for p in module.parameters() if id(p) not in claimed]
         claimed.update(id(p) for p in own)
         ancestors = [n for n, _ in matched
