@@ -161,7 +161,9 @@ class FSDP2Strategy(DDPStrategy):
 
     Each module whose class is named in ``shard_modules`` becomes an FSDP2
     unit (its parameters are gathered for its forward and backward only),
-    then the whole model does, for what is left (the heads). A unit's own
+    then the whole model does, for what is left (the heads, unless they
+    are units of their own: their ``loss()`` and ``predict()``, which
+    MMSegmentation's segmentors call, gather them too). A unit's own
     parameters must share one dtype (FSDP2 reduce-scatters each unit's
     gradients as one buffer); the strategy checks this before sharding and
     names the unit. InternViT's ``with_cp`` activation checkpointing
