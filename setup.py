@@ -27,7 +27,9 @@ def _cpu_codec():
     succeeds and the hooks use torch's ops instead (see
     ``mmcv_custom.ddp_hooks.cpu_codec``).
     """
-    args = [] if sys.platform == 'win32' else ['-O3']
+    # No fused multiply-add: the int8 kernels must round each fp32 step as
+    # torch's separate operations do (see the C file).
+    args = [] if sys.platform == 'win32' else ['-O3', '-ffp-contract=off']
     return Extension(
         'mmcv_custom._cpu_codec',
         sources=['mmcv_custom/csrc/cpu_codec.c'],

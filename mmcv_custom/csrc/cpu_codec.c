@@ -1,7 +1,8 @@
 /*
  * mmcv_custom._cpu_codec: one-pass scale-and-cast between fp32 gradient
  * buckets and their fp16/bf16 wire copies, for the CPU (gloo) path of
- * mmcv_custom.ddp_hooks.
+ * mmcv_custom.ddp_hooks, and blockwise int8 quantisation with error
+ * feedback (mmcv_custom.int8_codec).
  *
  * Why this exists: on CPU, torch cannot scale and change dtype in one pass.
  * A dtype-converting multiply allocates a temporary and copies it, and an
@@ -20,8 +21,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* The largest int8 block (values sharing one scale) the kernels take. */
+#define INT8_MAX_BLOCK 4096
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define CODEC_X86 1
@@ -176,6 +181,162 @@ __attribute__((target("avx512f,f16c"))) static void fp16_decode_avx512(
 }
 #endif /* CODEC_X86 */
 
+/* ---- int8: blockwise symmetric quantisation ---------------------------- */
+/* For each block of `block` values v = src * prescale (+ residual):
+ *   scale = max|v| / 127 (NaN if the block holds a NaN),
+ *   q     = clamp(round_half_even(v / scale), -127, 127), 0 where v / scale
+ *           is NaN (an all-zero block: 0 / 0; an infinite value: inf / inf),
+ *   residual (optional, in place) = v - q * scale.
+ * Each step is one IEEE operation in fp32 (this file is compiled with
+ * -ffp-contract=off: no fused multiply-add), so the result is bit for bit
+ * that of the torch reference in mmcv_custom.int8_codec, on every kernel
+ * set. Decoding is dst = q * scale, or dst += q * scale to sum copies. */
+
+CODEC_INLINE void int8_encode_body(const float *src, int8_t *dst,
+                                   float *scales, float *residual,
+                                   Py_ssize_t n, Py_ssize_t block,
+                                   float prescale) {
+  float v[INT8_MAX_BLOCK];
+  for (Py_ssize_t start = 0; start < n; start += block) {
+    Py_ssize_t len = n - start < block ? n - start : block;
+    const float *s = src + start;
+    float amax = 0.0f;
+    int nan = 0;
+    for (Py_ssize_t i = 0; i < len; ++i) {
+      float x = s[i] * prescale;
+      if (residual != NULL) x = x + residual[start + i];
+      v[i] = x;
+      float a = x < 0.0f ? -x : x;
+      amax = a > amax ? a : amax;
+      nan |= x != x;
+    }
+    float scale = nan ? (float)NAN : amax / 127.0f;
+    scales[start / block] = scale;
+    for (Py_ssize_t i = 0; i < len; ++i) {
+      float q = v[i] / scale;
+      q = q != q ? 0.0f : __builtin_nearbyintf(q);
+      q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+      dst[start + i] = (int8_t)q;
+      if (residual != NULL) residual[start + i] = v[i] - q * scale;
+    }
+  }
+}
+
+CODEC_INLINE void int8_decode_body(const int8_t *src, const float *scales,
+                                   float *dst, Py_ssize_t n,
+                                   Py_ssize_t block, int accumulate) {
+  for (Py_ssize_t start = 0; start < n; start += block) {
+    Py_ssize_t len = n - start < block ? n - start : block;
+    float scale = scales[start / block];
+    const int8_t *s = src + start;
+    float *d = dst + start;
+    if (accumulate) {
+      for (Py_ssize_t i = 0; i < len; ++i) d[i] = d[i] + (float)s[i] * scale;
+    } else {
+      for (Py_ssize_t i = 0; i < len; ++i) d[i] = (float)s[i] * scale;
+    }
+  }
+}
+
+typedef void (*int8_encode_fn)(const float *, int8_t *, float *, float *,
+                               Py_ssize_t, Py_ssize_t, float);
+typedef void (*int8_decode_fn)(const int8_t *, const float *, float *,
+                               Py_ssize_t, Py_ssize_t, int);
+
+#define INT8_KERNELS(suffix, target)                                        \
+  target static void int8_encode_##suffix(                                  \
+      const float *s, int8_t *d, float *sc, float *r, Py_ssize_t n,         \
+      Py_ssize_t b, float k) {                                              \
+    int8_encode_body(s, d, sc, r, n, b, k);                                 \
+  }                                                                         \
+  target static void int8_decode_##suffix(const int8_t *s, const float *sc, \
+                                          float *d, Py_ssize_t n,           \
+                                          Py_ssize_t b, int acc) {          \
+    int8_decode_body(s, sc, d, n, b, acc);                                  \
+  }
+
+INT8_KERNELS(base, )
+#if CODEC_X86
+
+/* AVX2 by hand: the compiler does not vectorise the rounding, NaN test
+ * and int8 packing of the loop above. Same operations, same order, so the
+ * same bits; the block's tail (len % 32) goes through the scalar body. */
+__attribute__((target("avx2"))) static void int8_encode_avx2(
+    const float *src, int8_t *dst, float *scales, float *residual,
+    Py_ssize_t n, Py_ssize_t block, float prescale) {
+  const __m256 k = _mm256_set1_ps(prescale);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  float v[INT8_MAX_BLOCK];
+  for (Py_ssize_t start = 0; start < n; start += block) {
+    Py_ssize_t len = n - start < block ? n - start : block;
+    Py_ssize_t vec = len & ~(Py_ssize_t)31;
+    const float *s = src + start;
+    float *r = residual != NULL ? residual + start : NULL;
+    __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    Py_ssize_t i = 0;
+    for (; i < vec; i += 8) {
+      __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + i), k);
+      if (r != NULL) x = _mm256_add_ps(x, _mm256_loadu_ps(r + i));
+      _mm256_storeu_ps(v + i, x);
+      /* max_ps(a, b) returns b when a is NaN: NaN never enters amax. */
+      amax = _mm256_max_ps(_mm256_and_ps(x, abs_mask), amax);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    }
+    float lanes[8], m = 0.0f;
+    _mm256_storeu_ps(lanes, amax);
+    for (int j = 0; j < 8; ++j) m = lanes[j] > m ? lanes[j] : m;
+    int any_nan = _mm256_movemask_ps(nan) != 0;
+    for (; i < len; ++i) {
+      float x = s[i] * prescale;
+      if (r != NULL) x = x + r[i];
+      v[i] = x;
+      float a = x < 0.0f ? -x : x;
+      m = a > m ? a : m;
+      any_nan |= x != x;
+    }
+    float scale = any_nan ? (float)NAN : m / 127.0f;
+    scales[start / block] = scale;
+    const __m256 sc = _mm256_set1_ps(scale);
+    int8_t *d = dst + start;
+    for (i = 0; i < vec; i += 32) {
+      __m256i qi[4];
+      for (int j = 0; j < 4; ++j) {
+        __m256 x = _mm256_loadu_ps(v + i + 8 * j);
+        __m256 q = _mm256_div_ps(x, sc);
+        q = _mm256_and_ps(q, _mm256_cmp_ps(q, q, _CMP_ORD_Q)); /* NaN: 0 */
+        q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT |
+                                   _MM_FROUND_NO_EXC);
+        q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+        if (r != NULL)
+          _mm256_storeu_ps(r + i + 8 * j,
+                           _mm256_sub_ps(x, _mm256_mul_ps(q, sc)));
+        qi[j] = _mm256_cvtps_epi32(q);
+      }
+      __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                     _mm256_packs_epi32(qi[2], qi[3]));
+      _mm256_storeu_si256((__m256i *)(d + i),
+                          _mm256_permutevar8x32_epi32(w, order));
+    }
+    for (; i < len; ++i) {
+      float q = v[i] / scale;
+      q = q != q ? 0.0f : __builtin_nearbyintf(q);
+      q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+      d[i] = (int8_t)q;
+      if (r != NULL) r[i] = v[i] - q * scale;
+    }
+  }
+}
+
+__attribute__((target("avx2"))) static void int8_decode_avx2(
+    const int8_t *src, const float *scales, float *dst, Py_ssize_t n,
+    Py_ssize_t block, int accumulate) {
+  int8_decode_body(src, scales, dst, n, block, accumulate);
+}
+INT8_KERNELS(avx512, __attribute__((target("avx512f,avx512bw"))))
+#endif
+
 /* ---- kernel sets, one per instruction-set level ------------------------ */
 
 typedef struct {
@@ -184,18 +345,22 @@ typedef struct {
   decode_fn bf16_decode;
   encode_fn fp16_encode; /* NULL: no fp16 here, the caller uses torch */
   decode_fn fp16_decode;
+  int8_encode_fn int8_encode;
+  int8_decode_fn int8_decode;
 } kernel_set;
 
 static const kernel_set kernel_sets[] = {
-    {"generic", bf16_encode_base, bf16_decode_base, NULL, NULL},
+    {"generic", bf16_encode_base, bf16_decode_base, NULL, NULL,
+     int8_encode_base, int8_decode_base},
 #if CODEC_X86
     {"avx2", bf16_encode_avx2, bf16_decode_avx2, fp16_encode_f16c,
-     fp16_decode_f16c},
+     fp16_decode_f16c, int8_encode_avx2, int8_decode_avx2},
     {"avx512", bf16_encode_avx512, bf16_decode_avx512, fp16_encode_avx512,
-     fp16_decode_avx512},
+     fp16_decode_avx512, int8_encode_avx512, int8_decode_avx512},
 #if CODEC_AVX512BF16
     {"avx512_bf16", bf16_encode_avx512bf16, bf16_decode_avx512,
-     fp16_encode_avx512, fp16_decode_avx512},
+     fp16_encode_avx512, fp16_decode_avx512, int8_encode_avx512,
+     int8_decode_avx512},
 #endif
 #endif
 };
@@ -290,6 +455,61 @@ static PyObject *codec_decode(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+static int check_int8(Py_ssize_t n, Py_ssize_t block) {
+  if (n < 0) {
+    PyErr_Format(PyExc_ValueError, "numel must be >= 0, got %zd", n);
+    return 0;
+  }
+  if (block < 1 || block > INT8_MAX_BLOCK) {
+    PyErr_Format(PyExc_ValueError,
+                 "block must be in [1, %d], got %zd", INT8_MAX_BLOCK, block);
+    return 0;
+  }
+  return 1;
+}
+
+static PyObject *codec_int8_encode(PyObject *self, PyObject *args) {
+  unsigned long long s, d, sc, r;
+  Py_ssize_t n, block;
+  float prescale;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "KKKKnnf", &s, &d, &sc, &r, &n, &block,
+                        &prescale))
+    return NULL;
+  if (!check_int8(n, block)) return NULL;
+  if (n > 0 && (s == 0 || d == 0 || sc == 0)) {
+    PyErr_SetString(PyExc_ValueError, "null address");
+    return NULL;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  active->int8_encode((const float *)(uintptr_t)s, (int8_t *)(uintptr_t)d,
+                      (float *)(uintptr_t)sc, (float *)(uintptr_t)r, n,
+                      block, prescale);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+static PyObject *codec_int8_decode(PyObject *self, PyObject *args) {
+  unsigned long long s, sc, d;
+  Py_ssize_t n, block;
+  int accumulate;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "KKKnnp", &s, &sc, &d, &n, &block,
+                        &accumulate))
+    return NULL;
+  if (!check_int8(n, block)) return NULL;
+  if (n > 0 && (s == 0 || d == 0 || sc == 0)) {
+    PyErr_SetString(PyExc_ValueError, "null address");
+    return NULL;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  active->int8_decode((const int8_t *)(uintptr_t)s,
+                      (const float *)(uintptr_t)sc, (float *)(uintptr_t)d,
+                      n, block, accumulate);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
 static PyObject *codec_supported(PyObject *self, PyObject *unused) {
   PyObject *names = PyTuple_New(n_supported);
   int i;
@@ -345,6 +565,14 @@ static PyMethodDef codec_methods[] = {
      "decode(src, dst, numel, scale, kind): dst[i] = float(src[i]) * scale\n"
      "for fp16 (kind 0) or bf16 (kind 1) src and fp32 dst; dst may not\n"
      "overlap src."},
+    {"int8_encode", codec_int8_encode, METH_VARARGS,
+     "int8_encode(src, dst, scales, residual, numel, block, prescale):\n"
+     "blockwise symmetric int8 of fp32 src * prescale (+ residual, which\n"
+     "then receives what rounding dropped; 0 for none), one fp32 scale per\n"
+     "block; addresses."},
+    {"int8_decode", codec_int8_decode, METH_VARARGS,
+     "int8_decode(src, scales, dst, numel, block, accumulate):\n"
+     "dst[i] (+)= src[i] * scales[i // block] in fp32; addresses."},
     {"supported", codec_supported, METH_NOARGS,
      "supported(): names of the kernel sets this CPU runs, the best last."},
     {"isa", codec_isa, METH_NOARGS, "isa(): the kernel set in use."},
@@ -358,7 +586,7 @@ static PyMethodDef codec_methods[] = {
 
 static struct PyModuleDef codec_module = {
     PyModuleDef_HEAD_INIT, "_cpu_codec",
-    "One-pass fp32 <-> fp16/bf16 scale-and-cast for the CPU comm hooks.", -1,
+    "One-pass fp32 <-> fp16/bf16/int8 codecs for the CPU comm hooks.", -1,
     codec_methods, NULL, NULL, NULL, NULL,
 };
 
