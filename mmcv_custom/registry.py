@@ -62,6 +62,7 @@ from .ddp_hooks import (CompressState, _check_compress_args,
                         bf16_compress_hook, bf16_compress_wrapper,
                         check_bf16_support, fp16_compress_hook,
                         fp16_compress_wrapper)
+from .int8_hooks import Int8State, int8_compress_hook
 
 __all__ = [
     'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommCounter', 'CommHookSpec',
@@ -80,6 +81,7 @@ COMM_HOOKS.register_module(name='bf16_compress', module=bf16_compress_hook)
 COMM_HOOKS.register_module(name='powerSGD', module=powerSGD.powerSGD_hook)
 COMM_HOOKS.register_module(
     name='batched_powerSGD', module=batched_powersgd_hook)
+COMM_HOOKS.register_module(name='int8_compress', module=int8_compress_hook)
 
 _WRAPPERS: Dict[str, Callable] = {
     'fp16': fp16_compress_wrapper,
@@ -92,6 +94,9 @@ _HALF_PRECISION_HOOKS = {
     fp16_compress_hook: 'fp16',
     bf16_compress_hook: 'bf16',
 }
+
+# Hooks that quantize below half precision: a wrapper would round twice too.
+_QUANTIZING_HOOKS = {int8_compress_hook: 'int8'}
 
 # PyTorch's PowerSGD hooks start their second all-reduce from inside a future
 # callback. Gloo runs callbacks on its own worker threads, so with several
@@ -330,6 +335,21 @@ COMM_HOOK_STATES.register_module(
     name='batched_powerSGD', module=_powersgd_state)
 
 
+def _check_int8_args(args: dict) -> None:
+    require_int('block_size', args['block_size'], minimum=1)
+    require_bool('error_feedback', args['error_feedback'])
+
+
+@COMM_HOOK_STATES.register_module(name='int8_compress')
+@with_args_check(_check_int8_args)
+def _int8_state(process_group: Optional[dist.ProcessGroup],
+                block_size: int = 256,
+                error_feedback: bool = True) -> Int8State:
+    """Blockwise int8 with one fp32 scale per ``block_size`` elements, and
+    error feedback of what the rounding drops (see :class:`Int8State`)."""
+    return Int8State(process_group, block_size, error_feedback)
+
+
 @dataclasses.dataclass(frozen=True)
 class CommHookSpec:
     """A communication hook ready for ``ddp.register_comm_hook(state, hook)``.
@@ -452,8 +472,8 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
     (``type``, ``wrapper``, the state keys), then the values, with the
     ``check_args`` of the state factory (see :func:`with_args_check`): the
     built-in ones check the type and range of every key of
-    ``fp16_compress``, ``bf16_compress``, ``powerSGD`` and
-    ``batched_powerSGD``.
+    ``fp16_compress``, ``bf16_compress``, ``powerSGD``,
+    ``batched_powerSGD`` and ``int8_compress``.
 
     Args:
         cfg (dict): e.g. ``dict(type='powerSGD', wrapper='bf16',
@@ -497,6 +517,11 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
             f'{_HALF_PRECISION_HOOKS[hook]}, so wrapper={wrapper!r} would '
             "round twice. Use type='allreduce' with the wrapper, or drop "
             'the wrapper.')
+    if wrapper is not None and hook in _QUANTIZING_HOOKS:
+        raise ValueError(
+            f"comm_hook type {hook_type!r} already quantizes to "
+            f'{_QUANTIZING_HOOKS[hook]}, so wrapper={wrapper!r} would '
+            'round twice. Drop the wrapper.')
 
     factory = _lookup_state_factory(hook_type)
     defaults_set = []
@@ -539,10 +564,20 @@ class CommCounter:
             hook: ``numel * element_size`` of each bucket as DDP hands it
             over (4 bytes an element for fp32 gradients, 2 for a bf16 or
             fp16 model's).
-        wire_bytes (int): What the hook passed to ``all_reduce``: the
-            bucket in the format it sends, or for PowerSGD once it
-            compresses (``iter >= start_powerSGD_iter``) the P and Q
-            factors plus the tensors it leaves uncompressed.
+        wire_bytes (int): What the hook reduces, as the size of the
+            tensor an all-reduce would carry: the bucket in the format it
+            sends, or for PowerSGD once it compresses (``iter >=
+            start_powerSGD_iter``) the P and Q factors plus the tensors it
+            leaves uncompressed. For ``int8_compress``, which reduces as
+            an all-to-all and then an all-gather (the two halves of a ring
+            all-reduce), it is the quantized bucket: the int8 payload,
+            padded to ``world_size`` shards of whole blocks, plus 4 bytes
+            per block scale (:meth:`Int8State.wire_bytes`), about ``numel *
+            (1 + 4 / block_size)``, and it covers both phases: the hook
+            sends ``2 * (world_size - 1) / world_size`` times it from each
+            rank, half in each phase, the multiple a ring all-reduce
+            sends of its tensor, so counts of different hooks compare as
+            their traffic does.
         wire_known (bool): False once a hook ran whose traffic is unknown
             (a user hook).
     """
@@ -586,6 +621,8 @@ def _count_wire(hook: Callable, counter: CommCounter,
             counter.wire_bytes += buffer.numel() * 2
         elif base is allreduce_hook:
             counter.wire_bytes += size
+        elif base is int8_compress_hook:
+            counter.wire_bytes += state.wire_bytes(buffer.numel())
         elif base in _POWERSGD_HOOKS:
             # Both hooks all-reduce the bucket as is while iter <
             # start_powerSGD_iter, and leave the state's counters alone.

@@ -13,7 +13,7 @@ from mmcv_custom.batched_powersgd import batched_powersgd_hook
 from tests.dist_utils import run_ranks
 
 BUILTIN = ['allreduce', 'batched_powerSGD', 'bf16_compress', 'fp16_compress',
-           'powerSGD']
+           'int8_compress', 'powerSGD']
 
 
 def test_builtin_names():
