@@ -14,6 +14,7 @@ from .ddp_hooks import (CompressState, allreduce_hook, bf16_compress_hook,
                         bf16_compress_wrapper, check_bf16_support,
                         default_predivide_factor, fp16_compress_hook,
                         fp16_compress_wrapper)
+from .int8_hooks import Int8State, int8_compress_hook
 from .engine import (CommHookRegistrationHook, CPUAmpOptimWrapper,
                      FSDP2Strategy, LayerDecayOptimWrapperConstructor,
                      NonFiniteGradientsError)
@@ -34,6 +35,8 @@ __all__ = [
     'bf16_compress_wrapper',
     'check_bf16_support',
     'CompressState',
+    'Int8State',
+    'int8_compress_hook',
     'default_predivide_factor',
     'COMM_HOOKS',
     'COMM_HOOK_STATES',

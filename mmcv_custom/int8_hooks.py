@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from . import int8_codec
 
-__all__ = ['Int8State', 'int8_compress_hook']
+__all__ = ['Int8State', 'Int8Relayout', 'int8_compress_hook']
 
 _QMAX = 127
 _VERSION = 1
@@ -302,6 +302,18 @@ class Int8State:
                 off, or names a parameter ``names`` lacks or of another
                 size.
         """
+        self.check_state_dict(saved, names)
+        by_name = {n: p for p, n in names.items()}
+        self._residuals.clear()
+        self._pending = {
+            id(by_name[name]): r.float().reshape(-1)
+            for name, r in saved['params'].items()
+        }
+
+    def check_state_dict(self, saved, names: Dict[torch.Tensor,
+                                                  str]) -> None:
+        """Raise ``ValueError`` (see :meth:`load_state_dict`) if ``saved``
+        does not fit; change nothing."""
         if not isinstance(saved, dict):
             raise ValueError('expected an Int8State.state_dict(), but got '
                              f'{type(saved).__name__}')
@@ -332,11 +344,47 @@ class Int8State:
                     and residual.numel() == by_name[name].numel()):
                 raise ValueError(f'the int8 residual of {name} does not fit '
                                  'the parameter')
-        self._residuals.clear()
-        self._pending = {
-            id(by_name[name]): r.float().reshape(-1)
-            for name, r in params.items()
-        }
+
+
+class Int8Relayout:
+    """What the checkpoint machinery of the runner hook needs of a stateful
+    hook (``mmcv_custom.engine.hook_state_files``), for :class:`Int8State`,
+    as ``PowerSGDRelayout`` is for PowerSGD: the state already follows DDP's
+    bucket layouts itself, so this only names its parameters.
+
+    Args:
+        state (Int8State): The hook's state.
+        names (dict): Parameter -> name of the DDP model.
+    """
+
+    #: What a restore brings back, for the log.
+    RESTORED = 'error feedback'
+
+    def __init__(self, state: Int8State, names: Dict[torch.Tensor,
+                                                     str]) -> None:
+        self.state = state
+        self.names = names
+
+    def wrap(self, hook):
+        return hook
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict(self.names)
+
+    def check_state_dict(self, saved) -> None:
+        self.state.check_state_dict(saved, self.names)
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.state.load_state_dict(saved, self.names)
+
+    def fresh_note(self, steps_done: int) -> str:
+        """What :meth:`start_fresh` means for the run, for the log."""
+        return 'error feedback from zero'
+
+    def start_fresh(self, steps_done: int) -> None:
+        """Forget every residual (the saved ones could not be used)."""
+        self.state._residuals.clear()
+        self.state._pending = {}
 
 
 def int8_compress_hook(

@@ -283,6 +283,19 @@ class PowerSGDRelayout:
             for name, entry in saved['params'].items()
         }
 
+    #: What a restore brings back, for the log.
+    RESTORED = 'error feedback, warm start, iteration counter'
+
+    def fresh_note(self, steps_done: int) -> str:
+        """What :meth:`start_fresh` means for the run, for the log."""
+        start = self.state.start_powerSGD_iter
+        then = (f'compression goes on at once (the run is past '
+                f'start_powerSGD_iter={start})' if steps_done >= start else
+                f'its warm-up of plain all-reduces goes on until step '
+                f'{start} (start_powerSGD_iter)')
+        return ('error feedback from zero and new warm-start matrices; ' +
+                then)
+
     def start_fresh(self, steps_done: int) -> None:
         """Forget every residual and warm start, keeping the step count.
 

@@ -62,7 +62,7 @@ from .ddp_hooks import (CompressState, _check_compress_args,
                         bf16_compress_hook, bf16_compress_wrapper,
                         check_bf16_support, fp16_compress_hook,
                         fp16_compress_wrapper)
-from .int8_hooks import Int8State, int8_compress_hook
+from .int8_hooks import Int8Relayout, Int8State, int8_compress_hook
 
 __all__ = [
     'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommCounter', 'CommHookSpec',
@@ -113,6 +113,7 @@ _POWERSGD_HOOKS = {powerSGD.powerSGD_hook, batched_powersgd_hook}
 _RELAYOUTS = {
     powerSGD.powerSGD_hook: PowerSGDRelayout,
     batched_powersgd_hook: BatchedPowerSGDRelayout,
+    int8_compress_hook: Int8Relayout,
 }
 
 # PyTorch's PowerSGD default orthogonalization_epsilon=0 divides 0 by 0 when
@@ -388,7 +389,7 @@ class CommHookSpec:
         base = getattr(self.base_hook, '__qualname__', repr(self.base_hook))
         parts = [f"type='{self.type}' ({base})"]
         parts.append(f"wrapper={self.wrapper!r}")
-        if isinstance(self.state, CompressState):
+        if isinstance(self.state, (CompressState, Int8State)):
             parts.append(f'state: {self.state!r}')
         elif self.state_kwargs:
             args = ', '.join(

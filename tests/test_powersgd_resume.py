@@ -106,3 +106,40 @@ def test_state_files_go_with_their_checkpoints(tmp_path):
     # with the checkpoint, and so does the pruning.
     run_ranks(_train_keeping_two, str(work), 12, True)
     assert files() == expected(10, 12)
+
+
+INT8 = dict(type='int8_compress', block_size=32)
+
+
+@pytest.mark.parametrize('bucket_cap_mb', [25, 0.002])
+def test_resumed_int8_run_restores_its_residuals(tmp_path, bucket_cap_mb):
+    """int8_compress's error feedback goes into the same state files: a
+    resumed run restores every rank's residuals, per parameter, into
+    whatever buckets DDP builds. Not bit for bit: the int8 blocks span the
+    bucket in DDP's parameter order, which a resumed run's first step lays
+    out afresh (its first layout, not the rebuilt one), so the roundings of
+    that step differ; the residuals carry on, and the ranks agree."""
+    whole, _ = run_ranks(_train, str(tmp_path / 'whole'), INT8, 10, False,
+                         bucket_cap_mb)[0]
+    part = str(tmp_path / 'part')
+    run_ranks(_train, part, INT8, 4, False, bucket_cap_mb)
+    resumed, lines = run_ranks(_train, part, INT8, 10, True,
+                               bucket_cap_mb)[0]
+    assert ('INFO', 'Restored the int8_compress state (error feedback) of '
+            f'all 2 ranks from the files beside {part}/iter_4.pth.') in lines
+    assert torch.equal(resumed[0], resumed[1])
+    # Measured: 8e-5 at most, on weights of about 0.1.
+    assert (resumed[0] - whole[0]).abs().max() < 1e-3
+
+
+def test_int8_without_its_residuals_starts_them_from_zero(tmp_path):
+    part = str(tmp_path / 'part')
+    run_ranks(_train, part, dict(type='allreduce'), 4, False)
+    resumed, lines = run_ranks(_train, part, INT8, 10, True)[0]
+    warnings = [m for lvl, m in lines if lvl == 'WARNING']
+    assert warnings == [
+        'Not restoring the int8_compress communication-hook state (all '
+        'ranks: the resumed checkpoint holds no communication-hook state). '
+        'Every rank starts it afresh at step 4: error feedback from zero.'
+    ]
+    assert torch.equal(resumed[0], resumed[1])

@@ -214,9 +214,9 @@ class HookStateFiles:
             for name, relayout in self.relayouts.items():
                 relayout.load_state_dict(payload['hooks'][name])
             if is_main_process():
+                what = next(iter(self.relayouts.values())).RESTORED
                 runner.logger.info(
-                    f'Restored the {hook_type} state (error feedback, warm '
-                    'start, iteration counter) of all '
+                    f'Restored the {hook_type} state ({what}) of all '
                     f'{world_size} ranks from the files beside {checkpoint}.')
             return
 
@@ -237,15 +237,11 @@ class HookStateFiles:
         else:
             whys = '; '.join(f'{_describe(ranks)}: {why}'
                              for why, ranks in by_reason.items())
-        start = next(iter(self.relayouts.values())).state.start_powerSGD_iter
-        then = (f'compression goes on at once (the run is past '
-                f'start_powerSGD_iter={start})' if steps >= start else
-                f'its warm-up of plain all-reduces goes on until step '
-                f'{start} (start_powerSGD_iter)')
+        fresh = next(iter(self.relayouts.values())).fresh_note(steps)
         runner.logger.warning(
             f'Not restoring the {hook_type} communication-hook state '
-            f'({whys}). Every rank starts it afresh at step {steps}: error '
-            'feedback from zero and new warm-start matrices; ' + then + '.')
+            f'({whys}). Every rank starts it afresh at step {steps}: '
+            f'{fresh}.')
 
     def _read(self, record, checkpoint, rank: int, world_size: int):
         """This rank's checked payload, or :class:`_Refused` saying why."""
