@@ -6,6 +6,7 @@ so forking is safe and saves re-importing torch) and meet through a
 rank's return value comes back to the test; an exception on any rank fails
 the test with that rank's traceback.
 """
+import gc
 import os
 import tempfile
 import time
@@ -30,7 +31,15 @@ def _entry(rank: int, world_size: int, folder: str, fn: Callable,
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(folder, f'rank{rank}.pt'))
+        del result
     finally:
+        # Drop what still holds the group (DDP reducers, hook states,
+        # futures) here, on the main thread. Left to a gloo worker thread
+        # (a callback's closure released last), the group's destructor
+        # joins that very thread: "terminate called after throwing an
+        # instance of 'std::system_error' what(): Resource deadlock
+        # avoided", and the rank dies with SIGABRT.
+        gc.collect()
         dist.destroy_process_group()
 
 
