@@ -18,6 +18,9 @@ import torch.multiprocessing as mp
 
 __all__ = ['run_ranks']
 
+# The process groups of this (child) process, kept alive until it exits.
+_KEPT: list = []
+
 
 def _entry(rank: int, world_size: int, folder: str, fn: Callable,
            args: tuple) -> None:
@@ -33,12 +36,16 @@ def _entry(rank: int, world_size: int, folder: str, fn: Callable,
         torch.save(result, os.path.join(folder, f'rank{rank}.pt'))
         del result
     finally:
-        # Drop what still holds the group (DDP reducers, hook states,
-        # futures) here, on the main thread. Left to a gloo worker thread
-        # (a callback's closure released last), the group's destructor
-        # joins that very thread: "terminate called after throwing an
-        # instance of 'std::system_error' what(): Resource deadlock
-        # avoided", and the rank dies with SIGABRT.
+        # A hook's future callback can hold a group (PyTorch's PowerSGD
+        # captures WORLD) and release it on the gloo worker thread that ran
+        # it, a moment after the step returned. Were that the last
+        # reference, the group's destructor would join that very thread:
+        # "terminate called after throwing an instance of
+        # 'std::system_error' what(): Resource deadlock avoided", SIGABRT.
+        # So this process keeps every group until it exits (os._exit: no
+        # destructor runs), and the main thread collects the rest first.
+        world = getattr(dist.distributed_c10d, '_world', None)
+        _KEPT.extend(getattr(world, 'pg_map', {}).keys())
         gc.collect()
         dist.destroy_process_group()
 
