@@ -19,7 +19,7 @@ from mmengine.config import Config
 from mmengine.logging import print_log
 
 __all__ = [
-    'check_cpu_strategy', 'uses_fsdp2',
+    'check_cpu_strategy', 'uses_fsdp2', 'build_runner', 'init_gloo',
     'load_config', 'prepare_launch', 'is_launch_rank0',
     'shutdown_distributed', 'check_cpu_wrapper'
 ]
@@ -154,7 +154,10 @@ def check_cpu_strategy(cfg: Config) -> None:
         f'group.{hint}')
 
 
-def _init_gloo(launcher: str) -> None:
+def init_gloo(launcher: str) -> None:
+    """Start a gloo process group from ``launcher``'s environment
+    (``pytorch``: torchrun's; ``slurm``; ``mpi``), for CPU runs, where
+    MMEngine's ``init_dist`` fails (it calls ``torch.cuda.set_device``)."""
     if launcher == 'slurm':
         for ours, slurm in _ENV_FROM_SLURM.items():
             os.environ.setdefault(ours, os.environ[slurm])
@@ -228,7 +231,7 @@ def prepare_launch(cfg: Config, launcher: str,
         check_cpu_wrapper(cfg)
         check_cpu_strategy(cfg)
         if not dist.is_initialized():
-            _init_gloo(launcher)
+            init_gloo(launcher)
     # One line per run, not per rank.
     main_process = is_launch_rank0()
     if _sync_bn_to_bn(cfg.get('model')) and main_process:
@@ -266,6 +269,17 @@ def prepare_launch(cfg: Config, launcher: str,
             f'{dist.get_world_size()} ranks on CPU (DDP without device_ids).',
             logger='current')
     return cfg
+
+
+def build_runner(cfg: Config):
+    """The runner ``cfg`` asks for, as MMSegmentation's tools build it:
+    MMEngine's ``Runner``, or ``runner_type`` (e.g. ``'FlexibleRunner'``)
+    from the ``RUNNERS`` registry."""
+    if 'runner_type' not in cfg:
+        from mmengine.runner import Runner
+        return Runner.from_cfg(cfg)
+    from mmengine.registry import RUNNERS
+    return RUNNERS.build(cfg)
 
 
 def shutdown_distributed() -> None:

@@ -97,8 +97,7 @@ class AveragingReduceScatter(ReduceScatter):
         if self.counter is not None:
             numel = input_tensor.numel()
             self.counter.baseline_bytes += numel * input_tensor.element_size()
-            self.counter.wire_bytes += numel * torch.empty(
-                (), dtype=wire).element_size()
+            self.counter.wire_bytes += numel * torch.finfo(wire).bits // 8
         if wire is input_tensor.dtype:
             input_tensor.mul_(1.0 / world)
             return dist.reduce_scatter_single(output_tensor, input_tensor,

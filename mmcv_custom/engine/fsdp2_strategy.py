@@ -42,7 +42,7 @@ from ..checkpoint import (SHARDED_META_FILE, is_sharded_checkpoint,
                           load_checkpoint_file)
 from ..sharded_checkpoint import safe_dcp_load
 
-__all__ = ['FSDP2Strategy', 'select_units']
+__all__ = ['FSDP2Strategy', 'select_units', 'unit_parameters']
 
 _DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
            'float16': torch.float16}
@@ -140,6 +140,25 @@ def select_units(model: nn.Module,
     return units[::-1]
 
 
+def unit_parameters(model: nn.Module, units: list) -> list:
+    """What each unit of ``units`` (:func:`select_units`' order) and then
+    the root gathers and reduces: its parameters not in a unit below it.
+
+    Returns:
+        list[tuple[str, nn.Module, list]]: ``(name, module, [(parameter
+        name within the module, parameter), ...])``, the root last with
+        name ``''``.
+    """
+    claimed = set()
+    out = []
+    for name, module in units + [('', model)]:
+        own = [(n, p) for n, p in module.named_parameters()
+               if id(p) not in claimed]
+        claimed.update(id(p) for _, p in own)
+        out.append((name, module, own))
+    return out
+
+
 def _broadcast_buffers(module: nn.Module, *args) -> None:
     """Give every rank rank 0's buffers: one broadcast per dtype. A forward
     pre-hook of the root, and run before each save."""
@@ -230,7 +249,6 @@ class FSDP2Strategy(DDPStrategy):
         self.shard_modules = shard_modules
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = _parse_mp_policy(mp_policy)
-        self.units: list = []  # (name, module) sharded, root last
 
     # -- process group -----------------------------------------------------
     def _setup_distributed(self, launcher: str = 'pytorch',
@@ -238,8 +256,8 @@ class FSDP2Strategy(DDPStrategy):
         if is_distributed():
             return
         if not torch.cuda.is_available():
-            # MMEngine's init_dist calls torch.cuda.set_device.
-            dist.init_process_group(backend='gloo', init_method='env://')
+            from ..launcher import init_gloo
+            init_gloo(launcher)
             return
         super()._setup_distributed(launcher, backend, **kwargs)
 
@@ -283,7 +301,6 @@ class FSDP2Strategy(DDPStrategy):
         # a second time.
         fully_shard(model, mp_policy=self.mp_policy,
                     reshard_after_forward=False)
-        self.units = units + [('', model)]
         if self.broadcast_buffers and any(True for _ in model.buffers()):
             model.register_forward_pre_hook(_broadcast_buffers)
         shown = ''.join(f'{n} {k}, ' for k, n in counts.items())
@@ -302,13 +319,9 @@ class FSDP2Strategy(DDPStrategy):
     def _check_unit_dtypes(model: nn.Module, units: list) -> None:
         """Each unit's own parameters (not in a unit below it) must share a
         dtype: FSDP2 reduce-scatters them as one buffer."""
-        claimed = set()
-        for name, module in units + [('(the whole model)', model)]:
+        for name, _, own in unit_parameters(model, units):
             dtypes = {}
-            for pname, param in module.named_parameters():
-                if id(param) in claimed:
-                    continue
-                claimed.add(id(param))
+            for pname, param in own:
                 dtypes.setdefault(param.dtype, pname)
             if len(dtypes) > 1:
                 shown = ', '.join(f'{p} ({str(d).replace("torch.", "")})'

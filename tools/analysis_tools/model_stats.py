@@ -48,7 +48,7 @@ from mmengine.utils import import_modules_from_strings
 sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(
     __file__)))))
 from mmcv_custom.engine.fsdp2_strategy import (  # noqa: E402
-    _DEFAULT_SHARD_MODULES, select_units)
+    _DEFAULT_SHARD_MODULES, select_units, unit_parameters)
 from mmcv_custom.launcher import load_config  # noqa: E402
 from mmcv_custom.registry import check_comm_hook_cfg  # noqa: E402
 
@@ -115,18 +115,13 @@ def fsdp2_units(model, shard_modules=None) -> list:
     """
     # Deepest first, as the strategy shards them.
     deepest_first = select_units(model, shard_modules)
-    matched = deepest_first[::-1]
-    claimed = set()
     units = []
-    # named_modules() lists parents first: claim from the deepest up.
-    for name, module in deepest_first + [('', model)]:
-        own = [p for p in module.parameters() if id(p) not in claimed]
-        claimed.update(id(p) for p in own)
-        ancestors = [n for n, _ in matched
+    for name, module, own in unit_parameters(model, deepest_first):
+        ancestors = [n for n, _ in deepest_first
                      if n != name and name.startswith(n + '.')]
         units.append(dict(name=name, type=type(module).__name__,
-                          params=own,
-                          ancestors=ancestors + [''] if name else []))
+                          params=[p for _, p in own],
+                          ancestors=ancestors[::-1] + [''] if name else []))
     return units
 
 
