@@ -11,9 +11,12 @@ runs whatever a crafted file says. :func:`safe_load_planner` reads them with
 torch's safe loader and this project's allow-list instead
 (:mod:`mmcv_custom.checkpoint`), and ``meta.pth`` is read the same way.
 """
+import contextlib
 import os.path as osp
 import pickle
 import re
+import shutil
+import tempfile
 import warnings
 
 import torch
@@ -22,7 +25,7 @@ from .checkpoint import (SHARDED_META_FILE, UnsafeCheckpointError,
                          is_sharded_checkpoint, load_checkpoint_file)
 
 __all__ = ['safe_load_planner', 'safe_dcp_load',
-           'consolidate_sharded_checkpoint']
+           'consolidate_sharded_checkpoint', 'consolidated_file']
 
 
 def safe_load_planner(path: str = 'the sharded checkpoint'):
@@ -117,3 +120,18 @@ def consolidate_sharded_checkpoint(path: str) -> dict:
         'meta': meta.get('meta', {}),
         'state_dict': {k[len(prefix):]: v for k, v in state.items()},
     }
+
+
+@contextlib.contextmanager
+def consolidated_file(path: str):
+    """A temporary ordinary checkpoint file of the sharded checkpoint
+    ``path`` (:func:`consolidate_sharded_checkpoint`), removed on exit: for
+    a runner that only loads files (``load_from`` of a DDP config). Each
+    process writes its own, so no rank waits on another's file system."""
+    folder = tempfile.mkdtemp(prefix='sharded_ckpt_')
+    try:
+        file = osp.join(folder, 'model.pth')
+        torch.save(consolidate_sharded_checkpoint(path), file)
+        yield file
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -16,22 +16,18 @@ Examples:
     bash tools/dist_test.sh CONFIG CHECKPOINT 8 --out results/
 """
 import argparse
+import contextlib
 import os
-import os.path as osp
-import shutil
-import tempfile
 
-import torch
 from mmengine.config import DictAction
 from mmengine.logging import print_log
-from mmengine.runner import Runner
 
 import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
 from mmcv_custom.checkpoint import check_checkpoint_file, is_sharded_checkpoint
-from mmcv_custom.launcher import (is_launch_rank0, load_config,
+from mmcv_custom.launcher import (build_runner, is_launch_rank0, load_config,
                                   prepare_launch, shutdown_distributed,
                                   uses_fsdp2)
-from mmcv_custom.sharded_checkpoint import consolidate_sharded_checkpoint
+from mmcv_custom.sharded_checkpoint import consolidated_file
 
 
 def parse_args():
@@ -127,33 +123,25 @@ def main():
         os.makedirs(args.out, exist_ok=True)
 
     prepare_launch(cfg, args.launcher)
-    consolidated = None
-    if is_sharded_checkpoint(args.checkpoint) and not uses_fsdp2(cfg):
-        # Written by FSDP2Strategy, evaluated with an ordinary (DDP)
-        # config: each rank reads the shards into one file of its own.
-        consolidated = tempfile.mkdtemp(prefix='sharded_ckpt_')
-        cfg.load_from = osp.join(consolidated, 'model.pth')
-        torch.save(consolidate_sharded_checkpoint(args.checkpoint),
-                   cfg.load_from)
-        if is_launch_rank0():
-            print_log(f'{args.checkpoint} is a sharded checkpoint: '
-                      'evaluating its consolidated weights.',
-                      logger='current')
-    if 'runner_type' not in cfg:
-        runner = Runner.from_cfg(cfg)
-    else:
-        from mmengine.registry import RUNNERS
-        runner = RUNNERS.build(cfg)
-    try:
-        runner.test()
-    finally:
-        # Free the DDP model (and the comm hook and state its reducer holds)
-        # while the process group still exists, then destroy the group.
-        del runner
-        shutdown_distributed()
-        if consolidated is not None:
-            shutil.rmtree(consolidated, ignore_errors=True)
-
+    with contextlib.ExitStack() as stack:
+        if is_sharded_checkpoint(args.checkpoint) and not uses_fsdp2(cfg):
+            # Written by FSDP2Strategy, evaluated with an ordinary (DDP)
+            # config.
+            cfg.load_from = stack.enter_context(
+                consolidated_file(args.checkpoint))
+            if is_launch_rank0():
+                print_log(f'{args.checkpoint} is a sharded checkpoint: '
+                          'evaluating its consolidated weights.',
+                          logger='current')
+        runner = build_runner(cfg)
+        try:
+            runner.test()
+        finally:
+            # Free the DDP model (and the comm hook and state its reducer
+            # holds) while the process group still exists, then destroy
+            # the group.
+            del runner
+            shutdown_distributed()
 
 if __name__ == '__main__':
     main()

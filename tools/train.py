@@ -22,24 +22,22 @@ Examples:
     bash tools/dist_train.sh CONFIG 8 --cfg-options comm_hook.type=fp16_compress
 """
 import argparse
+import contextlib
 import logging
 import os
-import shutil
-import tempfile
 
 import torch
 from mmengine.config import Config, DictAction
 from mmengine.logging import print_log
-from mmengine.runner import Runner
 
 import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
 from mmcv_custom.checkpoint import (check_checkpoint_file,
                                     is_sharded_checkpoint,
                                     resolve_resume_checkpoint)
-from mmcv_custom.launcher import (is_launch_rank0, load_config,
+from mmcv_custom.launcher import (build_runner, is_launch_rank0, load_config,
                                   prepare_launch, shutdown_distributed,
                                   uses_fsdp2)
-from mmcv_custom.sharded_checkpoint import consolidate_sharded_checkpoint
+from mmcv_custom.sharded_checkpoint import consolidated_file
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
 
@@ -139,39 +137,31 @@ def main():
                 print_log(moved, logger='current', level=logging.WARNING)
     add_comm_hook_runner_hook(cfg)
     prepare_launch(cfg, args.launcher)
-    consolidated = None
-    if (checkpoint and is_sharded_checkpoint(checkpoint)
-            and not uses_fsdp2(cfg)):
-        if args.resume:
-            raise ValueError(
-                f'{checkpoint} is a sharded checkpoint of FSDP2Strategy: it '
-                'resumes under an FSDP2 config only (its optimizer state is '
-                'sharded). To start this config from its weights, use '
-                f'--cfg-options load_from={checkpoint} without --resume.')
-        # Fine-tuning an ordinary config from a sharded run: each rank
-        # reads the shards into one file of its own.
-        consolidated = tempfile.mkdtemp(prefix='sharded_ckpt_')
-        cfg.load_from = os.path.join(consolidated, 'model.pth')
-        torch.save(consolidate_sharded_checkpoint(checkpoint), cfg.load_from)
-        if is_launch_rank0():
-            print_log(f'{checkpoint} is a sharded checkpoint: loading its '
-                      'consolidated weights.', logger='current')
-
-    if 'runner_type' not in cfg:
-        runner = Runner.from_cfg(cfg)
-    else:
-        from mmengine.registry import RUNNERS
-        runner = RUNNERS.build(cfg)
-    try:
-        runner.train()
-    finally:
-        # Free the DDP model (and the comm hook and state its reducer holds)
-        # while the process group still exists, then destroy the group.
-        del runner
-        shutdown_distributed()
-        if consolidated is not None:
-            shutil.rmtree(consolidated, ignore_errors=True)
-
+    sharded = (checkpoint and is_sharded_checkpoint(checkpoint)
+               and not uses_fsdp2(cfg))
+    if sharded and args.resume:
+        raise ValueError(
+            f'{checkpoint} is a sharded checkpoint of FSDP2Strategy: it '
+            'resumes under an FSDP2 config only (its optimizer state is '
+            'sharded). To start this config from its weights, use '
+            f'--cfg-options load_from={checkpoint} without --resume.')
+    with contextlib.ExitStack() as stack:
+        if sharded:
+            # Fine-tuning an ordinary config from a sharded run.
+            cfg.load_from = stack.enter_context(
+                consolidated_file(checkpoint))
+            if is_launch_rank0():
+                print_log(f'{checkpoint} is a sharded checkpoint: loading '
+                          'its consolidated weights.', logger='current')
+        runner = build_runner(cfg)
+        try:
+            runner.train()
+        finally:
+            # Free the DDP model (and the comm hook and state its reducer
+            # holds) while the process group still exists, then destroy
+            # the group.
+            del runner
+            shutdown_distributed()
 
 if __name__ == '__main__':
     main()
