@@ -455,20 +455,18 @@ def int8_compress_hook(
     stop = min(start + shard, numel)
     if residual is None:
         _encode_rows(total, out, shard, block, 1.0, None)
-    elif buffer.dtype is torch.float32:
-        # The owner feeds back what the second rounding dropped from its
-        # shard (see Int8State), computed in the same pass.
-        lost = torch.zeros_like(total)
-        _encode_rows(total, out, shard, block, 1.0, lost)
-        if stop > start:
-            residual[start:stop].add_(
-                lost[:stop - start].nan_to_num_(0.0, 0.0, 0.0))
     else:
-        # And, for a bf16 bucket, what the cast of the result dropped.
-        _encode_rows(total, out, shard, block, 1.0, None)
-        applied = torch.empty_like(total)
-        _decode_row(out, 0, shard, block, applied)
-        lost = total - applied.to(buffer.dtype).float()
+        # The owner feeds back what the second rounding dropped from its
+        # shard (see Int8State): for fp32, computed in the same pass; for
+        # a bf16 bucket, with what the cast of the result dropped too.
+        if buffer.dtype is torch.float32:
+            lost = torch.zeros_like(total)
+            _encode_rows(total, out, shard, block, 1.0, lost)
+        else:
+            _encode_rows(total, out, shard, block, 1.0, None)
+            applied = torch.empty_like(total)
+            _decode_row(out, 0, shard, block, applied)
+            lost = total - applied.to(buffer.dtype).float()
         if stop > start:
             residual[start:stop].add_(
                 lost[:stop - start].nan_to_num_(0.0, 0.0, 0.0))

@@ -455,7 +455,8 @@ static PyObject *codec_decode(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-static int check_int8(Py_ssize_t n, Py_ssize_t block) {
+/* addresses_ok: every address the call needs is non-null (or n == 0). */
+static int check_int8(Py_ssize_t n, Py_ssize_t block, int addresses_ok) {
   if (n < 0) {
     PyErr_Format(PyExc_ValueError, "numel must be >= 0, got %zd", n);
     return 0;
@@ -463,6 +464,10 @@ static int check_int8(Py_ssize_t n, Py_ssize_t block) {
   if (block < 1 || block > INT8_MAX_BLOCK) {
     PyErr_Format(PyExc_ValueError,
                  "block must be in [1, %d], got %zd", INT8_MAX_BLOCK, block);
+    return 0;
+  }
+  if (n > 0 && !addresses_ok) {
+    PyErr_SetString(PyExc_ValueError, "null address");
     return 0;
   }
   return 1;
@@ -476,11 +481,7 @@ static PyObject *codec_int8_encode(PyObject *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "KKKKnnf", &s, &d, &sc, &r, &n, &block,
                         &prescale))
     return NULL;
-  if (!check_int8(n, block)) return NULL;
-  if (n > 0 && (s == 0 || d == 0 || sc == 0)) {
-    PyErr_SetString(PyExc_ValueError, "null address");
-    return NULL;
-  }
+  if (!check_int8(n, block, s != 0 && d != 0 && sc != 0)) return NULL;
   Py_BEGIN_ALLOW_THREADS
   active->int8_encode((const float *)(uintptr_t)s, (int8_t *)(uintptr_t)d,
                       (float *)(uintptr_t)sc, (float *)(uintptr_t)r, n,
@@ -497,11 +498,7 @@ static PyObject *codec_int8_decode(PyObject *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "KKKnnp", &s, &sc, &d, &n, &block,
                         &accumulate))
     return NULL;
-  if (!check_int8(n, block)) return NULL;
-  if (n > 0 && (s == 0 || d == 0 || sc == 0)) {
-    PyErr_SetString(PyExc_ValueError, "null address");
-    return NULL;
-  }
+  if (!check_int8(n, block, s != 0 && d != 0 && sc != 0)) return NULL;
   Py_BEGIN_ALLOW_THREADS
   active->int8_decode((const int8_t *)(uintptr_t)s,
                       (const float *)(uintptr_t)sc, (float *)(uintptr_t)d,
