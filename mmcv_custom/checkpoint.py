@@ -139,8 +139,7 @@ def check_checkpoint_file(path: str, source: str) -> None:
     if is_sharded_checkpoint(path):
         # The tensors are DCP shards (read by the strategy's safe planner);
         # meta.pth is an ordinary torch file.
-        check_checkpoint(osp.join(path, SHARDED_META_FILE))
-        return
+        path = osp.join(path, SHARDED_META_FILE)
     if not osp.isfile(path):
         if osp.isdir(path):
             what = ('a directory, not a checkpoint file nor a complete '
@@ -151,7 +150,16 @@ def check_checkpoint_file(path: str, source: str) -> None:
         raise FileNotFoundError(
             f'{source}={path!r}: {what} (relative paths are from the '
             f'current directory, {os.getcwd()})')
-    check_checkpoint(path)
+    try:
+        check_checkpoint(path)
+    except RuntimeError as e:
+        if isinstance(e, UnsafeCheckpointError):
+            raise
+        # torch's reader on a truncated or overwritten file.
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RuntimeError(
+            f'{source}={path!r} is not a readable torch checkpoint: it is '
+            f'damaged or truncated ({first})') from None
 
 
 def load_checkpoint_file(path: str, map_location='cpu'):

@@ -597,3 +597,27 @@ def test_activation_checkpointing_composes_with_sharding(tmp_path):
                    {'model.backbone.with_cp': True}, timeout=300)
     assert cp[0]['losses'] == plain[0]['losses']
     assert cp[0]['losses'][-1] < cp[0]['losses'][0]
+
+
+def test_a_damaged_checkpoint_is_named_before_any_work(tmp_path):
+    """A truncated file (an ordinary checkpoint, or a sharded checkpoint's
+    meta.pth) fails the start-up check in words, not in torch's."""
+    import torch.distributed.checkpoint as dcp
+
+    from mmcv_custom.checkpoint import check_checkpoint_file
+    plain = tmp_path / 'iter_2.pth'
+    torch.save({'state_dict': {'w': torch.ones(2)}}, plain)
+    plain.write_bytes(plain.read_bytes()[:100])
+    sharded = str(tmp_path / 'iter_4.pth')
+    dcp.save({'model': {'w': torch.ones(2)}}, checkpoint_id=sharded,
+             no_dist=True)
+    meta = osp.join(sharded, 'meta.pth')
+    torch.save({'meta': {'iter': 4}}, meta)
+    with open(meta, 'r+b') as f:
+        f.truncate(100)
+    for path, shown in ((str(plain), str(plain)), (sharded, meta)):
+        with pytest.raises(RuntimeError) as info:
+            check_checkpoint_file(path, 'load_from')
+        assert str(info.value).startswith(
+            f"load_from={shown!r} is not a readable torch checkpoint: it is "
+            'damaged or truncated (')
