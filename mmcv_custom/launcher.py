@@ -21,7 +21,7 @@ from mmengine.logging import print_log
 __all__ = [
     'check_cpu_strategy', 'uses_fsdp2', 'build_runner', 'init_gloo',
     'load_config', 'prepare_launch', 'is_launch_rank0',
-    'shutdown_distributed', 'check_cpu_wrapper'
+    'shutdown_distributed', 'check_cpu_wrapper', 'check_writable'
 ]
 
 #: MMEngine's DDP wrappers, named in errors. A CPU launch takes any
@@ -295,3 +295,26 @@ def shutdown_distributed() -> None:
     gc.collect()  # what still holds the group (DDP reducers, hook states)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def check_writable(parser, option: str, path: str) -> None:
+    """For the tools' output options: ``parser.error`` (a usage error, exit
+    code 2) now, not after a long run, if ``path`` cannot be written: its
+    folder is missing or read-only, or it is a folder. Leaves no file
+    behind when there was none.
+
+    Args:
+        parser (argparse.ArgumentParser): The tool's parser.
+        option (str): The option, for the message, e.g. ``'--json'``.
+        path (str): The file the tool will write.
+    """
+    if os.path.isdir(path):
+        parser.error(f'{option} {path}: is a directory, not a file')
+    existed = os.path.exists(path)
+    try:
+        with open(path, 'a'):
+            pass
+    except OSError as e:
+        parser.error(f'{option} {path}: cannot write there ({e.strerror})')
+    if not existed:
+        os.remove(path)

@@ -62,6 +62,7 @@ from .ddp_hooks import (CompressState, _check_compress_args,
                         bf16_compress_hook, bf16_compress_wrapper,
                         check_bf16_support, fp16_compress_hook,
                         fp16_compress_wrapper)
+from . import int8_codec
 from .int8_hooks import Int8Relayout, Int8State, int8_compress_hook
 
 __all__ = [
@@ -351,6 +352,21 @@ def _int8_state(process_group: Optional[dist.ProcessGroup],
     return Int8State(process_group, block_size, error_feedback)
 
 
+def _slow_int8_blocks(state_kwargs: dict,
+                      device: Optional[torch.device]) -> tuple:
+    """A note when ``block_size`` keeps int8 off the one-pass C kernels on
+    CPU: it trains, but each step quantizes some 25x slower."""
+    block = state_kwargs.get('block_size', 256)
+    on_cpu = device is None or torch.device(device).type == 'cpu'
+    if not on_cpu or block <= int8_codec.C_MAX_BLOCK:
+        return ()
+    return (f"comm_hook type='int8_compress': block_size={block} is larger "
+            "than the C kernels' largest block "
+            f'({int8_codec.C_MAX_BLOCK}), so on CPU the quantization runs in '
+            "torch's ops, about 25x slower; a block_size <= "
+            f'{int8_codec.C_MAX_BLOCK} keeps the one-pass kernels.', )
+
+
 @dataclasses.dataclass(frozen=True)
 class CommHookSpec:
     """A communication hook ready for ``ddp.register_comm_hook(state, hook)``.
@@ -571,10 +587,11 @@ class CommCounter:
             start_powerSGD_iter``) the P and Q factors plus the tensors it
             leaves uncompressed. For ``int8_compress``, which reduces as
             an all-to-all and then an all-gather (the two halves of a ring
-            all-reduce), it is the quantized bucket: the int8 payload,
-            padded to ``world_size`` shards of whole blocks, plus 4 bytes
-            per block scale (:meth:`Int8State.wire_bytes`), about ``numel *
-            (1 + 4 / block_size)``, and it covers both phases: the hook
+            all-reduce), it is the quantized bucket: the int8 payload plus
+            4 bytes per block scale (blocks are per parameter) and at most
+            3 bytes of alignment per rank (:meth:`Int8State.wire_bytes`),
+            about ``numel * (1 + 4 / block_size)``, and it covers both
+            phases: the hook
             sends ``2 * (world_size - 1) / world_size`` times it from each
             rank, half in each phase, the multiple a ring all-reduce
             sends of its tensor, so counts of different hooks compare as
@@ -623,7 +640,7 @@ def _count_wire(hook: Callable, counter: CommCounter,
         elif base is allreduce_hook:
             counter.wire_bytes += size
         elif base is int8_compress_hook:
-            counter.wire_bytes += state.wire_bytes(buffer.numel())
+            counter.wire_bytes += state.wire_bytes(bucket)
         elif base in _POWERSGD_HOOKS:
             # Both hooks all-reduce the bucket as is while iter <
             # start_powerSGD_iter, and leave the state's counters alone.
@@ -737,6 +754,8 @@ def build_comm_hook(cfg: dict,
     if param_names is not None:
         note = _sent_as_they_are(checked, base_hook, param_names)
         notes = (note, ) if note else ()
+    if base_hook is int8_compress_hook:
+        notes += _slow_int8_blocks(state_kwargs, device)
     hook = base_hook
     relayout = None
     if param_names is not None and base_hook in _RELAYOUTS:
@@ -819,10 +838,16 @@ def build_sharded_comm(cfg: dict,
     hook_type = checked['type']
     what = f'comm_hook type={hook_type!r}'
     if not isinstance(hook_type, str) or hook_type not in WIRE_DTYPES:
+        # int8's error feedback keeps, on every rank, a residual as large as
+        # the unsharded gradients FSDP2 hands to its reduce-scatter: the
+        # memory FSDP2 is there to save.
+        why = (' (its error feedback would keep a full-size, unsharded '
+               'residual on every rank, the memory FSDP2 saves; not built '
+               'yet)' if hook_type == 'int8_compress' else '')
         raise ValueError(
             f'{what} has no sharded form: under FSDP2 (FSDP2Strategy) '
             'gradients are reduce-scattered, not all-reduced through DDP '
-            'communication hooks. Use one of '
+            f'communication hooks{why}. Use one of '
             f'{", ".join(repr(t) for t in WIRE_DTYPES)}, or train this hook '
             'with DDP (the default Runner).')
     if checked['wrapper'] is not None:

@@ -15,13 +15,17 @@ TOOL = osp.join(ROOT, 'tools', 'benchmark_comm_hooks.py')
 STEP_HEADER = ('| bucket | hook | ours | PyTorch | ours / PyTorch | '
                'wire MB (ours) | rel. error |')
 CODEC_HEADER = ('| bucket | fp32 copy | ours fp16 | PyTorch fp16 | '
-                'ours bf16 | PyTorch bf16 |')
+                'ours bf16 | PyTorch bf16 | ours int8 |')
 _MS = r'[\d.]+ ms'
-# A row of each table: bucket, hook, times, ratio, MiB, error / bucket,
-# copy time, four multiples of it.
-STEP_ROW = (r'\| (?P<size>[\d.]+) MB \| `(?P<hook>\w+)` \| ' + _MS + r' \| ' +
-            _MS + r' \| \d+\.\d\d \| (?P<wire>[\d.]+) \| \d\.\de-\d\d \|')
-CODEC_ROW = r'\| (?P<size>[\d.]+) MB \| ' + _MS + r'( \| \d+\.\d\dx){4} \|'
+# A row of each table: bucket, hook, times (PyTorch's, and the ratio, a
+# dash where PyTorch has no such hook), MiB, error / bucket; copy time,
+# five multiples of it.
+STEP_ROW = (r'\| (?P<size>[\d.]+) MB \| `(?P<hook>\w+)` \| ' + _MS +
+            r' \| (?P<theirs>' + _MS + r'|—) \| (?P<ratio>\d+\.\d\d|—) \| '
+            r'(?P<wire>[\d.]+) \| \d\.\de-\d\d \|')
+CODEC_ROW = r'\| (?P<size>[\d.]+) MB \| ' + _MS + r'( \| \d+\.\d\dx){5} \|'
+HOOK_ROWS = ('allreduce_hook', 'fp16_compress_hook', 'bf16_compress_hook',
+             'int8_compress_hook')
 
 
 def _table(lines, header):
@@ -39,46 +43,79 @@ def _bench(*args, python=(sys.executable, TOOL)):
 
 
 @pytest.mark.slow
-def test_benchmark_runs_and_reports_half_the_bytes(tmp_path):
+def test_benchmark_runs_and_measures_the_bytes(tmp_path):
     out = _bench('--nproc', '2', '--sizes-mb', '0.25', '1', '--repeat', '2',
                  '--warmup', '1', '--json', str(tmp_path / 'b.json'),
                  '--plot', str(tmp_path / 'b.png'))
     assert out.returncode == 0, out.stderr[-3000:]
     assert 'wire bytes fp16/bf16 = 0.5 x fp32: PASS' in out.stdout
+    assert re.search(r'wire bytes int8 <= 0\.27 x fp32 per phase .*: PASS '
+                     r'\(worst: all_to_all send 0\.2\d+ at ', out.stdout)
     assert 'CPU casts: C kernel (' in out.stdout
+    assert 'int8 codec (block 256): C kernel (' in out.stdout
+    assert re.search(r'int8 compress\+decompress: [\d.]+x to [\d.]+x an '
+                     r'fp32 copy', out.stdout)
     # Kineto's "USDT: ... profiler_start/stop" lines stay off the console.
     assert 'USDT' not in out.stderr and 'profiler_st' not in out.stderr
     # The README's two tables, row for row.
     lines = out.stdout.splitlines()
     step = [re.fullmatch(STEP_ROW, row) for row in _table(lines, STEP_HEADER)]
-    assert [(m['size'], m['hook'], float(m['wire'])) for m in step] == [
-        (size, hook, mb if hook == 'allreduce_hook' else mb / 2)
-        for size, mb in (('0.25', 0.25), ('1', 1))
-        for hook in ('allreduce_hook', 'fp16_compress_hook',
-                     'bf16_compress_hook')
+    assert [(m['size'], m['hook']) for m in step] == [
+        (size, hook) for size in ('0.25', '1') for hook in HOOK_ROWS
     ]
+    data = json.load(open(tmp_path / 'b.json'))
+    wire = {(f'{e["size_mb"]:g}', name[len('ours.'):]): h['wire_bytes']
+            for e in data['results'] for name, h in e['hooks'].items()
+            if name.startswith('ours.')}
+    for m in step:
+        # The table shows what the JSON holds, in MiB to four digits.
+        assert float(m['wire']) == float(
+            f'{wire[m["size"], m["hook"]] / 2**20:.4g}')
+        # PyTorch has no int8 hook that runs on gloo: no time, no ratio.
+        int8 = m['hook'] == 'int8_compress_hook'
+        assert (m['theirs'] == '—') == int8 and (m['ratio'] == '—') == int8
     codec = [re.fullmatch(CODEC_ROW, row)
              for row in _table(lines, CODEC_HEADER)]
     assert [m['size'] for m in codec] == ['0.25', '1']
-    data = json.load(open(tmp_path / 'b.json'))
     assert data['world_size'] == 2 and data['backend'] == 'gloo'
     assert [e['size_mb'] for e in data['results']] == [0.25, 1]
     for entry in data['results']:
         fp32 = entry['numel'] * 4
         hooks = entry['hooks']
-        # Measured from the profiler's record of each all_reduce.
+        # Measured from the profiler's record of each collective's input.
         assert hooks['ours.allreduce_hook']['wire_bytes'] == fp32
         assert hooks['ours.fp16_compress_hook']['wire_bytes'] == fp32 // 2
         assert hooks['ours.bf16_compress_hook']['wire_bytes'] == fp32 // 2
         assert hooks['noop']['wire_bytes'] == 0
+        for name in ('ours.allreduce_hook', 'ours.bf16_compress_hook'):
+            assert hooks[name]['wire_bytes_by_collective'] == dict(
+                all_reduce=hooks[name]['wire_bytes'], all_to_all=0,
+                all_gather=0)
+        # int8: 1 byte an element and a 4-byte scale a block of 256, in
+        # the all_to_all's send tensor and again in the all-gathered
+        # result (world_size x each rank's input): 0.2539 of fp32 each,
+        # plus what padding to whole blocks and equal segments costs.
+        by = hooks['ours.int8_compress_hook']['wire_bytes_by_collective']
+        assert by['all_reduce'] == 0
+        assert (1 + 4 / 256) / 4 <= by['all_to_all'] / fp32 <= 0.27
+        assert (1 + 4 / 256) / 4 <= by['all_gather'] * 2 / fp32 <= 0.27
+        assert hooks['ours.int8_compress_hook']['wire_bytes'] == (
+            by['all_to_all'])
         # Errors within each format's rounding of the exact mean.
         assert hooks['ours.allreduce_hook']['rel_error'] < 1e-6
         assert hooks['ours.fp16_compress_hook']['rel_error'] < 2**-10
         assert hooks['ours.bf16_compress_hook']['rel_error'] < 2**-7
+        # int8: two roundings of half a step (1/254 of a block's largest
+        # value) each; the planted values span five decades, so a block's
+        # largest sits a few times above the bucket's RMS (1.3e-2 after
+        # one step, 1.9e-2 after two, the second carrying fed-back error).
+        assert hooks['ours.int8_compress_hook']['rel_error'] < 2**-5
         assert set(entry['codec_s']) == {
             'copy_fp32', 'ours.fp16', 'torch.fp16', 'ours.bf16',
-            'torch.bf16'
+            'torch.bf16', 'ours.int8'
         }
+        # Asked in the ranks (one thread each): the C kernel when built.
+        assert entry['int8_c_kernel'] is True
     assert (tmp_path / 'b.png').stat().st_size > 10000
 
 

@@ -127,3 +127,98 @@ def test_bad_arguments():
     if codec is not None:
         with pytest.raises(ValueError, match=r'block must be in \[1, 4096\]'):
             codec.int8_encode(0, 0, 0, 0, 0, 0, 1.0)
+
+
+# -- block tables: blocks at their own offsets --------------------------------
+def _shuffled_table(n, seed=0, longest=300):
+    """Blocks of 1 to ``longest`` values tiling ``[0, n)``, packed in a
+    shuffled order, each as 4 scale bytes then its payload (so payloads
+    and scales sit at every byte alignment)."""
+    gen = torch.Generator().manual_seed(seed)
+    pieces, start = [], 0
+    while start < n:
+        length = min(int(torch.randint(1, longest + 1, (1, ),
+                                       generator=gen)), n - start)
+        pieces.append((start, length))
+        start += length
+    rows, at = [], 0
+    for k in torch.randperm(len(pieces), generator=gen).tolist():
+        start, length = pieces[k]
+        rows.append((start, start, length, at + 4, at))
+        at += 4 + length
+    return int8_codec.BlockTable(torch.tensor(rows)), at
+
+
+@needs_c
+@pytest.mark.parametrize('mode', [0, 1, 2])
+def test_c_table_is_the_torch_rule(kernel_set, mode):
+    n = 20_000
+    x = _inputs(n)
+    x[100] = float('nan')
+    x[5000] = float('inf')
+    table, nbytes = _shuffled_table(n)
+    residual = _inputs(n, seed=1) * 1e-3
+    got = {}
+    for name, quant, dequant in (
+            ('c', lambda *a: int8_codec.quantize_blocks(
+                *a[:5], ('feed', 'feed', 'collect')[mode])
+             if mode else int8_codec.quantize_blocks(*a[:4]),
+             int8_codec.dequantize_blocks),
+            ('torch', lambda *a: int8_codec._quantize_blocks_torch(*a, mode),
+             int8_codec._dequantize_blocks_torch)):
+        packed = torch.zeros(nbytes, dtype=torch.uint8)
+        res = residual.clone()
+        quant(x, table, packed, 0.5, res if mode else None)
+        out = dequant(packed, table, torch.empty(n), False)
+        summed = dequant(packed, table, _inputs(n, seed=2), True)
+        got[name] = (packed, res, out, summed)
+    for a, b in zip(got['c'], got['torch']):
+        _same_bits(a, b)
+    packed, res, out, _ = got['c']
+    # A block with a NaN or inf keeps nothing in its residual.
+    assert torch.isfinite(res).all()
+    if mode == 0:
+        assert torch.equal(res, residual)
+
+
+def test_table_modes_by_hand():
+    # Two blocks of one parameter, stored second-first: [254, 3] -> scale
+    # 2, [5, -1] -> scale 5 / 127.
+    x = torch.tensor([254.0, 3.0, 5.0, -1.0])
+    table = int8_codec.BlockTable(
+        torch.tensor([[2, 2, 2, 4, 0], [0, 0, 2, 10, 6]]))
+    packed = torch.zeros(12, dtype=torch.uint8)
+    residual = torch.full((4, ), 0.5)
+    int8_codec.quantize_blocks(x, table, packed, 1.0, residual, 'collect')
+    assert packed[6:10].clone().view(torch.float32).item() == 2.0
+    assert packed[10:12].view(torch.int8).tolist() == [127, 2]  # 1.5 -> 2
+    assert residual[:2].tolist() == [0.5, -0.5]  # 0.5 + (3 - 4)
+    back = int8_codec.dequantize_blocks(packed, table, torch.zeros(4))
+    assert back[:2].tolist() == [254.0, 4.0]
+    # Feed adds the residual first, then replaces it.
+    residual = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    int8_codec.quantize_blocks(x, table, packed, 1.0, residual, 'feed')
+    assert packed[10:12].view(torch.int8).tolist() == [127, 2]  # 4 / 2
+    assert residual[:2].tolist() == [0.0, 0.0]
+
+
+def test_table_checks_its_tensors():
+    table, nbytes = _shuffled_table(1000)
+    x = torch.randn(1000)
+    with pytest.raises(ValueError, match=f'at least {nbytes} bytes'):
+        int8_codec.quantize_blocks(x, table,
+                                   torch.zeros(nbytes - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match='at least 1000 values'):
+        int8_codec.quantize_blocks(x[:999], table,
+                                   torch.zeros(nbytes, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="'feed' or 'collect'"):
+        int8_codec.quantize_blocks(x, table,
+                                   torch.zeros(nbytes, dtype=torch.uint8),
+                                   residual=torch.zeros(1000),
+                                   residual_mode='add')
+    with pytest.raises(ValueError, match='lengths >= 1'):
+        int8_codec.BlockTable(torch.tensor([[0, 0, 0, 0, 0]]))
+    if codec is not None:
+        rows = torch.tensor([[0, 0, 5000, 4, 0]])
+        with pytest.raises(ValueError, match=r'length must be in \[1, 4096\]'):
+            codec.int8_decode_table(1, 1, rows.data_ptr(), 1, False)

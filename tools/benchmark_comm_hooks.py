@@ -7,18 +7,31 @@ alike. Compared:
 
 * this project's ``allreduce_hook``, ``fp16_compress_hook`` and
   ``bf16_compress_hook`` (the compressing ones with a ``CompressState``, as
-  the runner hook registers them);
+  the runner hook registers them), and ``int8_compress_hook`` with an
+  ``Int8State(None)`` (blocks of 256, error feedback on: the registry's
+  defaults);
 * PyTorch's built-ins of the same names (``torch.distributed.algorithms.
-  ddp_comm_hooks.default_hooks``), and DDP with no hook (its C++ all-reduce);
+  ddp_comm_hooks.default_hooks``), and DDP with no hook (its C++ all-reduce).
+  PyTorch has no int8 hook to set beside ours: its experimental
+  ``quantization_pertensor_hook`` fails on gloo (torch 2.13: an
+  ``IndexError`` in its own callback), and would not be a like-for-like
+  rival anyway (one scale per bucket, all-gather of every rank's bucket,
+  no error feedback), so the int8 row has no PyTorch column;
 * a hook that communicates nothing, whose time is subtracted from every
   other one, so that "time per bucket" is the hook's own cost.
 
-For each hook it also reports the bytes each rank hands to ``all_reduce``,
-read from the profiler's record of the collective (shape and dtype), and
-the error of the averaged gradient against the exact mean (computed in
-float64 from every rank's known gradient). Finally, on each rank at once, it
-times compress + decompress against a plain copy of the same fp32 bucket:
-how close the hooks come to the memory-bandwidth limit.
+For each hook it also reports the bytes each rank hands to its collectives
+as input, read from the profiler's record of each collective (shape and
+dtype; gloo and NCCL record the input tensor only), the most of any rank:
+the tensor given to ``all_reduce``, or for the int8 hook the send tensor of
+its ``all_to_all`` (the segments for every rank, its own included) plus the
+input of its ``all_gather`` (its own segment). It also reports the error of
+the averaged gradient against the exact mean (computed in float64 from
+every rank's known gradient). Finally, on each rank at once, it times
+compress + decompress against a plain copy of the same fp32 bucket: how
+close the hooks come to the memory-bandwidth limit (for int8, blockwise
+quantize with error feedback, then dequantize, as the hook does to each
+element it sends).
 
 It prints two Markdown tables, as the README shows them, and a verdict on
 the targets. Arguments are checked before any rank starts (a bad value is
@@ -45,7 +58,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mmcv_custom import ddp_hooks  # noqa: E402
+from mmcv_custom import ddp_hooks, int8_codec, int8_hooks  # noqa: E402
+from mmcv_custom.launcher import check_writable  # noqa: E402
 
 MB = 2**20
 
@@ -62,22 +76,38 @@ def _torch_bf16_compress_hook(process_group, bucket):
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
-# name -> (hook or None for DDP's built-in all-reduce, wire dtype, family)
+def _compress_state():
+    return ddp_hooks.CompressState(None)
+
+
+def _int8_state():
+    return int8_hooks.Int8State(None)
+
+
+# Blocks of the int8 hook as benchmarked (Int8State's default).
+_INT8_BLOCK = 256
+
+# name -> (hook or None for DDP's built-in all-reduce, wire dtype, family,
+# state factory or None for the process group). Ours are registered as the
+# runner hook registers them: with a state, which keeps the send buffers
+# (and the int8 hook's error feedback) between steps.
 HOOKS = {
-    'noop': (_noop_hook, None, None),
-    'ddp_builtin': (None, torch.float32, 'allreduce'),
+    'noop': (_noop_hook, None, None, None),
+    'ddp_builtin': (None, torch.float32, 'allreduce', None),
     'torch.allreduce_hook': (default_hooks.allreduce_hook, torch.float32,
-                             'allreduce'),
+                             'allreduce', None),
     'ours.allreduce_hook': (ddp_hooks.allreduce_hook, torch.float32,
-                            'allreduce'),
+                            'allreduce', None),
     'torch.fp16_compress_hook': (default_hooks.fp16_compress_hook,
-                                 torch.float16, 'fp16'),
+                                 torch.float16, 'fp16', None),
     'ours.fp16_compress_hook': (ddp_hooks.fp16_compress_hook, torch.float16,
-                                'fp16'),
+                                'fp16', _compress_state),
     'torch.bf16_compress_hook': (_torch_bf16_compress_hook, torch.bfloat16,
-                                 'bf16'),
+                                 'bf16', None),
     'ours.bf16_compress_hook': (ddp_hooks.bf16_compress_hook,
-                                torch.bfloat16, 'bf16'),
+                                torch.bfloat16, 'bf16', _compress_state),
+    'ours.int8_compress_hook': (int8_hooks.int8_compress_hook, torch.uint8,
+                                'int8', _int8_state),
 }
 
 
@@ -99,39 +129,71 @@ def _planted(rank, numel):
         -3, 3, (numel, ), generator=gen).float()
 
 
+# The collectives whose bytes are counted, by the start of the name the
+# backend gives its profiler event (``gloo:all_to_all``,
+# ``nccl:_all_gather_base``, ...).
+_COLLECTIVES = ('all_reduce', 'all_to_all', 'all_gather')
+
+
+def _collective(name):
+    """Which of :data:`_COLLECTIVES` the profiler event ``name`` is, or
+    None (not a gloo or NCCL collective we count)."""
+    backend, _, op = name.partition(':')
+    if backend not in ('gloo', 'nccl'):
+        return None
+    op = op.lstrip('_')
+    return next((c for c in _COLLECTIVES if op.startswith(c)), None)
+
+
 def _wire_bytes(step):
-    """Bytes handed to all_reduce during ``step()``, from the profiler."""
+    """Bytes handed to each collective during ``step()``, from the profiler.
+
+    Gloo and NCCL record a collective's input tensor only (not the output
+    it writes), so this is what the rank hands over: the tensor of an
+    ``all_reduce``, the whole send tensor of an ``all_to_all`` (its own
+    segment included), the rank's own part of an ``all_gather``.
+
+    Returns:
+        dict: Collective (:data:`_COLLECTIVES`) -> bytes.
+    """
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
         step()
-    total = 0
+    totals = dict.fromkeys(_COLLECTIVES, 0)
     for event in p.profiler.kineto_results.events():
-        name = event.name()
-        if not (name.startswith('gloo:all_reduce')
-                or name.startswith('nccl:all_reduce')):
+        kind = _collective(event.name())
+        if kind is None:
             continue
         for shape, dtype in zip(event.shapes(), event.dtypes()):
             numel = 1
             for d in shape:
                 numel *= d
-            total += numel * _DTYPE_SIZES.get(dtype, 4)
-    return total
+            totals[kind] += numel * _DTYPE_SIZES.get(dtype, 4)
+    return totals
 
 
 _DTYPE_SIZES = {
     'float': 4, 'c10::Half': 2, 'c10::BFloat16': 2, 'double': 8,
     'Half': 2, 'BFloat16': 2, 'Float': 4,
+    'unsigned char': 1, 'signed char': 1, 'Byte': 1, 'Char': 1,
 }
 
 
 def _time_codecs(numel, world_size, device, repeat):
     """Median seconds of compress + decompress per method, and of a copy."""
-    buffer = torch.randn(numel, device=device)
+    source = torch.randn(numel, device=device)
+    buffer = source.clone()
     copy_dst = torch.empty_like(buffer)
     halves = {
         dt: torch.empty(numel, dtype=dt, device=device)
         for dt in (torch.float16, torch.bfloat16)
     }
+    # The int8 hook's plan of a one-parameter bucket (per-parameter blocks
+    # grouped by owner rank) and its send buffer.
+    plan = int8_hooks.Int8BucketPlan([(0, numel, 0)], world_size,
+                                     dist.get_rank(), _INT8_BLOCK)
+    packed = torch.empty(plan.send_bytes, dtype=torch.uint8, device=device)
+    residual = torch.zeros_like(buffer)
 
     def sync():
         if device.type == 'cuda':
@@ -145,15 +207,29 @@ def _time_codecs(numel, world_size, device, repeat):
     def theirs(dt):
         buffer.copy_(buffer.to(dt).div_(world_size))
 
+    def ours_int8():
+        # What the hook does to every element, with error feedback: quantize
+        # its share (plus the residual) into the owners' segments, then
+        # dequantize in place (the owner's sum and re-quantization of its
+        # 1 / world_size of the bucket are left out).
+        int8_codec.quantize_blocks(buffer, plan.send, packed,
+                                   1.0 / world_size, residual)
+        int8_codec.dequantize_blocks(packed, plan.send, buffer)
+
     methods = {
         'copy_fp32': lambda: copy_dst.copy_(buffer),
         'ours.fp16': lambda: ours(torch.float16),
         'torch.fp16': lambda: theirs(torch.float16),
         'ours.bf16': lambda: ours(torch.bfloat16),
         'torch.bf16': lambda: theirs(torch.bfloat16),
+        'ours.int8': ours_int8,
     }
     times = {k: [] for k in methods}
     for _ in range(repeat + 1):
+        # Every method divides the buffer by world_size: without a fresh
+        # start each round the values would shrink until fp16 flushes them
+        # to zero, and the later rounds would time a bucket of zeros.
+        buffer.copy_(source)
         for name, fn in methods.items():
             sync()
             # Every rank times the same method at the same moment, so each
@@ -187,19 +263,15 @@ def _worker(rank, world_size, folder, args):
         exact = torch.stack([_planted(r, numel).double()
                              for r in range(world_size)]).mean(0).to(device)
         models = {}
-        for name, (hook, _, _) in HOOKS.items():
+        for name, (hook, _, _, make_state) in HOOKS.items():
             model = nn.parallel.DistributedDataParallel(
                 _OneBucket(numel).to(device),
                 device_ids=[rank] if use_cuda else None,
                 bucket_cap_mb=size_mb * 2 + 1,
                 gradient_as_bucket_view=True)
             if hook is not None:
-                # Ours as the runner hook registers them: with a state
-                # (which keeps the send buffers between steps on CPU).
-                state = (ddp_hooks.CompressState(None)
-                         if name.startswith('ours.') and 'compress' in name
-                         else None)
-                model.register_comm_hook(state, hook)
+                model.register_comm_hook(
+                    None if make_state is None else make_state(), hook)
             models[name] = model
 
         def step(model):
@@ -213,8 +285,21 @@ def _worker(rank, world_size, folder, args):
             for _ in range(args.warmup):
                 step(model)
             err = (model.module.p.grad.double() - exact)
+            counted = _wire_bytes(lambda: step(model))
+            # The int8 hook's segments may differ in size between ranks:
+            # the most any rank hands over is reported.
+            counted = torch.tensor([counted[c] for c in _COLLECTIVES],
+                                   dtype=torch.int64, device=device)
+            dist.all_reduce(counted, op=dist.ReduceOp.MAX)
+            by_collective = dict(zip(_COLLECTIVES, counted.tolist()))
             entry['hooks'][name] = dict(
-                wire_bytes=_wire_bytes(lambda: step(model)),
+                # The tensor an all-reduce of the bucket would carry: the
+                # bucket, or for int8 the quantized bucket its all_to_all
+                # scatters (the all_gather brings the same back, one
+                # owner's segment from each rank).
+                wire_bytes=(by_collective['all_reduce'] +
+                            by_collective['all_to_all']),
+                wire_bytes_by_collective=by_collective,
                 rel_error=float(err.norm() / exact.norm()),
                 max_abs_error=float(err.abs().max()),
                 times=[])
@@ -223,7 +308,9 @@ def _worker(rank, world_size, folder, args):
                 dist.barrier()
                 start = time.perf_counter()
                 step(model)
-                elapsed = torch.tensor([time.perf_counter() - start])
+                # On the rank's device: NCCL reduces no CPU tensor.
+                elapsed = torch.tensor([time.perf_counter() - start],
+                                       device=device)
                 # The slowest rank sets the step time.
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 entry['hooks'][name]['times'].append(float(elapsed))
@@ -234,6 +321,9 @@ def _worker(rank, world_size, folder, args):
         dist.barrier()
         entry['codec_s'] = _time_codecs(numel, world_size, device,
                                         args.repeat)
+        # Asked in the rank, whose thread count decides it.
+        entry['int8_c_kernel'] = int8_codec.uses_c_kernel(
+            torch.empty(1, device=device), _INT8_BLOCK)
         results.append(entry)
         del models
     if rank == 0:
@@ -259,11 +349,40 @@ def _table(header, rows):
     return lines
 
 
-# (family, our hook, PyTorch's) in the order of the step-time table.
-_PAIRS = [(family, name, 'torch.' + name[len('ours.'):])
-          for name, (_, _, family) in HOOKS.items()
+def _dash_or(value, fmt):
+    """``value`` formatted, or a dash where there is none (NaN)."""
+    return '—' if math.isnan(value) else fmt(value)
+
+
+def _pytorch_twin(ours):
+    """PyTorch's hook of the same name as ``ours``, or None: PyTorch has
+    none that runs here for int8 (see the module docstring)."""
+    theirs = 'torch.' + ours[len('ours.'):]
+    return theirs if theirs in HOOKS else None
+
+
+# (family, our hook, PyTorch's or None) in the order of the step-time table.
+_PAIRS = [(family, name, _pytorch_twin(name))
+          for name, (_, _, family, _) in HOOKS.items()
           if name.startswith('ours.')]
-_CODECS = ('ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16')
+# Columns of the codec table, after the fp32 copy.
+_CODECS = ('ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16',
+           'ours.int8')
+# Quantize with error feedback reads the bucket and the residual (4 + 4
+# bytes an element), writes the residual and the int8 value (4 + 1); the
+# dequantize reads 1 and writes 4: 18 bytes against the copy's 8.
+_INT8_CODEC_FLOOR = 18 / 8
+
+
+def _int8_codec_note(results):
+    """What ran the int8 codec: each rank asked, as its thread count (and
+    device) decides it, not this process."""
+    flags = {bool(e.get('int8_c_kernel')) for e in results}
+    if flags == {True}:
+        return 'C kernel (mmcv_custom._cpu_codec) in every rank'
+    if flags == {False}:
+        return 'torch ops (no C kernel: not built, GPU, or threads > 1)'
+    return 'C kernel at some sizes, torch ops at others'
 
 
 def report(results, world_size, backend, repeat=None):
@@ -274,8 +393,13 @@ def report(results, world_size, backend, repeat=None):
              f'{torch.__version__}{rounds}']
     if backend == 'gloo':
         lines.append(f'CPU casts: {ddp_hooks.cpu_codec()}')
-    ratios = {'allreduce': [], 'fp16': [], 'bf16': []}
+    lines.append(f'int8 codec (block {_INT8_BLOCK}): '
+                 f'{_int8_codec_note(results)}')
+    # Only pairs with a PyTorch hook have a ratio and a target.
+    ratios = {family: [] for family, _, theirs in _PAIRS if theirs}
     bytes_ok, worst = True, (0.0, '', 0)
+    int8_phases = []  # (size, all_to_all send / fp32, gathered / fp32)
+    int8_vs_bf16, int8_cost = [], []  # step / bf16's; codec / copy, bf16
     step_rows, codec_rows = [], []
     for entry in results:
         hooks = entry['hooks']
@@ -283,39 +407,61 @@ def report(results, world_size, backend, repeat=None):
         bucket = f'{entry["size_mb"]:g} MB'
         for family, ours, theirs in _PAIRS:
             data = hooks[ours]
-            r = _ratio(data['step_s'], hooks[theirs]['step_s'])
-            ratios[family].append(r)
+            theirs_s = hooks[theirs]['hook_s'] if theirs else math.nan
+            r = (_ratio(data['step_s'], hooks[theirs]['step_s'])
+                 if theirs else math.nan)
+            if theirs:
+                ratios[family].append(r)
             wire = data['wire_bytes']
-            if family != 'allreduce':
+            if family in ('fp16', 'bf16'):
                 bytes_ok &= wire == fp32_bytes // 2
+            elif family == 'int8':
+                by = data['wire_bytes_by_collective']
+                int8_phases.append(
+                    (entry['size_mb'], by['all_to_all'] / fp32_bytes,
+                     by['all_gather'] * world_size / fp32_bytes))
+                int8_vs_bf16.append(_ratio(
+                    data['step_s'], hooks['ours.bf16_compress_hook']
+                    ['step_s']))
             step_rows.append([
                 bucket, f'`{ours[len("ours."):]}`', _ms(data['hook_s']),
-                _ms(hooks[theirs]['hook_s']), f'{r:.2f}',
-                f'{wire / MB:g}', f'{data["rel_error"]:.1e}'
+                _dash_or(theirs_s, _ms), _dash_or(r, '{:.2f}'.format),
+                f'{wire / MB:.4g}', f'{data["rel_error"]:.1e}'
             ])
         codec = entry['codec_s']
         cells = [bucket, _ms(codec['copy_fp32'])]
         for name in _CODECS:
             r = _ratio(codec[name], codec['copy_fp32'])
-            if name.startswith('ours.'):
+            if name in ('ours.fp16', 'ours.bf16'):
                 worst = max(worst, (r, name, entry['size_mb']))
             cells.append(f'{r:.2f}x')
+        int8_cost.append(
+            (_ratio(codec['ours.int8'], codec['copy_fp32']),
+             _ratio(codec['ours.int8'], codec['ours.bf16'])))
         codec_rows.append(cells)
     lines += [
         '', 'Time per bucket: `ours` and `PyTorch` are the hook\'s own time '
         '(the step minus that of a hook that communicates nothing); '
         '`ours / PyTorch` is the ratio of whole step times (medians; the '
-        'slowest rank sets each step).', ''
+        'slowest rank sets each step); PyTorch has no int8 hook that runs '
+        'here (—). `wire MB (ours)`: MiB a rank hands to its collectives '
+        'as input (the most of any rank, from the profiler): the '
+        'all_reduce\'s tensor; for int8 the all_to_all\'s send tensor, '
+        'the quantized bucket (every owner\'s segment, its own included), '
+        'which the all_gather then brings back one owner\'s segment from '
+        'each rank. Each rank sends (N - 1) / N of it in each phase, as a '
+        'ring all-reduce does of its tensor.', ''
     ]
     lines += _table([
         'bucket', 'hook', 'ours', 'PyTorch', 'ours / PyTorch',
         'wire MB (ours)', 'rel. error'
     ], step_rows)
     lines += ['', 'Compress + decompress on every rank at once, as a '
-              'multiple of a plain copy of the fp32 bucket:', '']
+              'multiple of a plain copy of the fp32 bucket (int8: quantize '
+              'with error feedback, then dequantize):', '']
     lines += _table([
         'bucket', 'fp32 copy', 'ours fp16', 'PyTorch fp16', 'ours bf16',
-        'PyTorch bf16'
+        'PyTorch bf16', 'ours int8'
     ], codec_rows)
     lines.append('')
     lines.append('Targets (step time incl. the shared backward; median '
@@ -326,12 +472,35 @@ def report(results, world_size, backend, repeat=None):
                      f'{"PASS" if med <= 1.05 else "FAIL"} (<= 1.05)')
     lines.append(f'  wire bytes fp16/bf16 = 0.5 x fp32: '
                  f'{"PASS" if bytes_ok else "FAIL"}')
+    # Each phase moves the quantized bucket: 1 byte an element plus a 4-byte
+    # scale a block, against 4 bytes of fp32 (0.2539 for blocks of 256);
+    # 0.27 leaves room for padding to whole blocks and equal segments.
+    target = (1 + 4 / _INT8_BLOCK) / 4
+    send = max(int8_phases, key=lambda p: p[1])
+    gathered = max(int8_phases, key=lambda p: p[2])
+    ok = send[1] <= 0.27 and gathered[2] <= 0.27
+    lines.append(
+        f'  wire bytes int8 <= 0.27 x fp32 per phase ((1 + 4/'
+        f'{_INT8_BLOCK}) / 4 = {target:.4f}), every size: '
+        f'{"PASS" if ok else "FAIL"} (worst: all_to_all send '
+        f'{send[1]:.4f} at {send[0]:g} MB, {world_size} x all_gather input '
+        f'{gathered[2]:.4f} at {gathered[0]:g} MB)')
     # 1.5 is the byte ratio of the two (read 4 + write 2, then read 2 +
     # write 4, against read 4 + write 4): the floor for memory-bound passes.
     r, name, size = worst
     lines.append(f'  compress+decompress <= 1.5 x fp32 copy, every size: '
                  f'{"PASS" if r <= 1.5 else "FAIL"} (worst {r:.2f}x, '
                  f'{name} at {size:g} MB)')
+    lines.append('Reported, no target:')
+    lines.append(f'  int8/bf16 step time (ours, median over sizes): '
+                 f'{statistics.median(int8_vs_bf16):.3f}')
+    copies = [c for c, _ in int8_cost]
+    bf16s = [b for _, b in int8_cost]
+    lines.append(
+        f'  int8 compress+decompress: {min(copies):.2f}x to '
+        f'{max(copies):.2f}x an fp32 copy (it moves {_INT8_CODEC_FLOOR:.2f}x '
+        f'the copy\'s bytes), {min(bf16s):.2f}x to {max(bf16s):.2f}x ours '
+        'bf16')
     return '\n'.join(lines)
 
 
@@ -351,7 +520,7 @@ def plot(results, path):
             ylabel='ms per bucket (hook only)',
             title='Time per bucket')
     ax1.legend(fontsize=7)
-    for name in ('ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16'):
+    for name in _CODECS:
         style = '-' if name.startswith('ours.') else '--'
         ax2.plot(sizes, [
             e['codec_s'][name] / e['codec_s']['copy_fp32'] for e in results
@@ -363,21 +532,6 @@ def plot(results, path):
     ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def _check_writable(parser, option, path):
-    """``parser.error`` now, not after the run, if ``path`` cannot be
-    written: its folder is missing or read-only, or it is a folder."""
-    if os.path.isdir(path):
-        parser.error(f'{option} {path}: is a directory, not a file')
-    existed = os.path.exists(path)
-    try:
-        with open(path, 'a'):
-            pass
-    except OSError as e:
-        parser.error(f'{option} {path}: cannot write there ({e.strerror})')
-    if not existed:
-        os.remove(path)
 
 
 def parse_args(argv=None):
@@ -432,7 +586,7 @@ def parse_args(argv=None):
                          '(pip install matplotlib)')
     for option in ('json', 'plot'):
         if getattr(args, option):
-            _check_writable(parser, f'--{option}', getattr(args, option))
+            check_writable(parser, f'--{option}', getattr(args, option))
     return args
 
 

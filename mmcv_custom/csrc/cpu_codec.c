@@ -182,77 +182,105 @@ __attribute__((target("avx512f,f16c"))) static void fp16_decode_avx512(
 #endif /* CODEC_X86 */
 
 /* ---- int8: blockwise symmetric quantisation ---------------------------- */
-/* For each block of `block` values v = src * prescale (+ residual):
+/* One block of `len` values v = src * prescale:
  *   scale = max|v| / 127 (NaN if the block holds a NaN),
  *   q     = clamp(round_half_even(v / scale), -127, 127), 0 where v / scale
  *           is NaN (an all-zero block: 0 / 0; an infinite value: inf / inf),
- *   residual (optional, in place) = v - q * scale.
+ *   e     = v - q * scale, what rounding dropped, or 0 where that is not
+ *           finite (a block with a NaN or inf has nothing worth keeping).
+ * The residual `r`, in `mode`:
+ *   INT8_NO_RESIDUAL  not read or written;
+ *   INT8_FEED         v += r first (error feedback), then r = e;
+ *   INT8_COLLECT      r += e (v is not changed: the owner of a shard keeps
+ *                     what re-quantizing the shard's sum drops).
  * Each step is one IEEE operation in fp32 (this file is compiled with
  * -ffp-contract=off: no fused multiply-add), so the result is bit for bit
  * that of the torch reference in mmcv_custom.int8_codec, on every kernel
- * set. Decoding is dst = q * scale, or dst += q * scale to sum copies. */
+ * set. Decoding is dst = q * scale, or dst += q * scale to sum copies.
+ *
+ * Blocks are addressed in two ways: consecutive blocks of one array
+ * (int8_encode / int8_decode), or a table of blocks, each with its own
+ * offsets (int8_encode_table / int8_decode_table), which is how the DDP hook
+ * cuts a bucket into per-parameter blocks and groups them by owner rank in
+ * a single pass. */
 
-CODEC_INLINE void int8_encode_body(const float *src, int8_t *dst,
-                                   float *scales, float *residual,
-                                   Py_ssize_t n, Py_ssize_t block,
-                                   float prescale) {
+enum { INT8_NO_RESIDUAL = 0, INT8_FEED = 1, INT8_COLLECT = 2 };
+
+/* Columns of a block table row (int64). */
+enum { T_SRC, T_RES, T_LEN, T_PAYLOAD, T_SCALE, T_COLS };
+
+CODEC_INLINE float int8_keep(float e) { return e - e == 0.0f ? e : 0.0f; }
+
+/* The scalar steps, for values [from, len) of a block (all of it in the
+ * generic kernels, the tail after the vectors in the AVX2 one). First pass:
+ * v = s * prescale (+ r), the largest |v| into *amax and any NaN into *nan
+ * (NaN never enters *amax). Second pass: the int8 values and residual. */
+CODEC_INLINE void int8_scan(const float *s, const float *r, int mode,
+                            float prescale, float *v, Py_ssize_t from,
+                            Py_ssize_t len, float *amax, int *nan) {
+  for (Py_ssize_t i = from; i < len; ++i) {
+    float x = s[i] * prescale;
+    if (mode == INT8_FEED) x = x + r[i];
+    v[i] = x;
+    float a = x < 0.0f ? -x : x;
+    *amax = a > *amax ? a : *amax;
+    *nan |= x != x;
+  }
+}
+
+CODEC_INLINE void int8_round(const float *v, float scale, int8_t *d,
+                             float *r, int mode, Py_ssize_t from,
+                             Py_ssize_t len) {
+  for (Py_ssize_t i = from; i < len; ++i) {
+    float q = v[i] / scale;
+    q = q != q ? 0.0f : __builtin_nearbyintf(q);
+    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+    d[i] = (int8_t)q;
+    if (mode != INT8_NO_RESIDUAL) {
+      float e = int8_keep(v[i] - q * scale);
+      r[i] = mode == INT8_FEED ? e : r[i] + e;
+    }
+  }
+}
+
+CODEC_INLINE float int8_encode_block_body(const float *s, int8_t *d,
+                                          float *r, int mode, Py_ssize_t len,
+                                          float prescale) {
   float v[INT8_MAX_BLOCK];
-  for (Py_ssize_t start = 0; start < n; start += block) {
-    Py_ssize_t len = n - start < block ? n - start : block;
-    const float *s = src + start;
-    float amax = 0.0f;
-    int nan = 0;
-    for (Py_ssize_t i = 0; i < len; ++i) {
-      float x = s[i] * prescale;
-      if (residual != NULL) x = x + residual[start + i];
-      v[i] = x;
-      float a = x < 0.0f ? -x : x;
-      amax = a > amax ? a : amax;
-      nan |= x != x;
-    }
-    float scale = nan ? (float)NAN : amax / 127.0f;
-    scales[start / block] = scale;
-    for (Py_ssize_t i = 0; i < len; ++i) {
-      float q = v[i] / scale;
-      q = q != q ? 0.0f : __builtin_nearbyintf(q);
-      q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-      dst[start + i] = (int8_t)q;
-      if (residual != NULL) residual[start + i] = v[i] - q * scale;
-    }
+  float amax = 0.0f;
+  int nan = 0;
+  int8_scan(s, r, mode, prescale, v, 0, len, &amax, &nan);
+  float scale = nan ? (float)NAN : amax / 127.0f;
+  int8_round(v, scale, d, r, mode, 0, len);
+  return scale;
+}
+
+CODEC_INLINE void int8_decode_block_body(const int8_t *s, float scale,
+                                         float *d, Py_ssize_t len,
+                                         int accumulate) {
+  if (accumulate) {
+    for (Py_ssize_t i = 0; i < len; ++i) d[i] = d[i] + (float)s[i] * scale;
+  } else {
+    for (Py_ssize_t i = 0; i < len; ++i) d[i] = (float)s[i] * scale;
   }
 }
 
-CODEC_INLINE void int8_decode_body(const int8_t *src, const float *scales,
-                                   float *dst, Py_ssize_t n,
-                                   Py_ssize_t block, int accumulate) {
-  for (Py_ssize_t start = 0; start < n; start += block) {
-    Py_ssize_t len = n - start < block ? n - start : block;
-    float scale = scales[start / block];
-    const int8_t *s = src + start;
-    float *d = dst + start;
-    if (accumulate) {
-      for (Py_ssize_t i = 0; i < len; ++i) d[i] = d[i] + (float)s[i] * scale;
-    } else {
-      for (Py_ssize_t i = 0; i < len; ++i) d[i] = (float)s[i] * scale;
-    }
-  }
-}
-
-typedef void (*int8_encode_fn)(const float *, int8_t *, float *, float *,
-                               Py_ssize_t, Py_ssize_t, float);
-typedef void (*int8_decode_fn)(const int8_t *, const float *, float *,
-                               Py_ssize_t, Py_ssize_t, int);
+/* Encode one block, return its scale; decode one block. */
+typedef float (*int8_encode_fn)(const float *, int8_t *, float *, int,
+                                Py_ssize_t, float);
+typedef void (*int8_decode_fn)(const int8_t *, float, float *, Py_ssize_t,
+                               int);
 
 #define INT8_KERNELS(suffix, target)                                        \
-  target static void int8_encode_##suffix(                                  \
-      const float *s, int8_t *d, float *sc, float *r, Py_ssize_t n,         \
-      Py_ssize_t b, float k) {                                              \
-    int8_encode_body(s, d, sc, r, n, b, k);                                 \
+  target static float int8_encode_##suffix(const float *s, int8_t *d,       \
+                                           float *r, int mode,              \
+                                           Py_ssize_t len, float k) {       \
+    return int8_encode_block_body(s, d, r, mode, len, k);                   \
   }                                                                         \
-  target static void int8_decode_##suffix(const int8_t *s, const float *sc, \
-                                          float *d, Py_ssize_t n,           \
-                                          Py_ssize_t b, int acc) {          \
-    int8_decode_body(s, sc, d, n, b, acc);                                  \
+  target static void int8_decode_##suffix(const int8_t *s, float scale,     \
+                                          float *d, Py_ssize_t len,         \
+                                          int acc) {                        \
+    int8_decode_block_body(s, scale, d, len, acc);                          \
   }
 
 INT8_KERNELS(base, )
@@ -260,79 +288,65 @@ INT8_KERNELS(base, )
 
 /* AVX2 by hand: the compiler does not vectorise the rounding, NaN test
  * and int8 packing of the loop above. Same operations, same order, so the
- * same bits; the block's tail (len % 32) goes through the scalar body. */
-__attribute__((target("avx2"))) static void int8_encode_avx2(
-    const float *src, int8_t *dst, float *scales, float *residual,
-    Py_ssize_t n, Py_ssize_t block, float prescale) {
+ * same bits; the block's tail (len % 32) goes through the scalar steps. */
+__attribute__((target("avx2"))) static float int8_encode_avx2(
+    const float *s, int8_t *d, float *r, int mode, Py_ssize_t len,
+    float prescale) {
   const __m256 k = _mm256_set1_ps(prescale);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  const __m256 zero = _mm256_setzero_ps();
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   float v[INT8_MAX_BLOCK];
-  for (Py_ssize_t start = 0; start < n; start += block) {
-    Py_ssize_t len = n - start < block ? n - start : block;
-    Py_ssize_t vec = len & ~(Py_ssize_t)31;
-    const float *s = src + start;
-    float *r = residual != NULL ? residual + start : NULL;
-    __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-    Py_ssize_t i = 0;
-    for (; i < vec; i += 8) {
-      __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + i), k);
-      if (r != NULL) x = _mm256_add_ps(x, _mm256_loadu_ps(r + i));
-      _mm256_storeu_ps(v + i, x);
-      /* max_ps(a, b) returns b when a is NaN: NaN never enters amax. */
-      amax = _mm256_max_ps(_mm256_and_ps(x, abs_mask), amax);
-      nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    }
-    float lanes[8], m = 0.0f;
-    _mm256_storeu_ps(lanes, amax);
-    for (int j = 0; j < 8; ++j) m = lanes[j] > m ? lanes[j] : m;
-    int any_nan = _mm256_movemask_ps(nan) != 0;
-    for (; i < len; ++i) {
-      float x = s[i] * prescale;
-      if (r != NULL) x = x + r[i];
-      v[i] = x;
-      float a = x < 0.0f ? -x : x;
-      m = a > m ? a : m;
-      any_nan |= x != x;
-    }
-    float scale = any_nan ? (float)NAN : m / 127.0f;
-    scales[start / block] = scale;
-    const __m256 sc = _mm256_set1_ps(scale);
-    int8_t *d = dst + start;
-    for (i = 0; i < vec; i += 32) {
-      __m256i qi[4];
-      for (int j = 0; j < 4; ++j) {
-        __m256 x = _mm256_loadu_ps(v + i + 8 * j);
-        __m256 q = _mm256_div_ps(x, sc);
-        q = _mm256_and_ps(q, _mm256_cmp_ps(q, q, _CMP_ORD_Q)); /* NaN: 0 */
-        q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT |
-                                   _MM_FROUND_NO_EXC);
-        q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
-        if (r != NULL)
-          _mm256_storeu_ps(r + i + 8 * j,
-                           _mm256_sub_ps(x, _mm256_mul_ps(q, sc)));
-        qi[j] = _mm256_cvtps_epi32(q);
-      }
-      __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
-                                     _mm256_packs_epi32(qi[2], qi[3]));
-      _mm256_storeu_si256((__m256i *)(d + i),
-                          _mm256_permutevar8x32_epi32(w, order));
-    }
-    for (; i < len; ++i) {
-      float q = v[i] / scale;
-      q = q != q ? 0.0f : __builtin_nearbyintf(q);
-      q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-      d[i] = (int8_t)q;
-      if (r != NULL) r[i] = v[i] - q * scale;
-    }
+  Py_ssize_t vec = len & ~(Py_ssize_t)31;
+  __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  Py_ssize_t i = 0;
+  for (; i < vec; i += 8) {
+    __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + i), k);
+    if (mode == INT8_FEED) x = _mm256_add_ps(x, _mm256_loadu_ps(r + i));
+    _mm256_storeu_ps(v + i, x);
+    /* max_ps(a, b) returns b when a is NaN: NaN never enters amax. */
+    amax = _mm256_max_ps(_mm256_and_ps(x, abs_mask), amax);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   }
+  float lanes[8], m = 0.0f;
+  _mm256_storeu_ps(lanes, amax);
+  for (int j = 0; j < 8; ++j) m = lanes[j] > m ? lanes[j] : m;
+  int any_nan = _mm256_movemask_ps(nan) != 0;
+  int8_scan(s, r, mode, prescale, v, vec, len, &m, &any_nan);
+  float scale = any_nan ? (float)NAN : m / 127.0f;
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (i = 0; i < vec; i += 32) {
+    __m256i qi[4];
+    for (int j = 0; j < 4; ++j) {
+      __m256 x = _mm256_loadu_ps(v + i + 8 * j);
+      __m256 q = _mm256_div_ps(x, sc);
+      q = _mm256_and_ps(q, _mm256_cmp_ps(q, q, _CMP_ORD_Q)); /* NaN: 0 */
+      q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+      if (mode != INT8_NO_RESIDUAL) {
+        __m256 e = _mm256_sub_ps(x, _mm256_mul_ps(q, sc));
+        /* e - e is 0 only where e is finite. */
+        e = _mm256_and_ps(e, _mm256_cmp_ps(_mm256_sub_ps(e, e), zero,
+                                           _CMP_EQ_OQ));
+        if (mode == INT8_COLLECT)
+          e = _mm256_add_ps(_mm256_loadu_ps(r + i + 8 * j), e);
+        _mm256_storeu_ps(r + i + 8 * j, e);
+      }
+      qi[j] = _mm256_cvtps_epi32(q);
+    }
+    __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                   _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256((__m256i *)(d + i),
+                        _mm256_permutevar8x32_epi32(w, order));
+  }
+  int8_round(v, scale, d, r, mode, vec, len);
+  return scale;
 }
 
 __attribute__((target("avx2"))) static void int8_decode_avx2(
-    const int8_t *src, const float *scales, float *dst, Py_ssize_t n,
-    Py_ssize_t block, int accumulate) {
-  int8_decode_body(src, scales, dst, n, block, accumulate);
+    const int8_t *s, float scale, float *d, Py_ssize_t len, int accumulate) {
+  int8_decode_block_body(s, scale, d, len, accumulate);
 }
 INT8_KERNELS(avx512, __attribute__((target("avx512f,avx512bw"))))
 #endif
@@ -475,35 +489,151 @@ static int check_int8(Py_ssize_t n, Py_ssize_t block, int addresses_ok) {
 
 static PyObject *codec_int8_encode(PyObject *self, PyObject *args) {
   unsigned long long s, d, sc, r;
-  Py_ssize_t n, block;
+  Py_ssize_t n, block, start, len;
   float prescale;
   (void)self;
   if (!PyArg_ParseTuple(args, "KKKKnnf", &s, &d, &sc, &r, &n, &block,
                         &prescale))
     return NULL;
   if (!check_int8(n, block, s != 0 && d != 0 && sc != 0)) return NULL;
-  Py_BEGIN_ALLOW_THREADS
-  active->int8_encode((const float *)(uintptr_t)s, (int8_t *)(uintptr_t)d,
-                      (float *)(uintptr_t)sc, (float *)(uintptr_t)r, n,
-                      block, prescale);
-  Py_END_ALLOW_THREADS
+  {
+    const float *src = (const float *)(uintptr_t)s;
+    int8_t *dst = (int8_t *)(uintptr_t)d;
+    float *scales = (float *)(uintptr_t)sc, *res = (float *)(uintptr_t)r;
+    int mode = res != NULL ? INT8_FEED : INT8_NO_RESIDUAL;
+    Py_BEGIN_ALLOW_THREADS
+    for (start = 0; start < n; start += block) {
+      len = n - start < block ? n - start : block;
+      scales[start / block] = active->int8_encode(
+          src + start, dst + start, res != NULL ? res + start : NULL, mode,
+          len, prescale);
+    }
+    Py_END_ALLOW_THREADS
+  }
   Py_RETURN_NONE;
 }
 
 static PyObject *codec_int8_decode(PyObject *self, PyObject *args) {
   unsigned long long s, sc, d;
-  Py_ssize_t n, block;
+  Py_ssize_t n, block, start, len;
   int accumulate;
   (void)self;
   if (!PyArg_ParseTuple(args, "KKKnnp", &s, &sc, &d, &n, &block,
                         &accumulate))
     return NULL;
   if (!check_int8(n, block, s != 0 && d != 0 && sc != 0)) return NULL;
-  Py_BEGIN_ALLOW_THREADS
-  active->int8_decode((const int8_t *)(uintptr_t)s,
-                      (const float *)(uintptr_t)sc, (float *)(uintptr_t)d,
-                      n, block, accumulate);
-  Py_END_ALLOW_THREADS
+  {
+    const int8_t *src = (const int8_t *)(uintptr_t)s;
+    const float *scales = (const float *)(uintptr_t)sc;
+    float *dst = (float *)(uintptr_t)d;
+    Py_BEGIN_ALLOW_THREADS
+    for (start = 0; start < n; start += block) {
+      len = n - start < block ? n - start : block;
+      active->int8_decode(src + start, scales[start / block], dst + start,
+                          len, accumulate);
+    }
+    Py_END_ALLOW_THREADS
+  }
+  Py_RETURN_NONE;
+}
+
+/* A block table: `rows` rows of T_COLS int64 each. Every length must be in
+ * [1, INT8_MAX_BLOCK] and every offset >= 0; the caller (int8_codec's
+ * BlockTable) keeps the offsets inside its tensors. */
+static int check_table(const int64_t *table, Py_ssize_t rows,
+                       int addresses_ok) {
+  Py_ssize_t i;
+  int c;
+  if (rows < 0) {
+    PyErr_Format(PyExc_ValueError, "rows must be >= 0, got %zd", rows);
+    return 0;
+  }
+  if (rows > 0 && (table == NULL || !addresses_ok)) {
+    PyErr_SetString(PyExc_ValueError, "null address");
+    return 0;
+  }
+  for (i = 0; i < rows; ++i) {
+    const int64_t *t = table + i * T_COLS;
+    if (t[T_LEN] < 1 || t[T_LEN] > INT8_MAX_BLOCK) {
+      PyErr_Format(PyExc_ValueError,
+                   "block table row %zd: length must be in [1, %d], got %lld",
+                   i, INT8_MAX_BLOCK, (long long)t[T_LEN]);
+      return 0;
+    }
+    for (c = 0; c < T_COLS; ++c) {
+      if (t[c] < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "block table row %zd: negative offset %lld", i,
+                     (long long)t[c]);
+        return 0;
+      }
+    }
+  }
+  return 1;
+}
+
+static PyObject *codec_int8_encode_table(PyObject *self, PyObject *args) {
+  unsigned long long s, d, r, t;
+  Py_ssize_t rows, i;
+  float prescale;
+  int mode;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "KKKKnfi", &s, &d, &r, &t, &rows, &prescale,
+                        &mode))
+    return NULL;
+  if (mode < INT8_NO_RESIDUAL || mode > INT8_COLLECT) {
+    PyErr_Format(PyExc_ValueError,
+                 "mode must be 0 (no residual), 1 (feed) or 2 (collect), "
+                 "got %d", mode);
+    return NULL;
+  }
+  if (!check_table((const int64_t *)(uintptr_t)t, rows,
+                   s != 0 && d != 0 && (mode == INT8_NO_RESIDUAL || r != 0)))
+    return NULL;
+  {
+    const float *src = (const float *)(uintptr_t)s;
+    uint8_t *dst = (uint8_t *)(uintptr_t)d;
+    float *res = (float *)(uintptr_t)r;
+    const int64_t *table = (const int64_t *)(uintptr_t)t;
+    Py_BEGIN_ALLOW_THREADS
+    for (i = 0; i < rows; ++i) {
+      const int64_t *row = table + i * T_COLS;
+      /* The scale sits at any byte offset of the packed buffer. */
+      float scale = active->int8_encode(
+          src + row[T_SRC], (int8_t *)(dst + row[T_PAYLOAD]),
+          mode != INT8_NO_RESIDUAL ? res + row[T_RES] : NULL, mode,
+          (Py_ssize_t)row[T_LEN], prescale);
+      memcpy(dst + row[T_SCALE], &scale, sizeof scale);
+    }
+    Py_END_ALLOW_THREADS
+  }
+  Py_RETURN_NONE;
+}
+
+static PyObject *codec_int8_decode_table(PyObject *self, PyObject *args) {
+  unsigned long long s, d, t;
+  Py_ssize_t rows, i;
+  int accumulate;
+  (void)self;
+  if (!PyArg_ParseTuple(args, "KKKnp", &s, &d, &t, &rows, &accumulate))
+    return NULL;
+  if (!check_table((const int64_t *)(uintptr_t)t, rows, s != 0 && d != 0))
+    return NULL;
+  {
+    const uint8_t *src = (const uint8_t *)(uintptr_t)s;
+    float *dst = (float *)(uintptr_t)d;
+    const int64_t *table = (const int64_t *)(uintptr_t)t;
+    Py_BEGIN_ALLOW_THREADS
+    for (i = 0; i < rows; ++i) {
+      const int64_t *row = table + i * T_COLS;
+      float scale;
+      memcpy(&scale, src + row[T_SCALE], sizeof scale);
+      active->int8_decode((const int8_t *)(src + row[T_PAYLOAD]), scale,
+                          dst + row[T_SRC], (Py_ssize_t)row[T_LEN],
+                          accumulate);
+    }
+    Py_END_ALLOW_THREADS
+  }
   Py_RETURN_NONE;
 }
 
@@ -567,6 +697,15 @@ static PyMethodDef codec_methods[] = {
      "blockwise symmetric int8 of fp32 src * prescale (+ residual, which\n"
      "then receives what rounding dropped; 0 for none), one fp32 scale per\n"
      "block; addresses."},
+    {"int8_encode_table", codec_int8_encode_table, METH_VARARGS,
+     "int8_encode_table(src, dst, residual, table, rows, prescale, mode):\n"
+     "int8_encode for the blocks of a table (rows of src, residual,\n"
+     "length, payload and scale offsets, int64): payload and fp32 scale go\n"
+     "to byte offsets of dst; mode 0 no residual, 1 feed, 2 collect."},
+    {"int8_decode_table", codec_int8_decode_table, METH_VARARGS,
+     "int8_decode_table(src, dst, table, rows, accumulate): dst[src\n"
+     "offset + i] (+)= payload[i] * scale for each block of the table,\n"
+     "payload and scale read at their byte offsets of src; addresses."},
     {"int8_decode", codec_int8_decode, METH_VARARGS,
      "int8_decode(src, scales, dst, numel, block, accumulate):\n"
      "dst[i] (+)= src[i] * scales[i // block] in fp32; addresses."},

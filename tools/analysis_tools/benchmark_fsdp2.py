@@ -58,6 +58,7 @@ import torch.multiprocessing as mp
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from mmcv_custom.launcher import check_writable  # noqa: E402
 
 __all__ = ['held_bytes', 'report', 'parse_args']
 
@@ -352,10 +353,7 @@ def parse_args(argv=None):
     if not osp.isfile(osp.join(ROOT, args.config)):
         parser.error(f'--config {args.config}: no such file in {ROOT}')
     if args.json:
-        # The same check as the hooks' benchmark's.
-        _script(osp.join(ROOT, 'tools', 'benchmark_comm_hooks.py'),
-                '_benchmark_comm_hooks')._check_writable(
-                    parser, '--json', args.json)
+        check_writable(parser, '--json', args.json)
     return args
 
 
