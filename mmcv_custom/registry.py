@@ -794,21 +794,30 @@ class ShardedCommSpec:
     FSDP2 has no DDP communication hooks; the same config types that have
     a sharded form (``allreduce``, ``fp16_compress``, ``bf16_compress``)
     are carried out by
-    :class:`~mmcv_custom.sharded_comm.AveragingReduceScatter`.
+    :class:`~mmcv_custom.sharded_comm.AveragingReduceScatter`, and
+    ``int8_compress`` with ``error_feedback=False`` by
+    :class:`~mmcv_custom.sharded_comm.Int8ReduceScatter`.
 
     Attributes:
         type (str): The config name.
         wire_dtype (torch.dtype, optional): What is sent; None for the
-            gradients' own dtype.
+            gradients' own dtype (or int8, see ``int8_block_size``).
         notes (tuple[str]): Log warnings, as :class:`CommHookSpec`'s.
+        int8_block_size (int, optional): Set for ``int8_compress``: values
+            per fp32 scale. Defaults to None.
     """
     type: str
     wire_dtype: Optional[torch.dtype]
     notes: tuple = ()
     state: Any = None  # no DDP-style state (no non-finite records)
+    int8_block_size: Optional[int] = None
 
     def describe(self) -> str:
         """One line saying what is installed, for the training log."""
+        if self.int8_block_size is not None:
+            return (f"type='{self.type}' (FSDP2 reduce-scatter in int8, one "
+                    f'fp32 scale per {self.int8_block_size} values, no error '
+                    'feedback, averaged before the rounding)')
         wire = ('the gradients\' own dtype' if self.wire_dtype is None else
                 str(self.wire_dtype).replace('torch.', ''))
         return (f"type='{self.type}' (FSDP2 reduce-scatter in {wire}, "
@@ -827,27 +836,24 @@ def build_sharded_comm(cfg: dict,
             ``fp16_compress``). Defaults to None.
 
     Raises:
-        ValueError: A type without a sharded form (PowerSGD, user hooks), a
-            ``wrapper``, or CompressState keys that change nothing under
-            FSDP2 (``predivide_factor``: the whole division is done before
-            the cast; ``check_finite``). Besides the errors of
+        ValueError: A type without a sharded form (PowerSGD, user hooks,
+            ``int8_compress`` with error feedback), a ``wrapper``, or
+            CompressState keys that change nothing under FSDP2
+            (``predivide_factor``: the whole division is done before the
+            cast; ``check_finite``). Besides the errors of
             :func:`check_comm_hook_cfg`.
     """
     from .sharded_comm import WIRE_DTYPES
     checked = check_comm_hook_cfg(cfg)
     hook_type = checked['type']
     what = f'comm_hook type={hook_type!r}'
+    if hook_type == 'int8_compress':
+        return _sharded_int8(checked, what)
     if not isinstance(hook_type, str) or hook_type not in WIRE_DTYPES:
-        # int8's error feedback keeps, on every rank, a residual as large as
-        # the unsharded gradients FSDP2 hands to its reduce-scatter: the
-        # memory FSDP2 is there to save.
-        why = (' (its error feedback would keep a full-size, unsharded '
-               'residual on every rank, the memory FSDP2 saves; not built '
-               'yet)' if hook_type == 'int8_compress' else '')
         raise ValueError(
             f'{what} has no sharded form: under FSDP2 (FSDP2Strategy) '
             'gradients are reduce-scattered, not all-reduced through DDP '
-            f'communication hooks{why}. Use one of '
+            'communication hooks. Use one of '
             f'{", ".join(repr(t) for t in WIRE_DTYPES)}, or train this hook '
             'with DDP (the default Runner).')
     if checked['wrapper'] is not None:
@@ -872,3 +878,27 @@ def build_sharded_comm(cfg: dict,
         notes = (note, ) if note else ()
     return ShardedCommSpec(type=hook_type, wire_dtype=WIRE_DTYPES[hook_type],
                            notes=notes)
+
+
+def _sharded_int8(checked: dict, what: str) -> ShardedCommSpec:
+    """``int8_compress`` under FSDP2: only without error feedback.
+
+    Error feedback keeps, on every rank, what rounding dropped from the
+    whole unsharded gradient the rank sends: as large as the gradients
+    FSDP2 shards, so it would take back the memory FSDP2 saves.
+    """
+    if checked['wrapper'] is not None:
+        raise ValueError(
+            f"{what}, wrapper={checked['wrapper']!r}: int8_compress already "
+            'quantizes; drop the wrapper.')
+    kwargs = checked['state_kwargs']
+    if kwargs.get('error_feedback', True):
+        raise ValueError(
+            f'{what} with error_feedback=True has no sharded form: under '
+            'FSDP2 (FSDP2Strategy) error feedback would keep a full-size, '
+            'unsharded residual of the gradients on every rank, the memory '
+            'FSDP2 is there to save. Set error_feedback=False (e.g. '
+            '--cfg-options comm_hook.error_feedback=False) to reduce-scatter '
+            "in int8 without it, or use type='bf16_compress'.")
+    return ShardedCommSpec(type='int8_compress', wire_dtype=None,
+                           int8_block_size=kwargs.get('block_size', 256))

@@ -21,14 +21,23 @@ FSDP2 must hand over the plain sum: :func:`install_reduce_scatter` sets
 FSDP neither divides nor asks for an averaging reduce op, and this object
 divides once.
 
+:class:`Int8ReduceScatter` is the ``int8_compress`` form, without error
+feedback: the average of each rank's share is sent as blockwise int8 with
+one fp32 scale per block (:mod:`mmcv_custom.int8_codec`), scattered with
+one ``all_to_all`` and summed in fp32 by the rank that keeps the shard, so
+only the first rounding happens (the shard stays in full precision).
+Error feedback would have to keep, on every rank, what rounding dropped
+from the whole unsharded gradient: the memory FSDP2 is there to save.
+
 Like :mod:`mmcv_custom.ddp_hooks`, this module imports only torch.
 """
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import int8_codec
 from .ddp_hooks import (_compress, _decompress, _require_dtype_support,
                         _wire_dtype)
 
@@ -37,8 +46,8 @@ try:  # The base class set_custom_reduce_scatter documents (torch >= 2.6).
 except ImportError:  # pragma: no cover - older torch
     ReduceScatter = object
 
-__all__ = ['AveragingReduceScatter', 'install_reduce_scatter',
-           'fsdp_modules', 'WIRE_DTYPES']
+__all__ = ['AveragingReduceScatter', 'Int8ReduceScatter',
+           'install_reduce_scatter', 'fsdp_modules', 'WIRE_DTYPES']
 
 # comm_hook type -> dtype on the wire (None: the gradients' own dtype).
 WIRE_DTYPES = {
@@ -48,7 +57,24 @@ WIRE_DTYPES = {
 }
 
 
-class AveragingReduceScatter(ReduceScatter):
+class _SummingReduceScatter(ReduceScatter):
+    """What both reduce-scatters share: FSDP2 allocates the buffers as
+    usual, and must ask for a plain sum (they average by themselves)."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _check_op(self, op) -> None:
+        if op is not None and op != dist.ReduceOp.SUM:
+            # The strategy forces sum reductions (see the module docstring).
+            raise RuntimeError(
+                f'{type(self).__name__} got reduce op {op}; it averages by '
+                'itself and needs FSDP to ask for a plain sum: call '
+                'install_reduce_scatter instead of set_custom_reduce_scatter')
+
+
+class AveragingReduceScatter(_SummingReduceScatter):
     """Average gradients across the group and keep this rank's shard.
 
     Args:
@@ -74,22 +100,13 @@ class AveragingReduceScatter(ReduceScatter):
         self.wire_dtype = wire_dtype
         self.counter = counter
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def __call__(self,
                  output_tensor: torch.Tensor,
                  input_tensor: torch.Tensor,
                  group: dist.ProcessGroup,
                  op=None,
                  async_op: bool = False):
-        if op is not None and op != dist.ReduceOp.SUM:
-            # The strategy forces sum reductions (see the module docstring).
-            raise RuntimeError(
-                f'AveragingReduceScatter got reduce op {op}; it averages by '
-                'itself and needs FSDP to ask for a plain sum: call '
-                'install_reduce_scatter instead of set_custom_reduce_scatter')
+        self._check_op(op)
         world = group.size()
         wire = (input_tensor.dtype if self.wire_dtype is None else
                 _wire_dtype(self.wire_dtype, input_tensor))
@@ -111,6 +128,81 @@ class AveragingReduceScatter(ReduceScatter):
         return None
 
 
+class Int8ReduceScatter(_SummingReduceScatter):
+    """Average gradients across the group as blockwise int8 and keep this
+    rank's shard in full precision (see the module docstring).
+
+    Each rank multiplies its input by ``1 / world_size`` (before any
+    rounding) and quantizes every rank's chunk in blocks of ``block_size``
+    from the chunk's start, into one segment per rank: the chunk's fp32
+    scales, then its int8 values, padded to 4 bytes. ``all_to_all_single``
+    hands every rank its chunk from every rank, which it dequantizes and
+    sums in fp32 in rank order into FSDP's output. Each rank sends ``(N -
+    1) / N`` of the quantized gradients, as a ring reduce-scatter does.
+
+    Args:
+        block_size (int): Values per fp32 scale. Defaults to 256.
+        counter (object, optional): As :class:`AveragingReduceScatter`'s;
+            the wire bytes are those of the quantized input.
+    """
+
+    def __init__(self, block_size: int = 256, counter=None) -> None:
+        if (isinstance(block_size, bool) or not isinstance(block_size, int)
+                or block_size < 1):
+            raise ValueError('block_size should be an int >= 1, but got '
+                             f'{block_size!r}')
+        self.block_size = block_size
+        self.counter = counter
+
+    def _segment(self, chunk: int) -> Tuple[int, int]:
+        """``(blocks, bytes)`` of one rank's segment of a chunk."""
+        blocks = int8_codec.num_blocks(chunk, self.block_size)
+        return blocks, 4 * blocks + -(-chunk // 4) * 4
+
+    def __call__(self,
+                 output_tensor: torch.Tensor,
+                 input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup,
+                 op=None,
+                 async_op: bool = False):
+        self._check_op(op)
+        world = group.size()
+        numel = input_tensor.numel()
+        chunk = output_tensor.numel()
+        if numel != chunk * world:
+            raise ValueError(
+                f'Int8ReduceScatter needs an input of world_size ({world}) '
+                f'times the output ({chunk} values), but got {numel}')
+        x = input_tensor.reshape(-1)
+        x = x.float() if x.dtype is not torch.float32 else x.contiguous()
+        blocks, size = self._segment(chunk)
+        device = x.device
+        send = torch.empty(world * size, dtype=torch.uint8, device=device)
+        for j in range(world):
+            at = j * size
+            send[at + 4 * blocks + chunk:at + size].zero_()  # alignment
+            int8_codec.quantize(
+                x[j * chunk:(j + 1) * chunk], self.block_size, 1.0 / world,
+                out=send[at + 4 * blocks:at + 4 * blocks + chunk].view(
+                    torch.int8),
+                scales=send[at:at + 4 * blocks].view(torch.float32))
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        total = torch.empty(chunk, dtype=torch.float32, device=device)
+        for i in range(world):
+            at = i * size
+            int8_codec.dequantize(
+                recv[at + 4 * blocks:at + 4 * blocks + chunk].view(
+                    torch.int8),
+                recv[at:at + 4 * blocks].view(torch.float32),
+                self.block_size, total, accumulate=i > 0)
+        output_tensor.view(-1).copy_(total)
+        if self.counter is not None:
+            self.counter.baseline_bytes += numel * input_tensor.element_size()
+            self.counter.wire_bytes += world * size
+        return None
+
+
 def fsdp_modules(model: nn.Module) -> list:
     """Every module of ``model`` that ``fully_shard`` has sharded, root
     included (empty when none is)."""
@@ -123,15 +215,19 @@ def fsdp_modules(model: nn.Module) -> list:
 
 def install_reduce_scatter(model: nn.Module,
                            wire_dtype: Optional[torch.dtype] = None,
-                           counter=None) -> int:
+                           counter=None,
+                           int8_block_size: Optional[int] = None) -> int:
     """Make every sharded module of ``model`` reduce its gradients with one
-    :class:`AveragingReduceScatter`.
+    :class:`AveragingReduceScatter`, or with an :class:`Int8ReduceScatter`
+    when ``int8_block_size`` is given (``wire_dtype`` is then unused).
 
     Returns:
         int: How many sharded modules were set (0: ``model`` is not
         sharded with FSDP2).
     """
-    comm = AveragingReduceScatter(wire_dtype, counter)
+    comm = (AveragingReduceScatter(wire_dtype, counter)
+            if int8_block_size is None else Int8ReduceScatter(
+                int8_block_size, counter))
     modules = fsdp_modules(model)
     for module in modules:
         module.set_custom_reduce_scatter(comm)

@@ -113,7 +113,7 @@ class _Net(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _fsdp_against_ddp(rank, world_size, wire):
+def _fsdp_against_ddp(rank, world_size, wire, int8_block_size=None):
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)
     sharded, reference = _Net(), _Net()
@@ -121,7 +121,8 @@ def _fsdp_against_ddp(rank, world_size, wire):
     fully_shard(sharded.a)
     fully_shard(sharded)
     counter = CommCounter()
-    install_reduce_scatter(sharded, wire, counter)
+    assert install_reduce_scatter(sharded, wire, counter,
+                                  int8_block_size) == 2
     ddp = nn.parallel.DistributedDataParallel(reference)
     torch.manual_seed(rank)
     x = torch.randn(4, 8) * 100
@@ -148,6 +149,23 @@ def test_fsdp2_gradients_match_ddp(wire):
         numel = 16 * 8 + 16 + 4 * 16 + 4
         assert baseline == 4 * numel
         assert sent == (4 if wire is None else 2) * numel
+
+
+def test_fsdp2_int8_gradients_are_ddp_s_within_the_rounding():
+    for sharded, reference, (baseline, sent) in run_ranks(
+            _fsdp_against_ddp, None, 32):
+        for name, grad in reference.items():
+            # Each rank's half is off by at most half an int8 step of its
+            # block: 1/254 of the block's largest value, twice.
+            assert (sharded[name] - grad).abs().max() <= (
+                grad.abs().max() / 127 + 1e-6), name
+        # Rounded, not sent as is (b.bias, all 4s, is exact in int8).
+        assert not torch.equal(sharded['a.weight'], reference['a.weight'])
+        numel = 16 * 8 + 16 + 4 * 16 + 4
+        assert baseline == 4 * numel
+        # Per rank's chunk: a (144 values) 72 in 3 blocks of 32; the root
+        # (b: 68 values) 34 in 2 blocks, its int8 values padded to 36 bytes.
+        assert sent == 2 * (4 * 3 + 72) + 2 * (4 * 2 + 36)
 
 
 # -- configuration errors -----------------------------------------------------
@@ -535,6 +553,17 @@ def test_each_sharded_type_trains(tmp_path, comm_hook, ratio, extra):
                         dict(extra, comm_hook=comm_hook), timeout=300)
     for r in results:
         assert r['comm_ratio'] == [ratio] * 4
+        assert r['losses'][-1] < r['losses'][0]
+
+
+def test_int8_without_error_feedback_trains_sharded(tmp_path):
+    """The FlexibleRunner with int8_compress, error_feedback=False: a
+    quarter of fp32's bytes, give or take each chunk's last block."""
+    cfg = dict(type='int8_compress', error_feedback=False)
+    results = run_ranks(_train_with, str(tmp_path / 'w'), 4,
+                        dict(comm_hook=cfg), timeout=300)
+    for r in results:
+        assert all(0.25 < ratio < 0.26 for ratio in r['comm_ratio'])
         assert r['losses'][-1] < r['losses'][0]
 
 

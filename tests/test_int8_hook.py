@@ -9,12 +9,14 @@ DDP's result bit for bit.
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mmcv_custom.int8_hooks import Int8State, int8_compress_hook
 from mmcv_custom.registry import (CommCounter, build_comm_hook,
                                   build_sharded_comm, check_comm_hook_cfg)
+from mmcv_custom.sharded_comm import Int8ReduceScatter
 from tests.dist_utils import run_ranks
 
 # (numel, block_size): exact multiples of block_size * world_size, ragged
@@ -352,13 +354,22 @@ def test_config_keys_wrapper_and_fsdp2():
     with pytest.raises(ValueError) as info:
         build_sharded_comm(dict(type='int8_compress'))
     assert str(info.value) == (
-        "comm_hook type='int8_compress' has no sharded form: under FSDP2 "
-        '(FSDP2Strategy) gradients are reduce-scattered, not all-reduced '
-        'through DDP communication hooks (its error feedback would keep a '
-        'full-size, unsharded residual on every rank, the memory FSDP2 '
-        "saves; not built yet). Use one of 'allreduce', 'fp16_compress', "
-        "'bf16_compress', or train this hook with DDP (the default Runner).")
+        "comm_hook type='int8_compress' with error_feedback=True has no "
+        'sharded form: under FSDP2 (FSDP2Strategy) error feedback would '
+        'keep a full-size, unsharded residual of the gradients on every '
+        'rank, the memory FSDP2 is there to save. Set error_feedback=False '
+        '(e.g. --cfg-options comm_hook.error_feedback=False) to '
+        "reduce-scatter in int8 without it, or use type='bf16_compress'.")
+    spec = build_sharded_comm(
+        dict(type='int8_compress', block_size=64, error_feedback=False))
+    assert spec.int8_block_size == 64 and spec.wire_dtype is None
+    assert spec.describe() == (
+        "type='int8_compress' (FSDP2 reduce-scatter in int8, one fp32 scale "
+        'per 64 values, no error feedback, averaged before the rounding)')
     # Bad values are reported before the missing sharded form.
+    with pytest.raises(ValueError, match='block_size should be an int >= 1'):
+        build_sharded_comm(dict(type='int8_compress', block_size=0,
+                                error_feedback=False))
     with pytest.raises(ValueError, match='block_size should be an int >= 1'):
         build_sharded_comm(dict(type='int8_compress', block_size=0))
 
@@ -492,3 +503,43 @@ def test_non_finite_gradient_poisons_its_block_once():
             assert torch.isfinite(grad[:16]).all()
             assert torch.isfinite(grad[24:]).all()
         assert torch.allclose(grads[2], torch.ones(64), rtol=1e-6, atol=0)
+
+
+# -- FSDP2: int8 reduce-scatter, no error feedback ---------------------------
+def _reduce_scatter_int8(rank, world_size, dtype, block_size):
+    counter = CommCounter()
+    comm = Int8ReduceScatter(block_size, counter)
+    chunk = 300
+    inp = planted(rank, 0, world_size * chunk, block_size, dtype)
+    out = comm.allocate((chunk, ), dtype=dtype, device=inp.device)
+    comm(output_tensor=out, input_tensor=inp, group=dist.group.WORLD,
+         op=dist.ReduceOp.SUM)
+    return out, counter.pop()
+
+
+@pytest.mark.parametrize('world_size', [2, 3])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_int8_reduce_scatter_is_the_hand_computed_sum(world_size, dtype):
+    """Every rank's chunk j, in blocks from the chunk's start, quantized
+    from 1 / world_size of the input; rank j sums the dequantized copies
+    in fp32 in rank order and keeps the sum (no second rounding)."""
+    block, chunk = 64, 300  # 300 = 4 whole blocks and a short one
+    results = run_ranks(_reduce_scatter_int8, dtype, block,
+                        world_size=world_size)
+    inputs = [planted(r, 0, world_size * chunk, block, dtype).float()
+              for r in range(world_size)]
+    padded = -(-chunk // block) * block
+    for rank, (out, (baseline, wire)) in enumerate(results):
+        total = None
+        for x in inputs:
+            share = torch.zeros(padded)
+            share[:chunk] = x[rank * chunk:(rank + 1) * chunk] * (
+                1.0 / world_size)
+            deq = ref_dequantize(*ref_quantize(share, block))[:chunk]
+            total = deq if total is None else total + deq
+        assert out.dtype is dtype
+        assert torch.equal(out, total.to(dtype))
+        # 5 scales and 300 values per chunk, for every rank.
+        assert wire == world_size * (4 * 5 + 300)
+        assert baseline == world_size * chunk * (2 if dtype is
+                                                 torch.bfloat16 else 4)

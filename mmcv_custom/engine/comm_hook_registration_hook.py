@@ -265,7 +265,8 @@ class CommHookRegistrationHook(Hook):
         names = {p: n for n, p in model.named_parameters()}
         spec = build_sharded_comm(self._cfg, param_names=names)
         counter = CommCounter() if self._telemetry else None
-        units = install_reduce_scatter(model, spec.wire_dtype, counter)
+        units = install_reduce_scatter(model, spec.wire_dtype, counter,
+                                       spec.int8_block_size)
         self._installed.append(
             ('', spec, counter, {id(p): n for p, n in names.items()}))
         if is_main_process():
