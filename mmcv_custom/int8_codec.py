@@ -209,6 +209,11 @@ class BlockTable:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def residual_index(self, device: torch.device) -> torch.Tensor:
+        """The residual offset of every value, block after block in row
+        order (e.g. where a compact per-value result goes in a bucket)."""
+        return self._indices(device)[2]
+
     def _indices(self, device: torch.device) -> tuple:
         """Per-element index tensors for the torch path, built once per
         device: block of each value, and its source, residual and payload
@@ -245,10 +250,8 @@ def _check_floats(x: torch.Tensor, extent: int, name: str) -> None:
 
 
 def _table_in_c(x: torch.Tensor, table: BlockTable) -> bool:
-    return (_cpu_codec is not None
-            and hasattr(_cpu_codec, 'int8_encode_table')
-            and x.device.type == 'cpu' and table.max_len <= C_MAX_BLOCK
-            and torch.get_num_threads() == 1)
+    return (uses_c_kernel(x, table.max_len)
+            and hasattr(_cpu_codec, 'int8_encode_table'))
 
 
 def quantize_blocks(x: torch.Tensor,

@@ -95,8 +95,7 @@ class Int8BucketPlan:
         splits (list[int]): bytes of each owner's segment.
         own (BlockTable): this rank's blocks: a received segment -> the
             sum, in its own compact layout, and the sum -> the re-quantized
-            segment (residual at the bucket offset).
-        own_numel (int): values this rank owns.
+            segment (residual at the bucket offset); ``own.numel`` values.
         gather (BlockTable): all-gathered segments -> bucket.
         padded (int): bytes of each all-gathered segment (the largest).
 
@@ -156,8 +155,6 @@ class Int8BucketPlan:
         self.own = BlockTable(
             torch.stack([local[mine], start[mine], length[mine],
                          payload_at[mine], scale_at[mine]], 1))
-        self.own_numel = int(numels[rank])
-        self._own_index = None
 
     @property
     def send_bytes(self) -> int:
@@ -173,17 +170,11 @@ class Int8BucketPlan:
             at += split
         out[self._payload_ends[rank]:].zero_()
 
-    def own_index(self, device: torch.device) -> torch.Tensor:
-        """Bucket offset of each value this rank owns, in the compact
-        order of its sum."""
-        if self._own_index is None or self._own_index.device != device:
-            rows = self.own.rows
-            lengths = rows[:, 2]
-            block = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-            first = torch.cumsum(lengths, 0) - lengths
-            pos = torch.arange(self.own_numel) - first[block]
-            self._own_index = (rows[block, 1] + pos).to(device)
-        return self._own_index
+
+def _layout(bucket: dist.GradBucket) -> tuple:
+    """``((parameter id, numel), ...)`` of a bucket, in bucket order: what
+    plans and residuals are kept by."""
+    return tuple((id(p), p.numel()) for p in bucket.parameters())
 
 
 def _split(layout: tuple, residual: torch.Tensor) -> dict:
@@ -286,9 +277,10 @@ class Int8State:
         of this size would (the all-gather pads each owner's part to the
         largest, a few blocks at most).
         """
-        return self._plan(bucket).send_bytes
+        return self._plan(bucket, _layout(bucket)).send_bytes
 
-    def _plan(self, bucket: dist.GradBucket) -> Int8BucketPlan:
+    def _plan(self, bucket: dist.GradBucket,
+              layout: tuple) -> Int8BucketPlan:
         """The bucket's :class:`Int8BucketPlan`, built for a new layout.
 
         Parameters met for the first time are numbered in bucket order, the
@@ -296,7 +288,6 @@ class Int8State:
         the same model: DDP's first layout follows the parameters' order).
         """
         buffer = bucket.buffer()
-        layout = tuple((id(p), p.numel()) for p in bucket.parameters())
         kept = self._plans.get(bucket.index())
         if kept is not None and kept[0] == layout:
             return kept[1]
@@ -319,11 +310,11 @@ class Int8State:
         return plan
 
     # -- error feedback across bucket layouts ----------------------------
-    def _residual(self, bucket: dist.GradBucket) -> torch.Tensor:
-        """The bucket's fp32 residual in its current layout (zeros where
+    def _residual(self, bucket: dist.GradBucket,
+                  layout: tuple) -> torch.Tensor:
+        """The bucket's fp32 residual in its ``layout`` (zeros where
         nothing is known yet)."""
         buffer = bucket.buffer()
-        layout = tuple((id(p), p.numel()) for p in bucket.parameters())
         kept = self._residuals.get(bucket.index())
         if kept is not None and kept[0] == layout:
             return kept[1]
@@ -542,12 +533,14 @@ def int8_compress_hook(
     world_size, rank = group.size(), group.rank()
     buffer = bucket.buffer()
     numel, device = buffer.numel(), buffer.device
-    plan = state._plan(bucket)
+    layout = _layout(bucket)
+    plan = state._plan(bucket, layout)
 
     # This rank's share (the bucket times 1 / world_size, plus the residual
     # of earlier steps), quantized into the owners' segments in one pass.
     x = buffer if buffer.dtype is torch.float32 else buffer.float()
-    residual = state._residual(bucket) if state.error_feedback else None
+    residual = (state._residual(bucket, layout)
+                if state.error_feedback else None)
     send = torch.empty(plan.send_bytes, dtype=torch.uint8, device=device)
     out = torch.empty(plan.padded, dtype=torch.uint8, device=device)
     plan.zero_padding(send, out, rank)
@@ -563,7 +556,7 @@ def int8_compress_hook(
                            group=group)
 
     # Sum this rank's blocks over the ranks, in rank order (deterministic).
-    total = torch.empty(plan.own_numel, dtype=torch.float32, device=device)
+    total = torch.empty(plan.own.numel, dtype=torch.float32, device=device)
     for i in range(world_size):
         int8_codec.dequantize_blocks(recv[i * mine:(i + 1) * mine],
                                      plan.own, total, accumulate=i > 0)
@@ -582,7 +575,7 @@ def int8_compress_hook(
         int8_codec.dequantize_blocks(out, plan.own, applied)
         lost = total - applied.to(buffer.dtype).float()
         residual.index_add_(
-            0, plan.own_index(device),
+            0, plan.own.residual_index(device),
             torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)))
 
     gathered = torch.empty(world_size * plan.padded,
