@@ -9,9 +9,11 @@ behaviour); without, it starts a gloo process group itself (the runner skips
 turns SyncBN into BN. It also refuses, before the process group starts, a
 ``model_wrapper_cfg`` that a CPU run cannot use (anything but DDP).
 """
+import json
 import logging
 import os
-from typing import Optional
+import tempfile
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,9 +21,11 @@ from mmengine.config import Config
 from mmengine.logging import print_log
 
 __all__ = [
-    'check_cpu_strategy', 'uses_fsdp2', 'build_runner', 'init_gloo',
+    'check_cpu_strategy', 'uses_fsdp2', 'build_runner', 'run_runner',
+    'init_gloo',
     'load_config', 'prepare_launch', 'is_launch_rank0',
-    'shutdown_distributed', 'check_cpu_wrapper', 'check_writable'
+    'shutdown_distributed', 'check_cpu_wrapper', 'check_writable',
+    'spawn_ranks', 'write_results', 'free_port'
 ]
 
 #: MMEngine's DDP wrappers, named in errors. A CPU launch takes any
@@ -282,6 +286,19 @@ def build_runner(cfg: Config):
     return RUNNERS.build(cfg)
 
 
+def run_runner(cfg: Config, method: str) -> None:
+    """Build the runner ``cfg`` asks for, call its ``method`` (``'train'``,
+    ``'test'``), then free it and destroy the process group, even when the
+    run fails: the DDP model (and the comm hook and state its reducer
+    holds) must go while the group still exists."""
+    runner = build_runner(cfg)
+    try:
+        getattr(runner, method)()
+    finally:
+        del runner
+        shutdown_distributed()
+
+
 def shutdown_distributed() -> None:
     """Destroy the process group before the interpreter exits.
 
@@ -318,3 +335,34 @@ def check_writable(parser, option: str, path: str) -> None:
         parser.error(f'{option} {path}: cannot write there ({e.strerror})')
     if not existed:
         os.remove(path)
+
+
+def free_port() -> str:
+    """A TCP port free on this host now, as ``PORT`` for
+    ``tools/dist_train.sh`` (each run its own, so runs never meet)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return str(s.getsockname()[1])
+
+
+_RESULTS = 'results.json'
+
+
+def spawn_ranks(worker: Callable, nproc: int, args) -> object:
+    """For the benchmark tools: run ``worker(rank, nproc, folder, args)``
+    in ``nproc`` spawned processes and return what one of them saved with
+    :func:`write_results` in ``folder`` (a temporary folder, removed
+    after)."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(worker, args=(nproc, folder, args), nprocs=nproc,
+                           start_method='spawn')
+        with open(os.path.join(folder, _RESULTS)) as f:
+            return json.load(f)
+
+
+def write_results(folder: str, results) -> None:
+    """In a :func:`spawn_ranks` worker: hand ``results`` (JSON) back."""
+    with open(os.path.join(folder, _RESULTS), 'w') as f:
+        json.dump(results, f)

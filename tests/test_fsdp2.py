@@ -10,7 +10,6 @@ InternViT UperNet config trained by a real FlexibleRunner on 2 ranks
 import os
 import os.path as osp
 import re
-import socket
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ from torch import nn
 
 import mmcv_custom  # noqa: F401  (registers the strategy and the hook)
 from mmcv_custom.checkpoint import is_sharded_checkpoint
+from mmcv_custom.launcher import free_port
 from mmcv_custom.registry import CommCounter, build_sharded_comm
 from mmcv_custom.sharded_checkpoint import consolidate_sharded_checkpoint
 from mmcv_custom.sharded_comm import (AveragingReduceScatter,
@@ -406,14 +406,8 @@ def test_a_bf16_backbone_must_be_a_unit_of_its_own(tmp_path):
 
 
 # -- through the tools --------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return str(s.getsockname()[1])
-
-
 def _tool(args, cwd):
-    env = dict(os.environ, PYTHON=sys.executable, PORT=_free_port())
+    env = dict(os.environ, PYTHON=sys.executable, PORT=free_port())
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 

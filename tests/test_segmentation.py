@@ -5,7 +5,6 @@ import os
 import os.path as osp
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ from PIL import Image
 import mmcv_custom.datasets  # noqa: F401  (registers ToyShapesDataset)
 from mmcv_custom import check_comm_hook_cfg
 from mmcv_custom.datasets.toy_shapes import CLASSES, generate_toy_shapes
+from mmcv_custom.launcher import free_port
 from tests.dist_utils import run_ranks
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -157,14 +157,8 @@ SHORT = [
 ]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return str(s.getsockname()[1])
-
-
 def _tool(args, cwd, **env):
-    full_env = dict(os.environ, PYTHON=sys.executable, PORT=_free_port(),
+    full_env = dict(os.environ, PYTHON=sys.executable, PORT=free_port(),
                     **env)
     return subprocess.run(args, cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=600)

@@ -5,12 +5,13 @@ points; what can fail before any work starts is checked to do so."""
 import os
 import os.path as osp
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from mmcv_custom.launcher import free_port
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOLS = osp.join(ROOT, 'tools')
@@ -30,14 +31,8 @@ TINY = [
 ]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return str(s.getsockname()[1])
-
-
 def _run(args, cwd, env=None, timeout=600):
-    env = dict(os.environ if env is None else env, PORT=_free_port())
+    env = dict(os.environ if env is None else env, PORT=free_port())
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

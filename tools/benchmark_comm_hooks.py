@@ -48,18 +48,17 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mmcv_custom import ddp_hooks, int8_codec, int8_hooks  # noqa: E402
-from mmcv_custom.launcher import check_writable  # noqa: E402
+from mmcv_custom.launcher import (  # noqa: E402
+    check_writable, spawn_ranks, write_results)
 
 MB = 2**20
 
@@ -327,8 +326,7 @@ def _worker(rank, world_size, folder, args):
         results.append(entry)
         del models
     if rank == 0:
-        with open(os.path.join(folder, 'results.json'), 'w') as f:
-            json.dump(results, f)
+        write_results(folder, results)
     dist.destroy_process_group()
 
 
@@ -592,12 +590,7 @@ def parse_args(argv=None):
 
 def main():
     args = parse_args()
-    with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(
-            _worker, args=(args.nproc, folder, args), nprocs=args.nproc,
-            start_method='spawn')
-        with open(os.path.join(folder, 'results.json')) as f:
-            results = json.load(f)
+    results = spawn_ranks(_worker, args.nproc, args)
     print(report(results, args.nproc, args.backend, args.repeat))
     if args.json:
         with open(args.json, 'w') as f:

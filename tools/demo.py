@@ -15,13 +15,14 @@ import glob
 import json
 import os
 import os.path as osp
-import socket
 import subprocess
 import sys
 import time
 
 HERE = osp.dirname(osp.abspath(__file__))
 ROOT = osp.dirname(HERE)
+sys.path.insert(0, ROOT)
+from mmcv_custom.launcher import free_port  # noqa: E402
 DEFAULT_CONFIG = osp.join(ROOT, 'configs', 'fcn',
                           'fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py')
 
@@ -53,12 +54,6 @@ def default_work_dir(config: str) -> str:
     return osp.join('work_dirs', osp.splitext(osp.basename(config))[0])
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return str(s.getsockname()[1])
-
-
 def _runs(work_dir: str):
     """Run folders (``YYYYmmdd_HHMMSS``) under ``work_dir``, oldest first."""
     return sorted(
@@ -66,7 +61,7 @@ def _runs(work_dir: str):
 
 
 def _run(cmd, what: str) -> None:
-    env = dict(os.environ, PORT=_free_port(), PYTHON=sys.executable)
+    env = dict(os.environ, PORT=free_port(), PYTHON=sys.executable)
     code = subprocess.call(cmd, env=env, cwd=os.getcwd())
     if code != 0:
         sys.exit(f'{what} failed with exit code {code}; logs and '

@@ -24,9 +24,8 @@ from mmengine.logging import print_log
 
 import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
 from mmcv_custom.checkpoint import check_checkpoint_file, is_sharded_checkpoint
-from mmcv_custom.launcher import (build_runner, is_launch_rank0, load_config,
-                                  prepare_launch, shutdown_distributed,
-                                  uses_fsdp2)
+from mmcv_custom.launcher import (is_launch_rank0, load_config,
+                                  prepare_launch, run_runner, uses_fsdp2)
 from mmcv_custom.sharded_checkpoint import consolidated_file
 
 
@@ -133,15 +132,8 @@ def main():
                 print_log(f'{args.checkpoint} is a sharded checkpoint: '
                           'evaluating its consolidated weights.',
                           logger='current')
-        runner = build_runner(cfg)
-        try:
-            runner.test()
-        finally:
-            # Free the DDP model (and the comm hook and state its reducer
-            # holds) while the process group still exists, then destroy
-            # the group.
-            del runner
-            shutdown_distributed()
+        run_runner(cfg, 'test')
+
 
 if __name__ == '__main__':
     main()

@@ -34,9 +34,8 @@ import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
 from mmcv_custom.checkpoint import (check_checkpoint_file,
                                     is_sharded_checkpoint,
                                     resolve_resume_checkpoint)
-from mmcv_custom.launcher import (build_runner, is_launch_rank0, load_config,
-                                  prepare_launch, shutdown_distributed,
-                                  uses_fsdp2)
+from mmcv_custom.launcher import (is_launch_rank0, load_config,
+                                  prepare_launch, run_runner, uses_fsdp2)
 from mmcv_custom.sharded_checkpoint import consolidated_file
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
@@ -153,15 +152,8 @@ def main():
             if is_launch_rank0():
                 print_log(f'{checkpoint} is a sharded checkpoint: loading '
                           'its consolidated weights.', logger='current')
-        runner = build_runner(cfg)
-        try:
-            runner.train()
-        finally:
-            # Free the DDP model (and the comm hook and state its reducer
-            # holds) while the process group still exists, then destroy
-            # the group.
-            del runner
-            shutdown_distributed()
+        run_runner(cfg, 'train')
+
 
 if __name__ == '__main__':
     main()

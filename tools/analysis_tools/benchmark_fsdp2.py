@@ -49,16 +49,15 @@ import os
 import os.path as osp
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from mmcv_custom.launcher import check_writable  # noqa: E402
+from mmcv_custom.launcher import (  # noqa: E402
+    check_writable, spawn_ranks, write_results)
 
 __all__ = ['held_bytes', 'report', 'parse_args']
 
@@ -260,8 +259,7 @@ def _worker(rank, world_size, folder, args):
                     for k, v in times.items()},
             times=times, losses=losses,
             ranks=[{kind: r[kind] for kind in KINDS} for r in gathered])
-        with open(osp.join(folder, 'results.json'), 'w') as f:
-            json.dump(results, f)
+        write_results(folder, results)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -359,12 +357,7 @@ def parse_args(argv=None):
 
 def main():
     args = parse_args()
-    with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(
-            _worker, args=(args.nproc, folder, args), nprocs=args.nproc,
-            start_method='spawn')
-        with open(osp.join(folder, 'results.json')) as f:
-            results = json.load(f)
+    results = spawn_ranks(_worker, args.nproc, args)
     print(report(results))
     if args.json:
         with open(args.json, 'w') as f:

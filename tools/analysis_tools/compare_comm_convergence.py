@@ -51,7 +51,6 @@ import json
 import math
 import os
 import os.path as osp
-import socket
 import subprocess
 import sys
 import time
@@ -65,7 +64,7 @@ __all__ = [
 HERE = osp.dirname(osp.abspath(__file__))
 ROOT = osp.dirname(osp.dirname(HERE))
 sys.path.insert(0, ROOT)
-from mmcv_custom.launcher import check_writable  # noqa: E402
+from mmcv_custom.launcher import check_writable, free_port  # noqa: E402
 DIST_TRAIN = osp.join(ROOT, 'tools', 'dist_train.sh')
 BASELINE = 'allreduce'
 
@@ -106,12 +105,6 @@ def _hook_options(variant: str, block_size: int) -> List[str]:
             f'comm_hook.error_feedback={feedback}'
         ]
     return options
-
-
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return str(s.getsockname()[1])
 
 
 def _runs(work_dir: str) -> List[str]:
@@ -505,7 +498,7 @@ def _train(args, variant: str) -> Optional[str]:
     options += args.cfg_options
     cmd = ['bash', DIST_TRAIN, args.config, str(args.nproc), '--work-dir',
            work_dir, '--cfg-options', *options]
-    port = _free_port()
+    port = free_port()
     log = osp.join(work_dir, 'dist_train.log')
     print(f'[{variant}] PORT={port} {" ".join(cmd[1:])}', flush=True)
     start = time.time()
