@@ -1,6 +1,5 @@
 """tools/benchmark_comm_hooks.py end to end, in a small configuration, and
 its argument checks (usage errors before any rank starts)."""
-import importlib.util
 import json
 import os.path as osp
 import re
@@ -9,6 +8,8 @@ import sys
 
 import pytest
 import torch
+
+from tests.tool_utils import load_script, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOL = osp.join(ROOT, 'tools', 'benchmark_comm_hooks.py')
@@ -139,22 +140,9 @@ def _usage_error(args, message, **kwargs):
 
 @pytest.fixture
 def bench_args(monkeypatch, capsys):
-    """The tool's own ``parse_args``, in this process (a subprocess per
-    case would import torch again for nothing): returns the exit code and
-    the last line of stderr it printed."""
-    spec = importlib.util.spec_from_file_location('_benchmark_tool', TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    monkeypatch.setattr(sys, 'argv', [TOOL])
-
-    def parse(args):
-        with pytest.raises(SystemExit) as exited:
-            tool.parse_args(args)
-        captured = capsys.readouterr()
-        assert captured.out == ''
-        return exited.value.code, captured.err.splitlines()[-1]
-
-    return parse
+    """The tool's own ``parse_args``: exit code and last line of stderr."""
+    return usage_errors(load_script(TOOL, '_benchmark_tool'), TOOL,
+                        monkeypatch, capsys)
 
 
 @pytest.mark.parametrize('args,message', [

@@ -1,7 +1,6 @@
 """Memory under FSDP2: model_stats.py's per-GPU numbers against hand
 computations, and tools/analysis_tools/benchmark_fsdp2.py, which measures
 them on two gloo ranks."""
-import importlib.util
 import json
 import math
 import os.path as osp
@@ -11,6 +10,8 @@ import types
 
 import pytest
 from mmengine.config import Config
+
+from tests.tool_utils import load_script, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 RECIPES = osp.join(ROOT, 'configs', 'intern_vit')
@@ -37,16 +38,9 @@ BLOCK_6B = (6 * 3200 + 3 * 3200 * 3200 + 3200 * 3200 + 3200 +
             2 * 3200 * 12800 + 12800 + 3200)
 
 
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope='module')
 def model_stats():
-    return _load(STATS, '_model_stats')
+    return load_script(STATS, '_model_stats')
 
 
 def _stats(model_stats, name, gpus, **options):
@@ -233,17 +227,8 @@ def test_model_stats_bad_gpus_is_a_usage_error():
 
 @pytest.fixture
 def bench_args(monkeypatch, capsys):
-    tool = _load(BENCH, '_benchmark_fsdp2')
-    monkeypatch.setattr(sys, 'argv', [BENCH])
-
-    def parse(args):
-        with pytest.raises(SystemExit) as exited:
-            tool.parse_args(args)
-        captured = capsys.readouterr()
-        assert captured.out == ''
-        return exited.value.code, captured.err.splitlines()[-1]
-
-    return parse
+    return usage_errors(load_script(BENCH, '_benchmark_fsdp2'), BENCH,
+                        monkeypatch, capsys)
 
 
 @pytest.mark.parametrize('args,message', [

@@ -1,6 +1,5 @@
 """InternViT recipes: configs, model statistics, few-shot splits, and the
 tiny config trained on 2 gloo ranks."""
-import importlib.util
 import os
 import os.path as osp
 import re
@@ -11,16 +10,14 @@ import sys
 import pytest
 from mmengine.config import Config
 
+from tests.tool_utils import load_script
+
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 RECIPES = osp.join(ROOT, 'configs', 'intern_vit')
 
 
 def _load(relpath):
-    spec = importlib.util.spec_from_file_location(
-        osp.basename(relpath)[:-3], osp.join(ROOT, relpath))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(osp.join(ROOT, relpath), osp.basename(relpath)[:-3])
 
 
 def _stats(name):

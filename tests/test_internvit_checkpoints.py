@@ -6,7 +6,6 @@ Hugging Face, InternVL-Chat ``vision_model.``, a whole segmentor under
 ``pretrained=`` or through ``tools/model_converters/internvit2mmseg.py``
 must give the same outputs, bit for bit.
 """
-import importlib.util
 import json
 import os.path as osp
 import subprocess
@@ -20,6 +19,7 @@ from safetensors.torch import save_file
 from mmcv_custom.models import InternViT
 from mmcv_custom.models.backbones import (UnknownCheckpointLayoutError,
                                           convert_checkpoint)
+from tests.tool_utils import load_script
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOL = osp.join(ROOT, 'tools', 'model_converters', 'internvit2mmseg.py')
@@ -31,10 +31,7 @@ TOY_CONFIG = osp.join(
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location('internvit2mmseg', TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(TOOL, 'internvit2mmseg')
 
 
 def _randomise(model, seed=0):

@@ -20,6 +20,21 @@ def _train(rank, world_size, work_dir, comm_hook, max_iters, resume,
     return train_and_gather(runner, records, world_size)
 
 
+def _whole_and_resumed(tmp_path, cfg, bucket_cap_mb=25, before_resume=None):
+    """Rank 0's weights after 10 uninterrupted steps, and after 4 steps, a
+    stop and a resume to 10 (``before_resume(work_dir)`` runs in between),
+    with the resumed run's log lines and its work dir."""
+    whole, _ = run_ranks(_train, str(tmp_path / 'whole'), cfg, 10, False,
+                         bucket_cap_mb)[0]
+    part = tmp_path / 'part'
+    run_ranks(_train, str(part), cfg, 4, False, bucket_cap_mb)  # "stops"
+    if before_resume is not None:
+        before_resume(part)
+    resumed, lines = run_ranks(_train, str(part), cfg, 10, True,
+                               bucket_cap_mb)[0]
+    return whole, resumed, lines, str(part)
+
+
 @pytest.mark.parametrize('bucket_cap_mb,wrapper', [(25, None),
                                                    (0.002, None),
                                                    (0.002, 'bf16')])
@@ -28,13 +43,8 @@ def test_resumed_powersgd_run_matches_the_uninterrupted_one(
     """DDP lays buckets out differently before and after its first step, and
     a resumed run starts with the first layout again; with 2 kB buckets the
     parameters also move between buckets."""
-    cfg = dict(POWERSGD, wrapper=wrapper)
-    whole, _ = run_ranks(_train, str(tmp_path / 'whole'), cfg, 10, False,
-                         bucket_cap_mb)[0]
-    part = str(tmp_path / 'part')
-    run_ranks(_train, part, cfg, 4, False, bucket_cap_mb)  # "stops" at 4
-    resumed, lines = run_ranks(_train, part, cfg, 10, True,
-                               bucket_cap_mb)[0]
+    whole, resumed, lines, _ = _whole_and_resumed(
+        tmp_path, dict(POWERSGD, wrapper=wrapper), bucket_cap_mb)
     assert any('Restored the powerSGD state' in m for _, m in lines)
     assert torch.equal(resumed[0], whole[0])  # bit for bit
     assert torch.equal(resumed[0], resumed[1])
@@ -119,12 +129,8 @@ def test_resumed_int8_run_restores_its_residuals(tmp_path, bucket_cap_mb):
     parameters, not the buckets (a resumed run's first step uses DDP's
     first layout, the uninterrupted run its rebuilt one), so the resumed
     run is the uninterrupted one bit for bit."""
-    whole, _ = run_ranks(_train, str(tmp_path / 'whole'), INT8, 10, False,
-                         bucket_cap_mb)[0]
-    part = str(tmp_path / 'part')
-    run_ranks(_train, part, INT8, 4, False, bucket_cap_mb)
-    resumed, lines = run_ranks(_train, part, INT8, 10, True,
-                               bucket_cap_mb)[0]
+    whole, resumed, lines, part = _whole_and_resumed(tmp_path, INT8,
+                                                     bucket_cap_mb)
     assert ('INFO', 'Restored the int8_compress state (error feedback) of '
             f'all 2 ranks from the files beside {part}/iter_4.pth.') in lines
     assert torch.equal(resumed[0], whole[0])  # bit for bit
@@ -148,13 +154,13 @@ def test_resumed_int8_run_without_its_residuals_drifts(tmp_path):
     """Guards the bit-for-bit test above: the residuals restored are what
     makes it exact. With the state files gone the run resumes (warned, all
     ranks from zero) and parts from the uninterrupted one."""
-    whole, _ = run_ranks(_train, str(tmp_path / 'whole'), INT8, 10,
-                         False)[0]
-    part = tmp_path / 'part'
-    run_ranks(_train, str(part), INT8, 4, False)
-    for rank in range(2):
-        (part / f'iter_4.pth.comm_hook_rank{rank}.pth').unlink()
-    resumed, lines = run_ranks(_train, str(part), INT8, 10, True)[0]
+
+    def delete_state_files(part):
+        for rank in range(2):
+            (part / f'iter_4.pth.comm_hook_rank{rank}.pth').unlink()
+
+    whole, resumed, lines, _ = _whole_and_resumed(
+        tmp_path, INT8, before_resume=delete_state_files)
     assert [lvl for lvl, m in lines if 'Not restoring' in m] == ['WARNING']
     assert torch.equal(resumed[0], resumed[1])
     assert not torch.equal(resumed[0], whole[0])
