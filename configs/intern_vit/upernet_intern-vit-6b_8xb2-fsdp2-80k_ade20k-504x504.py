@@ -13,10 +13,6 @@
 # backbone's bf16 ones as they are. Checkpoints are sharded directories:
 # `--resume` reads them on any number of GPUs, tools/test.py evaluates them,
 # tools/model_converters/fsdp2_to_pth.py consolidates them.
-_base_ = ['./upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py']
-runner_type = 'FlexibleRunner'
-strategy = dict(
-    type='FSDP2Strategy',
-    shard_modules=['InternViTBlock', 'InternViT', 'UPerHead', 'FCNHead'],
-    reshard_after_forward=True)
+_base_ = ['./upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py',
+          '../_base_/strategies/fsdp2_intern-vit.py']
 comm_hook = dict(type='bf16_compress')

@@ -7,10 +7,6 @@
 # Checkpoints are sharded directories (iter_200.pth/); evaluate one with
 # tools/test.py as any checkpoint, or consolidate it with
 # tools/model_converters/fsdp2_to_pth.py.
-_base_ = ['./upernet_intern-vit-tiny_2xb8-200iter_toy-shapes-56x56.py']
-runner_type = 'FlexibleRunner'
-strategy = dict(
-    type='FSDP2Strategy',
-    shard_modules=['InternViTBlock', 'InternViT', 'UPerHead', 'FCNHead'],
-    reshard_after_forward=True)
+_base_ = ['./upernet_intern-vit-tiny_2xb8-200iter_toy-shapes-56x56.py',
+          '../_base_/strategies/fsdp2_intern-vit.py']
 comm_hook = dict(type='bf16_compress')
