@@ -123,9 +123,9 @@ def check_checkpoint_file(path: str, source: str) -> None:
 
     Args:
         path (str): A local file or sharded checkpoint directory. A URL
-            or another ``scheme://`` name that
-            MMEngine fetches itself is not checked here (torch's safe
-            loader still refuses unsafe contents when it is loaded).
+            or another ``scheme://`` name that MMEngine fetches itself is
+            not checked here (torch's safe loader still refuses unsafe
+            contents when it is loaded).
         source (str): Where ``path`` came from, for the message, e.g.
             ``'load_from'``.
 
