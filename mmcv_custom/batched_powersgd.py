@@ -19,9 +19,9 @@ Per bucket, after ``start_powerSGD_iter`` plain all-reduces:
 Two all-reduces of ``side * rank`` numbers replace one of ``N``. Compared
 with ``powerSGD`` it compresses far more but less accurately, because the
 matrix mixes all parameters of the bucket. The two all-reduces run one
-after the other within the hook, which keeps every backend (gloo included)
-in step and costs the overlap of this bucket's communication with the rest
-of the backward pass.
+after the other, for CPU buckets on :mod:`mmcv_custom.comm_worker`'s thread
+(one bucket after another in DDP's order): every backend (gloo included)
+stays in step, and the backward pass goes on while a bucket travels.
 """
 import math
 
@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
+
+from .comm_worker import run_on_comm_worker
 
 __all__ = ['batched_powersgd_hook']
 
@@ -60,6 +62,15 @@ def batched_powersgd_hook(
         Future[Tensor]: Resolves to the bucket's own buffer holding the
         averaged low-rank approximation (a plain average during warm-up).
     """
+    # Every all-reduce is issued before _batched_powersgd returns (the
+    # warm-up's is left in flight).
+    return run_on_comm_worker(lambda: _batched_powersgd(state, bucket),
+                              bucket, wait=False)
+
+
+def _batched_powersgd(state: powerSGD.PowerSGDState,
+                      bucket: dist.GradBucket) -> torch.futures.Future:
+    """The hook's work on one bucket, waiting for its own all-reduces."""
     group = (state.process_group
              if state.process_group is not None else dist.group.WORLD)
     world_size = group.size()

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from . import int8_codec
+from .comm_worker import run_on_comm_worker
 from .int8_codec import BlockTable
 
 __all__ = [
@@ -500,12 +501,14 @@ def int8_compress_hook(
     Works for fp32 and bf16 buckets (the buffer keeps its dtype; the math is
     fp32) on gloo and NCCL. Only bytes cross the wire and the sums are
     taken locally, so no backend needs to reduce bf16 (no NCCL >= 2.10
-    rule, unlike ``bf16_compress``). The first phase is waited for inside
-    the hook and the all-gather is left in flight: a collective started
-    from a future's callback would run on gloo's worker threads, where
-    several buckets' collectives can be issued in different orders on
-    different ranks (see ``registry._CALLBACK_COLLECTIVE_HOOKS``). Only the
-    final dequantization runs in the callback.
+    rule, unlike ``bf16_compress``). The hook waits for its all-to-all
+    before it sums: for a CPU bucket that wait, and all the rest of the
+    bucket's work, runs on :mod:`mmcv_custom.comm_worker`'s thread, one
+    bucket after another in DDP's order, so the backward pass goes on
+    meanwhile and every rank issues its collectives in the same order.
+    (A collective started from a future's callback instead would run on
+    gloo's worker threads, where several buckets' collectives can be
+    issued in different orders on different ranks.)
 
     Error: each element of the average is off by at most half a first-phase
     step of its block summed over the ranks, plus half the second-phase
@@ -529,6 +532,16 @@ def int8_compress_hook(
             'int8_compress_hook needs an Int8State, e.g. '
             'ddp.register_comm_hook(Int8State(process_group), '
             f'int8_compress_hook), but got {type(state).__name__}: {state!r}')
+    # The all-gather is issued before _int8_reduce returns; its future only
+    # decodes: the worker goes on to the next bucket meanwhile.
+    return run_on_comm_worker(lambda: _int8_reduce(state, bucket), bucket,
+                              wait=False)
+
+
+def _int8_reduce(state: Int8State,
+                 bucket: dist.GradBucket) -> torch.futures.Future:
+    """The hook's work on one bucket; waits for the first phase, leaves
+    the all-gather in flight."""
     group = _group_or_world(state.process_group)
     world_size, rank = group.size(), group.rank()
     buffer = bucket.buffer()

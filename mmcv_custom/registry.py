@@ -56,9 +56,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
 from .batched_powersgd import batched_powersgd_hook
+from .comm_worker import on_comm_worker
 from .powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
 from .ddp_hooks import (CompressState, _check_compress_args,
-                        _uses_nccl, allreduce_hook,
+                        allreduce_hook,
                         bf16_compress_hook, bf16_compress_wrapper,
                         check_bf16_support, fp16_compress_hook,
                         fp16_compress_wrapper)
@@ -99,12 +100,20 @@ _HALF_PRECISION_HOOKS = {
 # Hooks that quantize below half precision: a wrapper would round twice too.
 _QUANTIZING_HOOKS = {int8_compress_hook: 'int8'}
 
-# PyTorch's PowerSGD hooks start their second all-reduce from inside a future
-# callback. Gloo runs callbacks on its own worker threads, so with several
-# buckets in flight the ranks issue collectives in different orders and gloo
-# aborts ("Received data size doesn't match expected size") or hangs. On gloo
-# we therefore finish each bucket before DDP hands over the next one.
-_CALLBACK_COLLECTIVE_HOOKS = {powerSGD.powerSGD_hook}
+# Hooks that wait for their own collectives (the int8 hook between its two
+# phases, batched PowerSGD between its all-reduces) or start collectives from
+# future callbacks (PyTorch's PowerSGD, unsafe on gloo with several buckets in
+# flight: pytorch/pytorch#48478). Their whole composed chain, state included,
+# runs on the communication worker (mmcv_custom.comm_worker): one bucket after
+# another in DDP's order, while the backward pass goes on. The value: whether
+# the worker must wait for a bucket's future before the next bucket (its
+# callbacks issue collectives), or may encode the next bucket while this one
+# is still on the wire (every collective issued when the hook returns).
+_WAITING_HOOKS = {
+    powerSGD.powerSGD_hook: True,
+    batched_powersgd_hook: False,
+    int8_compress_hook: False,
+}
 
 # Hooks that run on a PowerSGDState (and keep its compression counters).
 _POWERSGD_HOOKS = {powerSGD.powerSGD_hook, batched_powersgd_hook}
@@ -381,8 +390,10 @@ class CommHookSpec:
             defaults this project sets (see ``defaults_set``).
         defaults_set (tuple[str]): Names in ``state_kwargs`` that the user
             did not write and this project chose.
-        serialized (bool): True when buckets are reduced one at a time
-            (PowerSGD off NCCL, see ``_CALLBACK_COLLECTIVE_HOOKS``).
+        on_worker (bool): True when the hook runs on the communication
+            worker thread (see ``_WAITING_HOOKS``): CPU buckets are
+            communicated one at a time, in DDP's order, while the backward
+            pass goes on.
         relayout (PowerSGDRelayout, optional): Saves and restores a
             PowerSGD state per parameter.
         notes (tuple[str]): What the user should read in the log besides
@@ -396,7 +407,7 @@ class CommHookSpec:
     wrapper: Optional[str] = None
     state_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
     defaults_set: tuple = ()
-    serialized: bool = False
+    on_worker: bool = False
     relayout: Optional[PowerSGDRelayout] = None
     notes: tuple = ()
 
@@ -413,8 +424,9 @@ class CommHookSpec:
                                 if k in self.defaults_set else '')
                 for k, v in self.state_kwargs.items())
             parts.append(f'state: {type(self.state).__name__}({args})')
-        if self.serialized:
-            parts.append('buckets reduced one at a time (not NCCL)')
+        if self.on_worker:
+            parts.append('CPU buckets communicated in order on a worker '
+                         'thread, overlapped with backward')
         return ', '.join(parts)
 
 
@@ -664,20 +676,6 @@ def _count_wire(hook: Callable, counter: CommCounter,
     return _counted_hook
 
 
-def _one_bucket_at_a_time(hook: Callable) -> Callable:
-    """Make ``hook`` finish its bucket before DDP can start the next one."""
-
-    def _serialized_hook(state, bucket: dist.GradBucket):
-        result = hook(state, bucket).wait()
-        fut = torch.futures.Future()
-        fut.set_result(result)
-        return fut
-
-    _serialized_hook.__qualname__ = getattr(hook, '__qualname__', 'hook')
-    _serialized_hook.__wrapped__ = hook
-    return _serialized_hook
-
-
 def _sent_as_they_are(checked: dict, base_hook: Callable,
                       param_names: dict) -> Optional[str]:
     """Say which parameters a half-precision hook or wrapper sends in their
@@ -766,10 +764,12 @@ def build_comm_hook(cfg: dict,
     if wrapper is not None:
         hook = _WRAPPERS[wrapper](hook)
 
-    serialized = (base_hook in _CALLBACK_COLLECTIVE_HOOKS
-                  and not _uses_nccl(process_group, device))
-    if serialized:
-        hook = _one_bucket_at_a_time(hook)
+    on_worker = base_hook in _WAITING_HOOKS
+    if on_worker:
+        # The whole chain, so that the state's bookkeeping (PowerSGD's
+        # relayout, the int8 plan that the byte count builds) runs on one
+        # thread in bucket order.
+        hook = on_comm_worker(hook, wait=_WAITING_HOOKS[base_hook])
     if counter is not None:
         hook = _count_baseline(hook, counter)
     name = hook_type if isinstance(hook_type, str) else getattr(
@@ -782,7 +782,7 @@ def build_comm_hook(cfg: dict,
         wrapper=wrapper,
         state_kwargs=state_kwargs,
         defaults_set=checked['defaults_set'],
-        serialized=serialized,
+        on_worker=on_worker,
         relayout=relayout,
         notes=notes)
 

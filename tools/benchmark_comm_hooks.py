@@ -155,8 +155,15 @@ def _wire_bytes(step):
     Returns:
         dict: Collective (:data:`_COLLECTIVES`) -> bytes.
     """
+    from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
+
+    # The int8 hook issues its collectives on mmcv_custom.comm_worker's
+    # thread, started before the profiler: recorded only when all threads
+    # are.
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                 experimental_config=_ExperimentalConfig(
+                     profile_all_threads=True)) as p:
         step()
     totals = dict.fromkeys(_COLLECTIVES, 0)
     for event in p.profiler.kineto_results.events():
