@@ -492,13 +492,14 @@ def plot(summary, path):
                         label=name)
         if None in rows and name != 'noop':
             base = rows[None]['step_s']
-            ax.plot(xs, [base + rows[m]['bound_s'] for m in xs],
+            ax.plot(xs, [base + max(rows[m]['bound_s'],
+                                    rows[m]['codec_bound_s']) for m in xs],
                     linestyle=':', color=line.get_color())
     ax.set_xscale('log')
     ax.set_xlabel('link rate per node and direction (Mbit/s)')
     ax.set_ylabel('median training step (s)')
     ax.set_title('Step time on emulated nodes (dotted: unshaped step + '
-                 'overlap bound)', fontsize=9)
+                 'overlap bound, codec in each chain)', fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(True, which='both', alpha=0.3)
     fig.tight_layout()
