@@ -55,19 +55,26 @@ def _results(step_times, wire, codec):
     return [dict(rank, rank=0), dict(rank, rank=1)]
 
 
-def test_summary_rows_and_verdict():
+def _rows(int8_steps, n=1):
+    """The summary of one run at 80 Mbit/s (1e7 B/s: allreduce's 3 MB
+    need 300 ms on the wire) and unshaped, ``n`` steps a cell, int8's at
+    80 Mbit/s given."""
     steps = {
-        'unshaped': dict(noop=[0.10], allreduce=[0.11], int8_compress=[0.12]),
-        # 80 Mbit/s = 1e7 B/s: allreduce's 3 MB need 300 ms on the wire.
-        '80 Mbit/s': dict(noop=[0.10], allreduce=[0.41],
-                          int8_compress=[0.30]),
+        'unshaped': dict(noop=[0.10] * n, allreduce=[0.11] * n,
+                         int8_compress=[0.12] * n),
+        '80 Mbit/s': dict(noop=[0.10] * n, allreduce=[0.41] * n,
+                          int8_compress=int8_steps),
     }
     results = _results(steps,
                        dict(noop=0, allreduce=3 * 10**6,
                             int8_compress=780000),
                        dict(noop=0.0, allreduce=0.0, int8_compress=0.004))
-    rows = bench.summarize(results, [80.0, None],
+    return bench.summarize(results, [80.0, None],
                            ['noop', 'allreduce', 'int8_compress'], 2)
+
+
+def test_summary_rows_and_verdict():
+    rows = _rows([0.30])
     by = {(r['rate'], r['hook']): r for r in rows}
     ar = by['80 Mbit/s', 'allreduce']
     assert ar['wire_s'] == pytest.approx(0.3)
@@ -91,19 +98,7 @@ def test_summary_rows_and_verdict():
 
 def test_a_miss_within_the_noise_is_not_a_failure():
     # The same int8 row, its steps spread widely: +-100 ms per sample.
-    spread = [0.20, 0.30, 0.40, 0.10, 0.50]
-    steps = {
-        'unshaped': dict(noop=[0.10] * 5, allreduce=[0.11] * 5,
-                         int8_compress=[0.12] * 5),
-        '80 Mbit/s': dict(noop=[0.10] * 5, allreduce=[0.41] * 5,
-                          int8_compress=spread),
-    }
-    results = _results(steps,
-                       dict(noop=0, allreduce=3 * 10**6,
-                            int8_compress=780000),
-                       dict(noop=0.0, allreduce=0.0, int8_compress=0.004))
-    rows = bench.summarize(results, [80.0, None],
-                           ['noop', 'allreduce', 'int8_compress'], 2)
+    rows = _rows([0.20, 0.30, 0.40, 0.10, 0.50], n=5)
     int8 = rows[2]
     # MAD 0.1 s: standard error 1.2533 * 1.4826 * 0.1 / sqrt(5).
     assert int8['noise_s'] == pytest.approx(0.0831, abs=1e-4)

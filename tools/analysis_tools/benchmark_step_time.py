@@ -579,38 +579,33 @@ def bench_json(results, summary, meta, hooks, rates, world_size):
 
 
 # -- the command line --------------------------------------------------------
+def _checked(convert, ok, rule):
+    """An argparse type: ``convert(text)``, refused unless ``ok``."""
+    def parse(text):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f'{text!r} is not {rule}')
+        return value
+
+    return parse
+
+
+def _positive(value):
+    return math.isfinite(value) and value > 0
+
+
+_positive_int = _checked(int, lambda v: v >= 1, 'an int >= 1')
+_positive_float = _checked(float, _positive, 'a number > 0')
+_mbit = _checked(float, _positive, "a rate: give Mbit/s > 0 or 'unshaped'")
+
+
 def _rate(text):
     if text.lower() in ('unshaped', 'none', '0'):
         return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a rate: give Mbit/s > 0 or 'unshaped'")
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a rate: give Mbit/s > 0 or 'unshaped'")
-    return value
-
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'{text!r} is not an int >= 1')
-    if value < 1:
-        raise argparse.ArgumentTypeError(f'{text!r} is not an int >= 1')
-    return value
-
-
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'{text!r} is not a number > 0')
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f'{text!r} is not a number > 0')
-    return value
+    return _mbit(text)
 
 
 def parse_args(argv=None):
