@@ -203,7 +203,11 @@ def _set_rate(spec, mbit):
 
 
 def _codec_times(model, cfg, spec, data, rank, world_size):
-    """Per hook, its step on a one-rank group minus ``noop``'s there."""
+    """Per hook, its step on a one-rank group minus ``noop``'s there.
+
+    The hooks take turns step by step (not block by block), so that a rank
+    descheduled for a while (more ranks than cores) slows them all alike.
+    """
     import torch.distributed as dist
     solos = [dist.new_group([r]) for r in range(world_size)]
     models = _ddp_models(model, cfg, spec, solos[rank])
@@ -211,10 +215,9 @@ def _codec_times(model, cfg, spec, data, rank, world_size):
     for name, entry in models.items():
         for _ in range(_WARMUP):
             _step(entry, data)
-    for _ in range(spec['rounds']):
+    for _ in range(spec['rounds'] * spec['steps']):
         for name, entry in models.items():
-            for _ in range(spec['steps']):
-                times[name].append(_step(entry, data)[0])
+            times[name].append(_step(entry, data)[0])
     noop = statistics.median(times['noop'])
     return {
         name: max(0.0, statistics.median(t) - noop)
@@ -358,6 +361,12 @@ def median_error(times):
     return 1.2533 * 1.4826 * mad / math.sqrt(len(times))
 
 
+def _codec(results, name):
+    """A hook's codec time: the median over the ranks (each measured
+    alone; the max would pick the one a busy host slowed most)."""
+    return statistics.median(r['codec_s'].get(name, 0.0) for r in results)
+
+
 def summarize(results, rates, hooks, world_size):
     """Merge the ranks' results into the report's rows (rank 0's times;
     the slowest rank's bytes)."""
@@ -384,8 +393,7 @@ def summarize(results, rates, hooks, world_size):
             row = dict(rate=label, mbit=mbit, hook=name,
                        step_s=median[label][name],
                        compute_s=median[label]['noop'],
-                       codec_s=max(r['codec_s'].get(name, 0.0)
-                                   for r in results),
+                       codec_s=_codec(results, name),
                        sent_bytes=ring * wire_bytes)
             if mbit is not None and name in unshaped:
                 rate = mbit * 1e6 / 8
@@ -561,7 +569,7 @@ def bench_json(results, summary, meta, hooks, rates, world_size):
         hooks={
             name: dict(
                 wire_bytes=counted[name],
-                codec_s=max(r['codec_s'].get(name, 0.0) for r in results),
+                codec_s=_codec(results, name),
                 collectives=collectives.get(name))
             for name in hooks
         },
