@@ -26,8 +26,9 @@ issue collectives of its own on the same group from the autograd thread
 graph's first iteration). If the worker were still issuing a bucket's
 collectives then, the two threads' collectives could interleave
 differently on different ranks. So :func:`run_on_comm_worker` returns for
-the last bucket only when the worker has finished every bucket: nothing is
-lost, since DDP waits for every bucket right after anyway.
+the last bucket only when the worker has issued every bucket's collectives
+(a bucket whose future's callbacks issue more is waited for whole): nothing
+is lost, since DDP waits for every bucket right after anyway.
 
 Why a failure stops the worker for good: if one rank fails in the middle
 of a bucket, its peers are left waiting in a collective it never joined.

@@ -52,7 +52,6 @@ import math
 import os
 import os.path as osp
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -141,7 +140,6 @@ def _build(cfg):
 def _ddp_models(model, cfg, spec, group):
     """One DDP model per hook (a hook is registered once per model), each
     on its own copy of the same weights."""
-    import torch.distributed as dist  # noqa: F401
     from mmengine.optim import build_optim_wrapper
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -168,6 +166,12 @@ def _ddp_models(model, cfg, spec, group):
                                     copy.deepcopy(cfg.optim_wrapper))
         out[name] = dict(ddp=ddp, optim=optim, counter=counter, clock=clock)
     return out
+
+
+def _grad_bytes(model):
+    """Bytes of the model's trainable gradients, as DDP hands them over."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()
+               if p.requires_grad)
 
 
 def _step(entry, data):
@@ -241,11 +245,10 @@ def _node_worker(spec_path):
     from mmcv_custom.launcher import load_config
     cfg = load_config(spec['config'], spec.get('cfg_options'))
     model, data = _build(cfg)
+    grad_bytes = _grad_bytes(model)
     if spec['bucket_cap_mb'] is None:
         # A sixth of the gradients, for at least 4 buckets.
-        spec['bucket_cap_mb'] = round(
-            sum(p.numel() * p.element_size() for p in model.parameters()
-                if p.requires_grad) / 6 / 2**20, 4)
+        spec['bucket_cap_mb'] = round(grad_bytes / 6 / 2**20, 4)
     models = _ddp_models(model, cfg, spec, None)
     for entry in models.values():
         for _ in range(_WARMUP):
@@ -285,16 +288,12 @@ def _node_worker(spec_path):
         _set_rate(spec, None)
     dist.barrier()
     codec = _codec_times(model, cfg, spec, data, rank, world_size)
-    ddp = models['noop']['ddp']
-    buckets = _bucket_sizes(clock)
     result = dict(rank=rank, steps=steps,
                   bucket_cap_mb=spec['bucket_cap_mb'],
                   wire_bytes={n: max(w) if w else 0 for n, w in wire.items()},
                   backward_s=statistics.median(backward),
-                  buckets=buckets, codec_s=codec,
-                  grad_bytes=sum(p.numel() * p.element_size()
-                                 for p in ddp.module.parameters()
-                                 if p.requires_grad))
+                  buckets=_bucket_records(clock), codec_s=codec,
+                  grad_bytes=grad_bytes)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -305,8 +304,9 @@ def _node_worker(spec_path):
     dist.destroy_process_group()
 
 
-def _bucket_sizes(clock):
-    """Each bucket's bytes and median ready time, in DDP's order."""
+def _bucket_records(clock):
+    """Each bucket's bytes, median ready time and parameters, in DDP's
+    order."""
     return [
         dict(index=index, bytes=clock.bytes[index],
              ready_s=statistics.median(clock.ready[index]),
