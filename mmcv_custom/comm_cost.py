@@ -47,8 +47,8 @@ out, in DDP's order). What runs past the end of the backward is exposed::
 
     step = compute_step + max(0, finish of the last bucket - backward)
 
-**Fit** (:func:`fit`): ``alpha``, ``eta`` and optionally a fixed overhead
-per hook and step, by least squares of the relative error on a chosen
+**Fit** (:func:`fit`): ``alpha``, ``eta`` and optionally an overhead per
+hook and step, as a share of the compute step, by least squares of the relative error on a chosen
 subset of a benchmark's link rates, validated on the others.
 
 **Recommendation** (:func:`recommend`): per hook, the step on a cluster,
@@ -302,14 +302,18 @@ class LinkConstants:
     Args:
         alpha_s (float): Latency per message (per ring step), seconds.
         eta (float): Achieved fraction of every link rate.
-        overhead_s (Mapping[str, float]): A fixed cost per step and hook
-            beyond the model (thread hand-offs, the benchmark machine's
-            own noise), fitted; 0 for hooks not named. Defaults to none.
+        overhead_share (Mapping[str, float]): A cost per step and hook
+            beyond the model (thread hand-offs, the codec's thread taking
+            cores from the backward), as a share of the compute step:
+            it runs on the same cores as the compute, so a machine whose
+            compute step is slower (more ranks per core) is slower at it
+            alike. Fitted; 0 for hooks not named. Defaults to none.
         source (str): Where the constants come from, for the output.
     """
     alpha_s: float = 10e-6
     eta: float = 0.9
-    overhead_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    overhead_share: Mapping[str, float] = dataclasses.field(
+        default_factory=dict)
     source: str = 'defaults'
 
     def __post_init__(self) -> None:
@@ -947,7 +951,8 @@ class StepPrediction:
     Attributes:
         hook (str): Its name.
         label (str): With its settings (e.g. ``powerSGD (rank 1)``).
-        step_s (float): ``compute_step_s + exposed_s + overhead``.
+        step_s (float): ``compute_step_s * (1 + overhead_share) +
+            exposed_s``.
         exposed_s (float): Communication not hidden by the backward.
         compute_step_s (float): The step without communication.
         comm_s (float): All buckets' communication, back to back (codec
@@ -1028,7 +1033,7 @@ def predict_step(hook: HookCost, buckets: Sequence[Bucket],
         sent += sum(c.nbytes for c in collectives
                     if c.kind != 'all_gather')
     exposed = simulate_overlap(ready_s, busy, backward_s).exposed_s
-    overhead = constants.overhead_s.get(hook.name, 0.0)
+    overhead = constants.overhead_share.get(hook.name, 0.0) * compute_step_s
     return StepPrediction(
         hook=hook.name,
         label=hook.label(),
@@ -1345,27 +1350,34 @@ class _Point:
         """The prediction without the hook's overhead."""
         return self.bench.compute_step_s + self.comm_exposed(alpha, eta)
 
+    def predicted(self, alpha: float, eta: float,
+                  shares: Mapping[str, float]) -> float:
+        return (self.base(alpha, eta) +
+                shares.get(self.hook, 0.0) * self.bench.compute_step_s)
+
 
 def _overheads(points: Sequence[_Point], bases: Sequence[float]
                ) -> Dict[str, float]:
-    """Each hook's overhead minimizing the squared relative error of its
-    points, given their predictions without it (closed form, weights
-    ``1 / measured^2``), not below 0."""
+    """Each hook's overhead share minimizing the squared relative error of
+    its points, given their predictions without it (closed form, weights
+    ``1 / measured^2``: the share ``f`` of the compute step ``c`` with
+    ``sum w c (measured - base - f c) = 0``), not below 0."""
     sums: Dict[str, List[float]] = {}
     for p, base in zip(points, bases):
         w = 1.0 / p.measured**2
+        c = p.bench.compute_step_s
         s = sums.setdefault(p.hook, [0.0, 0.0])
-        s[0] += w * (p.measured - base)
-        s[1] += w
-    return {h: max(0.0, a / b) for h, (a, b) in sums.items()}
+        s[0] += w * c * (p.measured - base)
+        s[1] += w * c * c
+    return {h: max(0.0, a / b) if b else 0.0 for h, (a, b) in sums.items()}
 
 
 def _loss(points: Sequence[_Point], alpha: float, eta: float,
           overhead: bool) -> float:
     bases = [p.base(alpha, eta) for p in points]
-    extra = _overheads(points, bases) if overhead else {}
-    return sum(((b + extra.get(p.hook, 0.0)) / p.measured - 1)**2
-               for p, b in zip(points, bases))
+    shares = _overheads(points, bases) if overhead else {}
+    return sum(((b + shares.get(p.hook, 0.0) * p.bench.compute_step_s) /
+                p.measured - 1)**2 for p, b in zip(points, bases))
 
 
 # Search bounds: log10(alpha / s), eta.
@@ -1440,8 +1452,8 @@ def fit(benchmarks: Sequence[Benchmark],
             Defaults to None: all.
         fit_world_sizes (Sequence[int], optional): World sizes to fit on.
             Defaults to None: all.
-        overhead (bool): Fit a fixed overhead per hook and step. Defaults
-            to True.
+        overhead (bool): Fit an overhead per hook and step (a share of
+            the compute step). Defaults to True.
 
     Returns:
         FitResult
@@ -1495,7 +1507,7 @@ def fit(benchmarks: Sequence[Benchmark],
         codec=codec,
         points=tuple(
             FitPoint(p.bench.source, p.bench.world_size, p.hook, p.mbit,
-                     p.measured, p.base(alpha, eta) + extra.get(p.hook, 0.0),
+                     p.measured, p.predicted(alpha, eta, extra),
                      p.fitted) for p in points),
         skipped=tuple(dict.fromkeys(skipped)))
 

@@ -116,6 +116,33 @@ def test_a_miss_within_the_noise_is_not_a_failure():
     assert 'no propagation delay is emulated' in table
 
 
+def test_noise_counts_the_drift_between_rounds():
+    # Three rounds of two steps. Each block's steps agree closely, but the
+    # shaped block reads 0, 20 and -20 ms above the unshaped one in turn:
+    # the steps' spread hides what the rounds show.
+    shaped = [0.100, 0.101, 0.120, 0.121, 0.080, 0.081]
+    unshaped = [0.100, 0.101, 0.100, 0.101, 0.100, 0.101]
+    assert bench.median_error(shaped) > 0
+    # Per-round differences 0, 20, -20 ms: MAD 20 ms.
+    assert bench.round_error(shaped, unshaped, 3) == pytest.approx(
+        1.2533 * 1.4826 * 0.020 / 3**0.5)
+    # Fewer than 3 rounds (or lists that do not split into them): no
+    # estimate from the rounds.
+    assert bench.round_error(shaped, unshaped, 2) == 0.0
+    assert bench.round_error(shaped, unshaped[:4], 3) == 0.0
+    # summarize takes the larger of the two.
+    steps = {
+        'unshaped': dict(noop=[0.1] * 6, allreduce=unshaped),
+        '80 Mbit/s': dict(noop=[0.1] * 6, allreduce=shaped),
+    }
+    results = _results(steps, dict(noop=0, allreduce=3 * 10**6),
+                       dict(noop=0.0, allreduce=0.0))
+    rows = bench.summarize(results, [80.0, None], ['noop', 'allreduce'], 2,
+                           rounds=3)
+    assert rows[1]['noise_s'] == pytest.approx(
+        bench.round_error(shaped, unshaped, 3))
+
+
 @pytest.mark.parametrize('args, message', [
     (['--rates', '100'], "--rates must include 'unshaped'"),
     (['--rates', '-5', 'unshaped'], "'-5' is not a rate"),

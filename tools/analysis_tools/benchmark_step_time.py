@@ -361,15 +361,39 @@ def median_error(times):
     return 1.2533 * 1.4826 * mad / math.sqrt(len(times))
 
 
+def round_error(shaped, unshaped, rounds):
+    """The standard error of ``exposed`` from its spread over the rounds.
+
+    Each round times every (rate, hook) block once, so the difference of
+    the two blocks' medians in one round is one paired estimate of the
+    exposed time; the standard error of their median (as in
+    :func:`median_error`) includes what the step-to-step spread misses: a
+    shared machine drifting between the blocks (measured on the FCN toy at
+    300 Mbit/s: one cell read 10 ms in two runs, -8 ms in a third, while
+    its steps' spread claimed +-3.5 ms). 0.0 with fewer than 3 rounds.
+    """
+    if rounds < 3 or not shaped or len(shaped) != len(unshaped) \
+            or len(shaped) % rounds:
+        return 0.0
+    block = len(shaped) // rounds
+    diffs = [
+        statistics.median(shaped[i:i + block]) -
+        statistics.median(unshaped[i:i + block])
+        for i in range(0, len(shaped), block)
+    ]
+    return median_error(diffs)
+
+
 def _codec(results, name):
     """A hook's codec time: the median over the ranks (each measured
     alone; the max would pick the one a busy host slowed most)."""
     return statistics.median(r['codec_s'].get(name, 0.0) for r in results)
 
 
-def summarize(results, rates, hooks, world_size):
+def summarize(results, rates, hooks, world_size, rounds=1):
     """Merge the ranks' results into the report's rows (rank 0's times;
-    the slowest rank's bytes)."""
+    the slowest rank's bytes). ``noise_s`` is the larger of the two
+    standard errors: from the steps' spread and from the rounds'."""
     rank0 = results[0]
     ring = 2 * (world_size - 1) / world_size
     buckets = rank0['buckets']
@@ -399,8 +423,11 @@ def summarize(results, rates, hooks, world_size):
                 rate = mbit * 1e6 / 8
                 row['exposed_s'] = row['step_s'] - unshaped[name]
                 # The standard error of that difference of two medians.
-                row['noise_s'] = math.hypot(error[label][name],
-                                            error[_label(None)][name])
+                row['noise_s'] = max(
+                    math.hypot(error[label][name],
+                               error[_label(None)][name]),
+                    round_error(rank0['steps'][label][name],
+                                rank0['steps'][_label(None)][name], rounds))
                 row['wire_s'] = row['sent_bytes'] / rate
                 fraction = (row['sent_bytes'] / total) if total else 0.0
                 row['bound_s'] = overlap_bound(buckets, rank0['backward_s'],
@@ -458,7 +485,8 @@ def verdict(summary, slack=0.15, comm_bound=1.1):
     become time, nothing added).
 
     A row that misses a target by less than twice its noise (the
-    standard error of ``exposed``, see :func:`median_error`) is marked
+    standard error of ``exposed``, see :func:`median_error`
+    and :func:`round_error`) is marked
     ``within noise``: the measurement cannot tell. Small wire times (a
     PowerSGD's few kB) are often that.
     """
@@ -742,7 +770,8 @@ def main(argv=None):
                 grad_bytes=rank0['grad_bytes'],
                 backward_s=rank0['backward_s'], rounds=args.rounds,
                 steps=args.steps, calibrated=calibrated)
-    summary = summarize(results, args.rates, args.hooks, args.nodes)
+    summary = summarize(results, args.rates, args.hooks, args.nodes,
+                        args.rounds)
     print(report(summary, meta))
     print()
     for line in verdict(summary):

@@ -3,9 +3,9 @@
 A thin command line over :mod:`mmcv_custom.comm_cost`. Two parts, either
 or both:
 
-* ``--fit BENCH.json`` fits the cost model's constants (alpha, eta and a
-  fixed overhead per hook) to a benchmark measured on emulated nodes, on
-  the rates of ``--fit-rates`` (default: all), and prints the validation
+* ``--fit BENCH.json`` fits the cost model's constants (alpha, eta and an
+  overhead per hook, a share of the compute step) to a benchmark measured
+  on emulated nodes, on the rates of ``--fit-rates`` (default: all), and prints the validation
   table: predicted against measured step time on the rates (and world
   sizes) it did not fit on.
 * ``--config CONFIG`` (default: InternViT-6B's UperNet) builds the model
@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
                      metavar='N', help='world sizes to fit on, with several '
                      'benchmarks (default: all)')
     fit.add_argument('--no-overhead', action='store_true',
-                     help='fit no fixed per-step overhead per hook')
+                     help='fit no per-step overhead per hook')
     fit.add_argument('--check-collectives', action='store_true',
                      help='build each benchmark\'s config on the meta '
                      'device and compare what the hook catalogue predicts '
@@ -292,9 +292,10 @@ def _fit_report(result: cc.FitResult, args) -> list:
                     f'({r["calibrated_mbit"] / r["mbit"]:.2f} of the rate)')
     lines += ['', f'alpha = {c.alpha_s * 1e6:.1f} us per message, eta = '
               f'{c.eta:.3f} of the link rate']
-    if c.overhead_s:
-        lines.append('fixed overhead per step: ' + ', '.join(
-            f'{h} {s * 1e3:.2f} ms' for h, s in c.overhead_s.items()))
+    if c.overhead_share:
+        lines.append('overhead per step, as a share of the compute step: ' +
+                     ', '.join(f'{h} {100 * s:.1f}%'
+                               for h, s in c.overhead_share.items()))
     fitted = [p for p in result.points if p.fitted]
     check = [p for p in result.points if not p.fitted]
     rms = math.sqrt(sum(p.rel_error**2 for p in fitted) / len(fitted))
@@ -338,7 +339,7 @@ def _rates(points) -> str:
 
 def _fit_json(result: cc.FitResult) -> dict:
     c = result.constants
-    return dict(alpha_s=c.alpha_s, eta=c.eta, overhead_s=dict(c.overhead_s),
+    return dict(alpha_s=c.alpha_s, eta=c.eta, overhead_share=dict(c.overhead_share),
                 codec_s_per_byte=dict(result.codec.per_byte),
                 source=c.source, skipped=list(result.skipped),
                 points=[dict(dataclasses.asdict(p), rel_error=p.rel_error)
