@@ -5,7 +5,9 @@ in a config) registers the communication-hook registry and the
 ``CommHookRegistrationHook`` runner hook and the ``FSDP2Strategy`` of
 MMEngine's FlexibleRunner, and lets torch's safe loader read
 MMEngine's own checkpoints (see :mod:`mmcv_custom.checkpoint`), so
-``--resume`` works on torch >= 2.6. The hook functions themselves live in
+``--resume`` works on torch >= 2.6, and makes every local checkpoint write
+atomic with a ``.sha256`` digest that loads verify (see
+:mod:`mmcv_custom.engine.checkpoint_io`). The hook functions themselves live in
 :mod:`mmcv_custom.ddp_hooks`, which needs only torch.
 """
 from .checkpoint import (UnsafeCheckpointError, allow_mmengine_checkpoints,
@@ -17,7 +19,8 @@ from .ddp_hooks import (CompressState, allreduce_hook, bf16_compress_hook,
 from .int8_hooks import Int8State, int8_compress_hook
 from .engine import (CommHookRegistrationHook, CPUAmpOptimWrapper,
                      FSDP2Strategy, LayerDecayOptimWrapperConstructor,
-                     NonFiniteGradientsError)
+                     NonFiniteGradientsError, install_checkpoint_integrity)
+from .integrity import CheckpointDamagedError
 from .registry import (COMM_HOOK_STATES, COMM_HOOKS, CommCounter,
                        CommHookSpec, build_comm_hook, check_comm_hook_cfg,
                        require_bool, require_int, require_real,
@@ -25,6 +28,7 @@ from .registry import (COMM_HOOK_STATES, COMM_HOOKS, CommCounter,
 from .version import __version__
 
 allow_mmengine_checkpoints()
+install_checkpoint_integrity()
 
 __all__ = [
     '__version__',
@@ -57,4 +61,6 @@ __all__ = [
     'check_checkpoint',
     'load_checkpoint_file',
     'UnsafeCheckpointError',
+    'CheckpointDamagedError',
+    'install_checkpoint_integrity',
 ]

@@ -27,11 +27,14 @@ import numpy as np
 import torch
 from mmengine.logging import HistoryBuffer
 
+from .integrity import checkpoint_candidates, require_intact, verify_file
+
 __all__ = [
     'SAFE_CHECKPOINT_GLOBALS', 'allow_mmengine_checkpoints',
     'check_checkpoint', 'check_checkpoint_file', 'load_checkpoint_file',
     'resolve_resume_checkpoint', 'is_sharded_checkpoint', 'SHARDED_META_FILE',
-    'UnsafeCheckpointError'
+    'UnsafeCheckpointError', 'readable_checkpoint', 'newest_intact',
+    'choose_resume_checkpoint'
 ]
 
 
@@ -150,6 +153,7 @@ def check_checkpoint_file(path: str, source: str) -> None:
         raise FileNotFoundError(
             f'{source}={path!r}: {what} (relative paths are from the '
             f'current directory, {os.getcwd()})')
+    require_intact(path, lambda: newest_intact(path))
     try:
         check_checkpoint(path)
     except RuntimeError as e:
@@ -173,9 +177,11 @@ def load_checkpoint_file(path: str, map_location='cpu'):
 
     Raises:
         UnsafeCheckpointError: The file holds objects off the allow-list.
+        CheckpointDamagedError: The file differs from its digest.
         OSError, RuntimeError, EOFError...: The file is missing, truncated
             or not a torch file at all (whatever ``torch.load`` raises).
     """
+    require_intact(path)
     check_checkpoint(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
@@ -226,3 +232,87 @@ def resolve_resume_checkpoint(work_dir: str,
            'is a copy of another run (which is left alone)')
     return local, (f'{recorded_file} names {recorded}, outside this work dir; '
                    f'the work dir {how}, so resuming from {local}.')
+
+
+def readable_checkpoint(path: str) -> bool:
+    """Whether torch can read ``path``'s structure (a truncated or
+    overwritten file cannot), without loading its tensors."""
+    try:
+        check_checkpoint(path)
+    except UnsafeCheckpointError:
+        return True  # readable; refused later, by name
+    except Exception:
+        return False
+    return True
+
+
+def newest_intact(path: str) -> Optional[str]:
+    """The newest checkpoint beside ``path`` (not ``path`` itself) that
+    passes its digest (a sharded directory: its ``SHA256SUMS``); None if
+    there is none."""
+    from .sharded_checkpoint import newest_intact_checkpoint
+    return newest_intact_checkpoint(path)
+
+
+def _unusable(path: str) -> Optional[str]:
+    """Why ``path`` cannot be resumed from; None if it can."""
+    if osp.isdir(path):
+        if not is_sharded_checkpoint(path):
+            return f'{path} is an incomplete sharded checkpoint'
+        from .sharded_checkpoint import verify_sharded_checkpoint
+        result = verify_sharded_checkpoint(path)
+        return None if result.usable else result.message
+    result = verify_file(path)
+    if not result.usable:
+        return result.message
+    if not readable_checkpoint(path):
+        return f'{path} is not a readable torch checkpoint (truncated?)'
+    return None
+
+
+def choose_resume_checkpoint(work_dir: str
+                             ) -> Tuple[Optional[str], List[str]]:
+    """What ``--resume`` continues from, and the warnings that explain it.
+
+    MMEngine's own choice is what ``<work_dir>/last_checkpoint`` names
+    (:func:`resolve_resume_checkpoint` corrects it for moved and copied
+    work dirs). When that file is missing or empty, or names a checkpoint
+    that is missing, fails its digest or cannot be read, the newest intact
+    ``iter_N.pth``/``epoch_N.pth`` in the work dir is taken instead, and a
+    warning says so. Every rank reads the same files and decides alike.
+
+    Returns:
+        tuple: ``(path or None, warnings)``. None: nothing to resume from
+        (the run starts at iteration 0, as Slurm requeues expect).
+    """
+    notes: List[str] = []
+    recorded_file = osp.join(work_dir, 'last_checkpoint')
+    path, moved = resolve_resume_checkpoint(work_dir)
+    if moved:
+        notes.append(moved)
+    if path is None and osp.isfile(recorded_file):
+        notes.append(f'{recorded_file} is empty (a save interrupted while '
+                     'writing it?)')
+    elif path is not None and '://' not in path:
+        why = (_unusable(path) if osp.exists(path) else
+               f'{path}: no such file')
+        if why is None:
+            return path, notes
+        notes.append(f'the latest checkpoint cannot be resumed from: {why}')
+    elif path is not None:
+        return path, notes
+    fallback = None
+    for candidate in checkpoint_candidates(work_dir,
+                                           exclude=[path] if path else []):
+        if _unusable(candidate) is None:
+            fallback = candidate
+            break
+    if fallback is not None:
+        notes.append(f'resuming from {fallback}, the newest intact '
+                     'checkpoint in the work dir')
+    elif notes:
+        notes.append(f'no intact checkpoint in {work_dir}: starting at '
+                     'iteration 0')
+    else:
+        notes.append(f'no checkpoint in {work_dir}: starting at iteration 0')
+    return fallback, notes

@@ -286,13 +286,28 @@ def build_runner(cfg: Config):
     return RUNNERS.build(cfg)
 
 
-def run_runner(cfg: Config, method: str) -> None:
+def run_runner(cfg: Config, method: str, notes=()) -> None:
     """Build the runner ``cfg`` asks for, call its ``method`` (``'train'``,
     ``'test'``), then free it and destroy the process group, even when the
     run fails: the DDP model (and the comm hook and state its reducer
-    holds) must go while the group still exists."""
+    holds) must go while the group still exists.
+
+    ``notes`` are warnings decided before the runner existed (e.g. which
+    checkpoint ``--resume`` fell back to), logged once on rank 0 into the
+    run's log file. A ``load_from`` that is not a resume is first compared
+    with the model (:mod:`mmcv_custom.engine.load_report`).
+    """
+    from .engine.load_report import load_from_min_match, report_load_from
+    min_match = load_from_min_match(cfg)
     runner = build_runner(cfg)
     try:
+        if is_launch_rank0():
+            for note in notes:
+                runner.logger.warning(note)
+        load_from = cfg.get('load_from')
+        if load_from and not cfg.get('resume') and '://' not in str(
+                load_from) and os.path.isfile(load_from):
+            report_load_from(runner, load_from, min_match)
         getattr(runner, method)()
     finally:
         del runner

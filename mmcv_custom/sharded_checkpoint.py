@@ -5,6 +5,17 @@ A sharded checkpoint is a directory (``iter_N.pth/``) of
 ``meta.pth`` with MMEngine's meta, message hub and scheduler states. DCP
 reshards on load, so any number of ranks (or one process) can read it.
 
+Integrity: the saving ranks hash what they wrote, and rank 0 writes the
+digests into ``SHA256SUMS`` inside the directory (``sha256sum``'s format,
+one line per file, names relative to the directory: ``cd iter_8.pth &&
+sha256sum -c SHA256SUMS`` checks it by hand). Every reader checks it first
+(:func:`require_intact_sharded`): a shard that is missing, truncated or
+has flipped bytes is named in one line, with the newest intact checkpoint
+beside it, instead of DCP's traceback or, worse, wrong weights. A directory
+written before manifests existed still loads (INFO once); its missing or
+truncated shards are still found, from the sizes DCP's ``.metadata``
+records.
+
 Safety: DCP's default planner unpickles every non-tensor entry (the
 optimizer's hyper-parameters) with ``torch.load(weights_only=False)``, which
 runs whatever a crafted file says. :func:`safe_load_planner` reads them with
@@ -12,20 +23,266 @@ torch's safe loader and this project's allow-list instead
 (:mod:`mmcv_custom.checkpoint`), and ``meta.pth`` is read the same way.
 """
 import contextlib
+import logging
 import os.path as osp
 import pickle
 import re
 import shutil
 import tempfile
 import warnings
+from typing import Dict, Iterable, Optional, Set, Tuple
 
 import torch
 
 from .checkpoint import (SHARDED_META_FILE, UnsafeCheckpointError,
                          is_sharded_checkpoint, load_checkpoint_file)
+from .integrity import (CheckpointDamagedError, Verification,
+                        atomic_write_text, checkpoint_candidates,
+                        file_sha256, verify_file)
 
 __all__ = ['safe_load_planner', 'safe_dcp_load',
-           'consolidate_sharded_checkpoint', 'consolidated_file']
+           'consolidate_sharded_checkpoint', 'consolidated_file',
+           'MANIFEST_FILE', 'write_manifest', 'read_manifest',
+           'verify_sharded_checkpoint', 'newest_intact_checkpoint',
+           'damaged_message', 'require_intact_sharded']
+
+#: The file of a sharded checkpoint directory that holds the SHA-256 of
+#: every other file in it, in ``sha256sum``'s format.
+MANIFEST_FILE = 'SHA256SUMS'
+_MANIFEST_LINE = re.compile(r'^([0-9a-f]{64}) [ *](\S.*)$')
+_DCP_METADATA = '.metadata'
+# Directories said once to have no manifest (INFO), by absolute path.
+_UNVERIFIED_SAID: Set[str] = set()
+
+
+def write_manifest(folder: str, digests: Dict[str, str]) -> None:
+    """Write ``folder/SHA256SUMS``: ``digests`` (file name relative to
+    ``folder`` -> SHA-256 hex digest), one line each, sorted by name."""
+    text = ''.join(f'{digests[name]}  {name}\n' for name in sorted(digests))
+    atomic_write_text(osp.join(folder, MANIFEST_FILE), text)
+
+
+def read_manifest(folder: str) -> Optional[Dict[str, str]]:
+    """The digests ``folder/SHA256SUMS`` records (name -> hex digest);
+    None when the directory has no manifest.
+
+    Raises:
+        ValueError: A line is not ``<64 hex digits>  <name>``, or a name
+            leaves the directory.
+    """
+    try:
+        with open(osp.join(folder, MANIFEST_FILE), 'rb') as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    digests = {}
+    for number, line in enumerate(
+            raw.decode('utf-8', errors='replace').splitlines(), 1):
+        if not line.strip():
+            continue
+        match = _MANIFEST_LINE.match(line)
+        name = match.group(2) if match else ''
+        if (not match or osp.isabs(name) or name == MANIFEST_FILE
+                or '..' in name.split('/')):
+            raise ValueError(f'line {number} is not "<SHA-256>  <file>": '
+                             f'{line[:80]!r}')
+        digests[name] = match.group(1)
+    if not digests:
+        raise ValueError('it lists no file')
+    return digests
+
+
+def _dcp_extents(path: str) -> Dict[str, int]:
+    """File name -> the bytes it must hold at least, from DCP's
+    ``.metadata`` (where each entry starts, and its length).
+
+    Raises:
+        Exception: ``.metadata`` cannot be read (whatever unpickling it
+            raised).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    metadata = FileSystemReader(path).read_metadata()
+    needed: Dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, 'relative_path', None)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    return needed
+
+
+def _truncated(file: str, size: int, needed: int) -> str:
+    return (f'{file} is damaged: truncated to {size:,} bytes, but '
+            f'{_DCP_METADATA} places data up to byte {needed:,} (a full '
+            'disk, or an incomplete copy)')
+
+
+def _structural_damage(path: str) -> Optional[str]:
+    """Without a manifest: the first shard that DCP's ``.metadata`` names
+    and that is missing or shorter than the bytes it should hold; None if
+    all are there (or the directory has no ``.metadata``: not a sharded
+    checkpoint, said by the caller)."""
+    if not osp.isfile(osp.join(path, _DCP_METADATA)):
+        return None
+    try:
+        needed = _dcp_extents(path)
+    except Exception as e:  # an unpickling error of any kind
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return (f'{osp.join(path, _DCP_METADATA)} is damaged: it cannot be '
+                f'read ({first})')
+    for name in sorted(needed):
+        file = osp.join(path, name)
+        if not osp.isfile(file):
+            return (f'{file} is missing: {_DCP_METADATA} names it (deleted, '
+                    'or an incomplete copy)')
+        size = osp.getsize(file)
+        if size < needed[name]:
+            return _truncated(file, size, needed[name])
+    return None
+
+
+def _mismatch(path: str, name: str, actual: str, recorded: str,
+              more: str) -> str:
+    """The line for a file of ``path`` that differs from the manifest:
+    truncated, when ``.metadata`` says it is short, else altered."""
+    file = osp.join(path, name)
+    if name != _DCP_METADATA:
+        try:
+            needed = _dcp_extents(path).get(name, 0)
+        except Exception:
+            needed = 0  # .metadata unreadable too: hashed on its own
+        size = osp.getsize(file)
+        if size < needed:
+            return _truncated(file, size, needed) + more
+    return (f'{file} is damaged{more}: its SHA-256 is {actual[:16]}..., '
+            f'but {MANIFEST_FILE} recorded {recorded[:16]}... when it was '
+            'written (bytes changed since: a bad copy, a full disk or bit '
+            'rot)')
+
+
+def verify_sharded_checkpoint(path: str,
+                              part: Tuple[int, int] = (0, 1)
+                              ) -> Verification:
+    """Check a sharded checkpoint directory against its ``SHA256SUMS``.
+
+    Args:
+        path (str): The checkpoint directory.
+        part (tuple[int, int]): ``(index, count)``: hash only the listed
+            files whose position (in name order) is ``index`` modulo
+            ``count``, so that ``count`` ranks share the reading; every
+            listed file's presence is checked by all. Defaults to
+            ``(0, 1)``: all of them.
+
+    Returns:
+        Verification: ``ok``; ``damaged`` with one line naming the first
+        bad file (missing, or not its recorded SHA-256: truncated or
+        flipped bytes) or the unreadable manifest; ``no_digest`` for a
+        directory without a manifest (written before manifests) whose
+        shards are all there at their recorded sizes; ``missing`` when
+        ``path`` is not a directory, or holds neither a manifest nor DCP's
+        ``.metadata`` (the caller says what it expected).
+    """
+    if not osp.isdir(path):
+        return Verification('missing', f'{path}: no such directory')
+    manifest = osp.join(path, MANIFEST_FILE)
+    try:
+        digests = read_manifest(path)
+    except ValueError as e:
+        return Verification('damaged', f'{manifest} is damaged ({e})')
+    if digests is None:
+        if not osp.isfile(osp.join(path, _DCP_METADATA)):
+            return Verification(
+                'missing', f'{path} holds neither {MANIFEST_FILE} nor '
+                f'{_DCP_METADATA}: not a sharded checkpoint')
+        damage = _structural_damage(path)
+        if damage is not None:
+            return Verification('damaged', damage)
+        return Verification(
+            'no_digest', f'{path} has no {MANIFEST_FILE} (written before '
+            'sharded checkpoints had digests): loaded unverified')
+    names = sorted(digests)
+    for name in names:
+        if not osp.isfile(osp.join(path, name)):
+            return Verification(
+                'damaged', f'{osp.join(path, name)} is missing: '
+                f'{MANIFEST_FILE} lists it (deleted, or an incomplete copy)')
+    index, count = part
+    bad = []
+    for name in names[index::count]:
+        actual = file_sha256(osp.join(path, name))
+        if actual != digests[name]:
+            bad.append((name, actual))
+    if bad:
+        name, actual = bad[0]
+        more = f' (and {len(bad) - 1} more files)' if len(bad) > 1 else ''
+        return Verification(
+            'damaged', _mismatch(path, name, actual, digests[name], more))
+    return Verification('ok', f'{path}: {len(names)} files, SHA-256 '
+                        'verified')
+
+
+def newest_intact_checkpoint(path: str,
+                             exclude: Iterable[str] = ()) -> Optional[str]:
+    """The newest ``iter_N.pth``/``epoch_N.pth`` beside ``path`` (in its
+    folder, not ``path`` itself nor ``exclude``) that can be loaded: a
+    complete sharded directory that passes
+    :func:`verify_sharded_checkpoint`, or a file that passes
+    :func:`~mmcv_custom.integrity.verify_file`. Those older than digests
+    count (as they load). Each candidate is read whole until one passes:
+    only worth its time once a checkpoint was found damaged."""
+    folder = osp.dirname(osp.abspath(path))
+    for candidate in checkpoint_candidates(folder,
+                                           exclude=[path, *exclude]):
+        if osp.isdir(candidate):
+            if (is_sharded_checkpoint(candidate)
+                    and verify_sharded_checkpoint(candidate).usable):
+                return _as_given(candidate, path)
+        elif verify_file(candidate).usable:
+            return _as_given(candidate, path)
+    return None
+
+
+def _as_given(candidate: str, path: str) -> str:
+    """``candidate`` (absolute) written beside ``path`` as the user wrote
+    it, so that a message names ``work_dirs/x/iter_4.pth`` next to
+    ``work_dirs/x/iter_6.pth``, not an absolute path."""
+    folder = osp.dirname(osp.normpath(path))  # iter_6.pth/ has a folder
+    return osp.join(folder, osp.basename(candidate))
+
+
+def damaged_message(result: Verification, path: str) -> str:
+    """``result``'s line, with the newest intact checkpoint beside
+    ``path`` named when there is one (:func:`newest_intact_checkpoint`)."""
+    alternative = newest_intact_checkpoint(path)
+    if alternative is None:
+        return result.message + '; no intact checkpoint beside it'
+    return (f'{result.message}; the newest intact checkpoint beside it is '
+            f'{alternative}')
+
+
+def _said_unverified(path: str, message: str) -> None:
+    key = osp.abspath(path)
+    if key in _UNVERIFIED_SAID:
+        return
+    _UNVERIFIED_SAID.add(key)
+    from mmengine.logging import print_log
+    print_log(message, logger='current', level=logging.INFO)
+
+
+def require_intact_sharded(path: str) -> Verification:
+    """:func:`verify_sharded_checkpoint` of the whole directory in this
+    process, raising when it is damaged; a directory without a manifest
+    is said once (INFO) and passes.
+
+    Raises:
+        CheckpointDamagedError: One line: the bad file and the newest
+            intact checkpoint beside ``path`` (:func:`damaged_message`).
+    """
+    result = verify_sharded_checkpoint(path)
+    if result.status == 'damaged':
+        raise CheckpointDamagedError(damaged_message(result, path))
+    if result.status == 'no_digest':
+        _said_unverified(path, result.message)
+    return result
 
 
 def safe_load_planner(path: str = 'the sharded checkpoint'):
@@ -93,11 +350,17 @@ def consolidate_sharded_checkpoint(path: str) -> dict:
         directory itself).
 
     Raises:
+        CheckpointDamagedError: A file of ``path`` is missing or differs
+            from ``SHA256SUMS`` (:func:`require_intact_sharded`).
         FileNotFoundError: ``path`` is not a complete sharded checkpoint.
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    if osp.isdir(path):
+        # First: a manifest names a missing .metadata or meta.pth, which
+        # the completeness test below would only call incomplete.
+        require_intact_sharded(path)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(
             f'{path} is not a complete sharded checkpoint (a directory '

@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 
+from mmcv_custom.integrity import write_digest
 from tests.dist_utils import run_ranks
 from tests.runner_utils import build_runner, train_and_gather
 
@@ -97,13 +98,15 @@ def test_copied_work_dir_never_reads_the_original_runs_files(
         stopped, tmp_path):
     original = _copy(stopped, tmp_path, 'original')
     copy = _copy(stopped, tmp_path, 'copy')
-    # The original's files change (here: swapped between the ranks); the
-    # copy must still resume from its own.
+    # The original's files change (here: swapped between the ranks, each
+    # with its digest); the copy must still resume from its own.
     a, b = _state_file(original, 0), _state_file(original, 1)
-    tmp = original / 'swap'
-    a.rename(tmp)
-    b.rename(a)
-    tmp.rename(b)
+    for x, y in ((a, b), (a.with_name(a.name + '.sha256'),
+                          b.with_name(b.name + '.sha256'))):
+        tmp = original / 'swap'
+        x.rename(tmp)
+        y.rename(x)
+        tmp.rename(y)
     resumed, lines = run_ranks(_train, str(copy), POWERSGD, 10, True,
                                str(copy / 'iter_4.pth'))[0]
     assert any(m.startswith('Restored the powerSGD state') for _, m in lines)
@@ -137,15 +140,33 @@ BREAKAGES = {
     'legacy pickle': (lambda p: torch.save(
         {'a': 1}, p, _use_new_zipfile_serialization=False), 'is unreadable ('),
 }
+# The breakages above come with a digest that matches (a file replaced
+# together with its .sha256), so that the checks behind the digest are
+# tested; these leave the digest as written.
+STALE_DIGEST = {
+    'flipped bytes': (lambda p: _flip(p, 4096), 'is damaged: its SHA-256 is '),
+    'truncated, digest kept': (lambda p: open(p, 'r+b').truncate(100),
+                               'is damaged: its SHA-256 is '),
+}
 
 
-@pytest.mark.parametrize('breakage', list(BREAKAGES))
+def _flip(path, offset):
+    with open(path, 'r+b') as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize('breakage', list(BREAKAGES) + list(STALE_DIGEST))
 def test_one_broken_rank_file_makes_every_rank_start_afresh(
         stopped, tmp_path, breakage):
     work = _copy(stopped, tmp_path)
     path = _state_file(work, 1)
-    damage, reason = BREAKAGES[breakage]
+    damage, reason = {**BREAKAGES, **STALE_DIGEST}[breakage]
     damage(str(path))
+    if breakage in BREAKAGES and path.exists():
+        write_digest(str(path))
     outcome = run_ranks(_probe, str(work), POWERSGD)
     # Neither rank restored; both count the 4 steps already taken, so
     # PowerSGD compresses at once instead of re-running its warm-up.
@@ -187,7 +208,9 @@ def test_state_file_of_another_save_is_refused(stopped, tmp_path):
     work = _copy(stopped, tmp_path)
     other = tmp_path / 'other'
     run_ranks(_train, str(other), POWERSGD, 4, False)  # same step, new run
-    shutil.copy(_state_file(other, 1), _state_file(work, 1))
+    for suffix in ('', '.sha256'):  # the file and its digest
+        shutil.copy(f'{_state_file(other, 1)}{suffix}',
+                    f'{_state_file(work, 1)}{suffix}')
     outcome = run_ranks(_probe, str(work), POWERSGD)
     assert [o[:2] for o in outcome] == [(False, 4), (False, 4)]
     (warning, ) = [m for lvl, m in outcome[0][2] if lvl == 'WARNING']
@@ -202,6 +225,7 @@ def test_record_of_an_older_version_is_refused(stopped, tmp_path):
         type='powerSGD', wrapper=None, world_size=2,
         files=[str(_state_file(work, r)) for r in range(2)])
     torch.save(checkpoint, work / 'iter_4.pth')
+    write_digest(str(work / 'iter_4.pth'))
     outcome = run_ranks(_probe, str(work), POWERSGD)
     assert [o[:2] for o in outcome] == [(False, 4), (False, 4)]
     (warning, ) = [m for lvl, m in outcome[0][2] if lvl == 'WARNING']

@@ -105,10 +105,12 @@ def test_state_files_go_with_their_checkpoints(tmp_path):
         return sorted(p.name for p in work.iterdir() if 'iter_' in p.name)
 
     def expected(*steps):
+        # Each file of this run with its digest (mmcv_custom.integrity).
         return sorted(foreign + [
-            name for s in steps for name in
+            name + digest for s in steps for name in
             [f'iter_{s}.pth'] + [
-                f'iter_{s}.pth.comm_hook_rank{r}.pth' for r in range(2)]])
+                f'iter_{s}.pth.comm_hook_rank{r}.pth' for r in range(2)]
+            for digest in ('', '.sha256')])
 
     run_ranks(_train_keeping_two, str(work), 8, False)
     assert files() == expected(6, 8)

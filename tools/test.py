@@ -18,12 +18,14 @@ Examples:
 import argparse
 import contextlib
 import os
+import sys
 
 from mmengine.config import DictAction
 from mmengine.logging import print_log
 
 import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
 from mmcv_custom.checkpoint import check_checkpoint_file, is_sharded_checkpoint
+from mmcv_custom.integrity import CheckpointDamagedError
 from mmcv_custom.launcher import (is_launch_rank0, load_config,
                                   prepare_launch, run_runner, uses_fsdp2)
 from mmcv_custom.sharded_checkpoint import consolidated_file
@@ -136,4 +138,9 @@ def main():
 
 
 if __name__ == '__main__':
-    main()
+    try:
+        main()
+    except CheckpointDamagedError as e:
+        # One line that names the damaged file and the newest intact one.
+        print(f'test.py: error: {e}', file=sys.stderr)
+        sys.exit(1)

@@ -7,8 +7,14 @@ Same arguments as MMSegmentation 1.x's ``tools/train.py``. Additionally:
   hook in ``custom_hooks`` gets it added (with one log line);
 * the checkpoint the run will load (``load_from``, in the config or from
   ``--cfg-options``, else with ``--resume`` the latest in the work dir) is
-  checked first: a missing file, or one holding what torch's safe loader
-  refuses, fails before the process group or the runner exists;
+  checked first: a missing file, one that fails its ``.sha256`` digest, or
+  one holding what torch's safe loader refuses, fails before the process
+  group or the runner exists; ``--resume`` whose latest checkpoint is
+  missing, damaged or unreadable (or whose ``last_checkpoint`` is empty)
+  takes the newest intact one, and with none starts at iteration 0, each
+  with a warning (in the log file too);
+* ``load_from`` logs how many of the model's tensors it fills, and stops
+  the run below ``load_from_min_match`` (default 0.5) of them;
 * without CUDA, a distributed launch starts a gloo process group and a
   CPU DDP, and SyncBN becomes BN; a ``model_wrapper_cfg`` other than a DDP
   is refused by name (see :mod:`mmcv_custom.launcher`);
@@ -25,6 +31,7 @@ import argparse
 import contextlib
 import logging
 import os
+import sys
 
 import torch
 from mmengine.config import Config, DictAction
@@ -32,8 +39,9 @@ from mmengine.logging import print_log
 
 import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
 from mmcv_custom.checkpoint import (check_checkpoint_file,
-                                    is_sharded_checkpoint,
-                                    resolve_resume_checkpoint)
+                                    choose_resume_checkpoint,
+                                    is_sharded_checkpoint)
+from mmcv_custom.integrity import CheckpointDamagedError
 from mmcv_custom.launcher import (is_launch_rank0, load_config,
                                   prepare_launch, run_runner, uses_fsdp2)
 from mmcv_custom.sharded_checkpoint import consolidated_file
@@ -121,19 +129,22 @@ def main():
     # Name a missing file, or what a safe load would refuse, before the
     # process group or the runner exists.
     checkpoint = cfg.get('load_from')
+    notes = []
     if checkpoint:
         check_checkpoint_file(checkpoint, 'load_from')
     elif args.resume:
         # MMEngine's choice (what <work_dir>/last_checkpoint names), unless
-        # the work dir was moved or copied: then its own copy.
-        checkpoint, moved = resolve_resume_checkpoint(cfg.work_dir)
+        # the work dir was moved or copied (then its own copy), or that
+        # checkpoint is missing, damaged or unreadable (then the newest
+        # intact one); none: a fresh start, said as a warning.
+        checkpoint, notes = choose_resume_checkpoint(cfg.work_dir)
         if checkpoint:
-            check_checkpoint_file(
-                checkpoint, os.path.join(cfg.work_dir, 'last_checkpoint'))
-        if moved:
+            check_checkpoint_file(checkpoint, 'the checkpoint to resume from')
             cfg.load_from = checkpoint  # what MMEngine resumes from
-            if is_launch_rank0():
-                print_log(moved, logger='current', level=logging.WARNING)
+        else:
+            cfg.resume = False
+        # The notes go to the log file (and console) once the runner's
+        # logger exists: run_runner logs them on rank 0.
     add_comm_hook_runner_hook(cfg)
     prepare_launch(cfg, args.launcher)
     sharded = (checkpoint and is_sharded_checkpoint(checkpoint)
@@ -152,8 +163,13 @@ def main():
             if is_launch_rank0():
                 print_log(f'{checkpoint} is a sharded checkpoint: loading '
                           'its consolidated weights.', logger='current')
-        run_runner(cfg, 'train')
+        run_runner(cfg, 'train', notes)
 
 
 if __name__ == '__main__':
-    main()
+    try:
+        main()
+    except CheckpointDamagedError as e:
+        # One line that names the damaged file and the newest intact one.
+        print(f'train.py: error: {e}', file=sys.stderr)
+        sys.exit(1)

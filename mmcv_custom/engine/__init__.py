@@ -1,4 +1,6 @@
 """MMEngine glue: thin adapters between the runner and the hook math."""
+from .checkpoint_io import (AtomicLocalBackend, install_checkpoint_integrity,
+                            load_verified)
 from .comm_hook_registration_hook import (CommHookRegistrationHook,
                                           NonFiniteGradientsError)
 from .cpu_amp_optim_wrapper import CPUAmpOptimWrapper
@@ -6,6 +8,7 @@ from .fsdp2_strategy import FSDP2Strategy
 from .layer_decay_constructor import LayerDecayOptimWrapperConstructor
 
 __all__ = [
+    'AtomicLocalBackend', 'install_checkpoint_integrity', 'load_verified',
     'CommHookRegistrationHook', 'CPUAmpOptimWrapper', 'FSDP2Strategy',
     'LayerDecayOptimWrapperConstructor', 'NonFiniteGradientsError'
 ]

@@ -19,16 +19,23 @@ Checkpoints are directories (MMEngine's CheckpointHook already handles
 those, as it does DeepSpeed's): ``iter_N.pth/`` holds the model and
 optimizer shards in ``torch.distributed.checkpoint`` (DCP) format, written
 by every rank, and ``meta.pth`` (rank 0) with what MMEngine keeps besides
-(meta, message hub, schedulers). A save goes to ``iter_N.pth.partial/`` and
-is renamed when every rank has finished, so a directory of the final name
-is always complete. Loading is safe: DCP's own loader unpickles non-tensor
-entries with ``weights_only=False``; ours does not (``_SafeLoadPlanner``).
+(meta, message hub, schedulers), and ``SHA256SUMS`` with the digest of
+every other file. A save goes to a temporary directory of a name no other
+writer uses (``.iter_N.pth.<pid>-<random>.tmp/``, chosen by rank 0) and is
+renamed when every rank has finished and the manifest is written, so a
+directory of the final name is always complete and vouched for. Loading
+checks the manifest first (the ranks share the hashing), and is safe:
+DCP's own loader unpickles non-tensor entries with ``weights_only=False``;
+ours does not (``_SafeLoadPlanner``).
 """
+import hashlib
+import io
 import os
 import os.path as osp
+import re
 import shutil
 import time
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Dict, Optional, Sequence, Union
 
 import mmengine
 import torch
@@ -40,7 +47,12 @@ from torch import nn
 
 from ..checkpoint import (SHARDED_META_FILE, is_sharded_checkpoint,
                           load_checkpoint_file)
-from ..sharded_checkpoint import safe_dcp_load
+from ..integrity import (CheckpointDamagedError, atomic_write_bytes,
+                         digest_path, file_sha256, is_temporary_name,
+                         temporary_name)
+from ..sharded_checkpoint import (MANIFEST_FILE, damaged_message,
+                                  safe_dcp_load, verify_sharded_checkpoint,
+                                  write_manifest)
 
 __all__ = ['FSDP2Strategy', 'select_units', 'unit_parameters']
 
@@ -172,6 +184,75 @@ def _broadcast_buffers(module: nn.Module, *args) -> None:
         for buffer, value in zip(buffers, flat.split(
                 [b.numel() for b in buffers])):
             buffer.copy_(value.view_as(buffer))
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (one we may not
+    signal counts: it exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _remove_stale_temporaries(filename: str) -> list:
+    """Remove what an earlier save of ``filename`` left under a temporary
+    name (``.iter_N.pth.<pid>-<random>.tmp``, file or directory) when it
+    was killed; returns the paths removed.
+
+    Only names of that exact pattern, and only when their writer is gone:
+    a pid that is not this process and runs nowhere on this machine. A
+    writer that is alive keeps its directory, and other names (a user's
+    ``iter_N.pth.partial``, say) are never touched. Rank 0 of a job on
+    another machine of a shared file system would look dead here, but
+    such a job would be writing this very checkpoint name into this very
+    folder, which already cannot end well.
+    """
+    folder, base = osp.split(filename)
+    pattern = re.compile(re.escape(f'.{base}.') + r'(\d+)-[0-9a-f]{8}\.tmp')
+    removed = []
+    try:
+        names = os.listdir(folder or '.')
+    except OSError:
+        return removed
+    for name in names:
+        match = pattern.fullmatch(name)
+        if not (match and is_temporary_name(name)):
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or _process_alive(pid):
+            continue
+        path = osp.join(folder, name)
+        try:
+            if osp.isdir(path) and not osp.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove: left alone
+        removed.append(path)
+    return removed
+
+
+def _hash_own_shards(folder: str, rank: int) -> Dict[str, str]:
+    """The SHA-256 of the DCP files rank ``rank`` wrote into ``folder``.
+
+    DCP's ``FileSystemWriter`` names each rank's files ``__<rank>_<i>``
+    ``.distcp``. Each rank reads back its own files: the ranks (and, across
+    machines, their disks) share the reading, so a save costs the time of
+    one rank's shards, not of all of them on rank 0. Rank 0 hashes what
+    no rank claimed (``.metadata``, and every file should DCP ever name
+    them otherwise), so the manifest is complete either way.
+    """
+    prefix = f'__{rank}_'
+    return {
+        name: file_sha256(osp.join(folder, name))
+        for name in sorted(os.listdir(folder))
+        if name.startswith(prefix) and name.endswith('.distcp')
+    }
 
 
 @STRATEGIES.register_module()
@@ -363,8 +444,14 @@ class FSDP2Strategy(DDPStrategy):
 
         Model and optimizer shards go through DCP from every rank; the rest
         (``meta``, ``message_hub``, ``param_schedulers`` and what hooks add
-        in ``before_save_checkpoint``) into ``meta.pth`` from rank 0.
-        Written under ``filename + '.partial'`` and renamed at the end.
+        in ``before_save_checkpoint``) into ``meta.pth`` from rank 0; then
+        ``SHA256SUMS`` (each rank hashes its own shards, see
+        :func:`_hash_own_shards`). Written under a temporary name that
+        rank 0 chooses (:func:`~mmcv_custom.integrity.temporary_name`: no
+        leftover of any earlier save, file or directory, can be in its
+        way) and renamed at the end; a failed save removes it. What a
+        killed save left of ``filename`` is removed first
+        (:func:`_remove_stale_temporaries`).
         """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -392,32 +479,104 @@ class FSDP2Strategy(DDPStrategy):
             callback(extra)
 
         main = self.rank == 0
-        partial = filename + '.partial'
-        if main and osp.exists(partial):
-            shutil.rmtree(partial)
-        self._barrier()
-        dcp.save(state, checkpoint_id=partial)
-        error = None
+        if main:
+            for path in _remove_stale_temporaries(filename):
+                self.logger.info(f'Removed {path}, left by a save that did '
+                                 'not finish (its process is gone).')
+        tmp = self._from_rank0(temporary_name(filename) if main else None)
+        dcp.save(state, checkpoint_id=tmp)
+        error, digests = None, {}
+        try:
+            digests = _hash_own_shards(tmp, self.rank)
+        except OSError as e:
+            error = e
+        everyone = self._gather((digests, error is not None))
         if main:
             try:
-                torch.save(extra, osp.join(partial, SHARDED_META_FILE))
-                old = filename + '.old'
-                if osp.exists(filename):
-                    os.replace(filename, old)
-                os.replace(partial, filename)
-                if osp.exists(old):
-                    shutil.rmtree(old) if osp.isdir(old) else os.remove(old)
+                self._finish_save(filename, tmp, extra, everyone)
             except Exception as e:  # every rank must hear of it
                 error = e
         # All ranks stop together, not rank 0 alone with the others
         # training on into a collective it will never join.
         failed = self._any_rank(error is not None)
+        if failed and main:
+            # Every rank is past its writing: the directory is ours alone.
+            shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
             raise error
         if failed:
             raise RuntimeError(
-                f'Saving {filename} failed on rank 0 (see its log); '
-                f'nothing of that name was written, only {partial}.')
+                f'Saving {filename} failed on rank 0 (see its log); nothing '
+                'of that name was written (the temporary directory '
+                f'{osp.basename(tmp)} was removed).')
+
+    def _finish_save(self, filename: str, tmp: str, extra: dict,
+                     everyone: list) -> None:
+        """Rank 0, once every rank's shards are on disk: ``meta.pth``, the
+        manifest, then the rename of ``tmp`` to ``filename``."""
+        ranks = [r for r, (_, failed) in enumerate(everyone) if failed]
+        if ranks:
+            raise RuntimeError(
+                f'Saving {filename}: rank(s) {ranks} could not read back '
+                f'the shards they wrote into {tmp} (see their logs)')
+        buffer = io.BytesIO()
+        torch.save(extra, buffer)
+        with buffer.getbuffer() as data:
+            atomic_write_bytes(osp.join(tmp, SHARDED_META_FILE), data,
+                               digest=False)
+            digests = {SHARDED_META_FILE: hashlib.sha256(data).hexdigest()}
+        for own, _ in everyone:
+            digests.update(own)
+        for name in sorted(os.listdir(tmp)):
+            if name not in digests and name != MANIFEST_FILE:
+                digests[name] = file_sha256(osp.join(tmp, name))
+        write_manifest(tmp, digests)
+        old = None
+        if osp.lexists(filename):
+            # Moved aside, not removed, until the new one is in place.
+            old = temporary_name(filename)
+            os.replace(filename, old)
+        try:
+            # A digest of a file that was here would vouch for nothing.
+            os.remove(digest_path(filename))
+        except FileNotFoundError:
+            pass
+        try:
+            os.replace(tmp, filename)
+        except OSError:
+            if old is not None:
+                os.replace(old, filename)  # the previous one, as it was
+            raise
+        if old is not None:
+            try:
+                if osp.isdir(old) and not osp.islink(old):
+                    shutil.rmtree(old)
+                else:
+                    os.remove(old)
+            except OSError as e:
+                # The new checkpoint is in place; a leftover costs disk
+                # only, and a later run's save of this name removes it.
+                self.logger.warning(f'Could not remove {old}, the previous '
+                                    f'{osp.basename(filename)}: {e}')
+
+    def _distributed_now(self) -> bool:
+        return bool(self.distributed and dist.is_initialized())
+
+    def _from_rank0(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        if not self._distributed_now():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _gather(self, obj) -> list:
+        """Every rank's ``obj``, by rank, on every rank."""
+        if not self._distributed_now():
+            return [obj]
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
 
     def _any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (a barrier as well)."""
@@ -429,8 +588,29 @@ class FSDP2Strategy(DDPStrategy):
         return bool(value.item())
 
     def _barrier(self) -> None:
-        if self.distributed and dist.is_initialized():
+        if self._distributed_now():
             dist.barrier()
+
+    def _require_intact(self, filename: str) -> None:
+        """Check a sharded checkpoint directory against its ``SHA256SUMS``
+        before DCP reads it, the ranks sharing the hashing; all ranks raise
+        the same :class:`~mmcv_custom.integrity.CheckpointDamagedError`
+        (the bad file, and the newest intact checkpoint beside it, which
+        rank 0 looks for) rather than DCP's traceback from inside a
+        collective. A directory without a manifest loads, said once."""
+        if not osp.isdir(filename):
+            return
+        part = ((self.rank, self.world_size) if self._distributed_now()
+                else (0, 1))
+        results = self._gather(verify_sharded_checkpoint(filename, part))
+        damaged = [r for r in results if r.status == 'damaged']
+        if damaged:
+            message = self._from_rank0(
+                damaged_message(damaged[0], filename)
+                if self.rank == 0 else None)
+            raise CheckpointDamagedError(message)
+        if results[0].status == 'no_digest':
+            self.logger.info(results[0].message)
 
     def _load_sharded(self, filename: str, with_optimizer: bool) -> None:
         from torch.distributed.checkpoint.state_dict import (get_state_dict,
@@ -456,6 +636,7 @@ class FSDP2Strategy(DDPStrategy):
         ranks), or from an ordinary single-file checkpoint (a DDP run's,
         a converted InternVL segmentor), sharded on load."""
         self.logger.info(f'Load checkpoint from {filename}')
+        self._require_intact(filename)
         if is_sharded_checkpoint(filename):
             self._load_sharded(filename, with_optimizer=False)
             checkpoint = load_checkpoint_file(
@@ -467,8 +648,9 @@ class FSDP2Strategy(DDPStrategy):
             raise FileNotFoundError(
                 f'{filename} is a directory but not a complete sharded '
                 f'checkpoint (no .metadata or {SHARDED_META_FILE}): '
-                'a save that did not finish leaves a .partial directory, '
-                'never one of the final name.')
+                'a save that did not finish leaves a hidden temporary '
+                'directory (.NAME.<pid>-<random>.tmp), never one of the '
+                'final name.')
         from mmengine.runner.checkpoint import _load_checkpoint
         checkpoint = _load_checkpoint(filename, map_location='cpu')
         if callback is not None:
@@ -482,8 +664,6 @@ class FSDP2Strategy(DDPStrategy):
                               revise_keys: list = [(r'^module.', '')]
                               ) -> None:
         """Load a full (unsharded) state dict into the sharded model."""
-        import re
-
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, set_model_state_dict)
         for pattern, replacement in revise_keys:
@@ -516,6 +696,7 @@ class FSDP2Strategy(DDPStrategy):
         checkpoint directory; the world size may differ from the save's
         (DCP reshards)."""
         self.logger.info(f'Resume checkpoint from {filename}')
+        self._require_intact(filename)
         if not is_sharded_checkpoint(filename):
             raise ValueError(
                 f'FSDP2Strategy resumes from a sharded checkpoint directory '

@@ -22,10 +22,13 @@ Rules, each for a failure seen in practice:
   Rank 0 logs one warning naming each rank that failed and why.
 * **Safe loading.** The files go through the same allow-list as
   checkpoints (:func:`mmcv_custom.checkpoint.load_checkpoint_file`).
-* **Atomic writes.** A file is written under a temporary name and renamed,
-  so a run killed while saving never leaves a truncated file under the
-  real name.
+* **Atomic writes, with a digest.** A file is written under a temporary
+  name and renamed (:mod:`mmcv_custom.integrity`), so a run killed while
+  saving never leaves a truncated file under the real name, and its
+  ``.sha256`` is checked when it is read: a damaged file is refused, by
+  name, like any other.
 """
+import io
 import os
 import os.path as osp
 import uuid
@@ -37,6 +40,8 @@ from mmengine.dist import get_rank, get_world_size, is_main_process
 from mmengine.hooks import CheckpointHook
 
 from ..checkpoint import UnsafeCheckpointError, load_checkpoint_file
+from ..integrity import (CheckpointDamagedError, atomic_write_bytes,
+                         digest_path)
 
 __all__ = ['HookStateFiles', 'state_file_path']
 
@@ -119,9 +124,9 @@ class HookStateFiles:
                 name: relayout.state_dict()
                 for name, relayout in self.relayouts.items()
             })
-        partial = f'{path}.partial'
-        torch.save(payload, partial)
-        os.replace(partial, path)
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        atomic_write_bytes(path, buffer.getvalue())
 
     def record(self, checkpoint: dict) -> None:
         """Put the record of this save's files into ``checkpoint``.
@@ -183,8 +188,9 @@ class HookStateFiles:
         for step in before - set(getattr(hook, 'keep_ckpt_ids', ())):
             path = state_file_path(
                 osp.join(hook.out_dir, hook.filename_tmpl.format(step)), rank)
-            if osp.isfile(path):
-                os.remove(path)
+            for name in (path, digest_path(path)):
+                if osp.isfile(name):
+                    os.remove(name)
 
     # -- resuming --------------------------------------------------------
     def restore(self, runner, record: Optional[dict],
@@ -273,7 +279,7 @@ class HookStateFiles:
             raise _Refused(f'{path} is missing')
         try:
             payload = load_checkpoint_file(path)
-        except UnsafeCheckpointError as e:
+        except (UnsafeCheckpointError, CheckpointDamagedError) as e:
             raise _Refused(str(e)) from None
         except Exception as e:  # truncated, empty, not a torch file...
             first = (str(e).strip().splitlines() or [''])[0]

@@ -10,9 +10,16 @@ and ``tools/test.py`` take. The optimizer state is left out: resume reads
 the directory itself. Runs in one process, without a process group; the
 non-tensor contents are read with torch's safe loader.
 
+SRC_DIR is checked against its ``SHA256SUMS`` first: a missing, truncated
+or altered shard is named, with the newest intact checkpoint beside it.
+DST is written whole or not at all (a temporary name, then a rename), with
+its digest ``DST.sha256`` beside it; DST may be neither SRC_DIR nor inside
+it, nor an existing directory.
+
 ``tools/test.py`` also takes SRC_DIR directly.
 """
 import argparse
+import io
 import os
 import os.path as osp
 import sys
@@ -21,24 +28,51 @@ import torch
 
 sys.path.insert(0,
                 osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
+from mmcv_custom.integrity import atomic_write_bytes  # noqa: E402
 from mmcv_custom.sharded_checkpoint import (  # noqa: E402
     consolidate_sharded_checkpoint)
 
 
+def _check_destination(src: str, dst: str) -> None:
+    """Refuse a DST that would overwrite or land inside SRC, or that is a
+    directory, before anything is read or written."""
+    real_src, real_dst = osp.realpath(src), osp.realpath(dst)
+    if real_dst == real_src:
+        raise ValueError(
+            f'DST {dst} is SRC itself: writing it would replace the sharded '
+            'checkpoint; give DST a name of its own, e.g. '
+            f'{osp.splitext(dst.rstrip(os.sep))[0]}_consolidated.pth')
+    if real_dst.startswith(real_src.rstrip(os.sep) + os.sep):
+        raise ValueError(
+            f'DST {dst} is inside SRC {src}: it would become part of the '
+            'sharded checkpoint; write it beside SRC instead')
+    if osp.isdir(dst):
+        raise IsADirectoryError(
+            f'DST {dst} is an existing directory; DST should be the path of '
+            'the .pth file to write, e.g. '
+            f'{osp.join(dst, "model.pth")}')
+
+
 def convert(src: str, dst: str) -> str:
     """Consolidate ``src`` into ``dst``; returns the summary line."""
+    _check_destination(src, dst)
     checkpoint = consolidate_sharded_checkpoint(src)
     state = checkpoint['state_dict']
     folder = osp.dirname(osp.abspath(dst))
     os.makedirs(folder, exist_ok=True)
-    partial = dst + '.partial'
-    torch.save(checkpoint, partial)
-    os.replace(partial, dst)
+    # Whole or not at all, with its digest: the bytes are hashed as they
+    # are written. They are held in memory once (a model's size again).
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    with buffer.getbuffer() as data:  # no copy of the bytes
+        atomic_write_bytes(dst, data)
+    del buffer
     numel = sum(v.numel() for v in state.values())
     saved_by = checkpoint['meta'].get('sharded', {}).get('world_size', '?')
     return (f'{src}: {len(state)} tensors, {numel:,} numbers, saved by '
             f'{saved_by} ranks at iteration {checkpoint["meta"].get("iter")}'
-            f'\nwrote {dst}; use it as load_from={dst!r}')
+            f'\nwrote {dst} (and its digest {dst}.sha256); use it as '
+            f'load_from={dst!r}')
 
 
 def main(argv=None) -> int:

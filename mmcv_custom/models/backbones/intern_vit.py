@@ -30,6 +30,14 @@ __all__ = ['InternViT', 'InternViTBlock', 'resize_patch_kernel',
 _DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16}
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where precision-sensitive steps (interpolation, the channel norm,
+    the features handed to the heads) run: fp32 for bf16 / fp16, but never
+    below the tensor's own, so a float64 model stays float64 throughout
+    (what ``.double()`` is for: checking numerics)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def resize_pos_embed(pos_embed: torch.Tensor, new_grid: int) -> torch.Tensor:
     """Resize ``(1, 1 + g*g, C)`` position embeddings to ``new_grid``.
 
@@ -46,7 +54,8 @@ def resize_pos_embed(pos_embed: torch.Tensor, new_grid: int) -> torch.Tensor:
     dim = grid_pos.shape[-1]
     grid_pos = grid_pos.reshape(1, old_grid, old_grid, dim).permute(0, 3, 1, 2)
     grid_pos = F.interpolate(
-        grid_pos.float(), size=(new_grid, new_grid), mode='bicubic',
+        grid_pos.to(_compute_dtype(grid_pos.dtype)),
+        size=(new_grid, new_grid), mode='bicubic',
         align_corners=False).to(pos_embed.dtype)
     grid_pos = grid_pos.permute(0, 2, 3, 1).reshape(1, new_grid * new_grid, dim)
     return torch.cat([cls_pos, grid_pos], dim=1)
@@ -66,7 +75,8 @@ class _ChannelNorm(nn.Module):
     """LayerNorm over the channels of ``(B, C, H, W)`` maps, in fp32.
 
     InternVL's pyramid normalises this way (eps 1e-6) and casts back to the
-    input's dtype, so a bf16 backbone still normalises in fp32.
+    input's dtype, so a bf16 backbone still normalises in fp32 (a float64
+    one in float64: see ``_compute_dtype``).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -76,9 +86,10 @@ class _ChannelNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        dtype = _compute_dtype(x.dtype)
         out = F.layer_norm(
-            x.float().permute(0, 2, 3, 1), self.weight.shape,
-            self.weight.float(), self.bias.float(), self.eps)
+            x.to(dtype).permute(0, 2, 3, 1), self.weight.shape,
+            self.weight.to(dtype), self.bias.to(dtype), self.eps)
         return out.permute(0, 3, 1, 2).to(x.dtype)
 
 
@@ -91,7 +102,8 @@ def resize_patch_kernel(weight: torch.Tensor,
     if weight.shape[-2:] == (patch_size, patch_size):
         return weight
     return F.interpolate(
-        weight.float(), size=(patch_size, patch_size), mode='bicubic',
+        weight.to(_compute_dtype(weight.dtype)),
+        size=(patch_size, patch_size), mode='bicubic',
         align_corners=False).to(weight.dtype)
 
 
@@ -244,13 +256,24 @@ class InternViT(BaseModule):
             pre-trained ViT unloaded, or carry tensors the backbone does not
             have, with a WARNING; by default that is an error, since
             training would start from random weights. Defaults to False.
-        dtype (str): ``'float32'`` or ``'bfloat16'``: the dtype of the
-            backbone's parameters, hence of their gradients and of the DDP
-            buckets that carry them. ``'bfloat16'`` trains the backbone in
-            bf16 as InternVL does (with a runner hook), while the heads
-            stay fp32: ``forward`` casts its input to bf16 at the entrance
-            and returns fp32 features (the pyramid's channel LayerNorm
-            computes in fp32 either way). Defaults to ``'float32'``.
+        dtype (str): ``'float32'`` or ``'bfloat16'``: the initial dtype of
+            the backbone's parameters, hence of their gradients and of the
+            DDP buckets that carry them. ``'bfloat16'`` trains the backbone
+            in bf16 as InternVL does (with a runner hook), while the heads
+            stay fp32: ``forward`` casts its input to the parameters' dtype
+            at the entrance and returns fp32 features (the pyramid's
+            channel LayerNorm computes in fp32 either way). Defaults to
+            ``'float32'``.
+
+            Only the start: ``forward`` reads the dtype from the patch
+            embedding's weight on every call (see :attr:`dtype`), so the
+            backbone follows a later ``.to(torch.bfloat16)`` (InternVL's
+            ``ToBFloat16Hook``), ``.half()``, ``.float()`` or ``.double()``,
+            and FSDP2's ``param_dtype``, which swaps in gathered parameters
+            of that dtype just before ``forward``. Features leave in fp32
+            from bf16 / fp16 parameters and in float64 from float64 ones,
+            so that ``.double()`` on the whole segmentor keeps every step
+            in float64.
 
             Why a backbone option, not a runner hook: MMEngine wraps the
             model in DDP in ``Runner.__init__``, before any hook runs, and
@@ -356,12 +379,19 @@ class InternViT(BaseModule):
         if freeze:
             for param in self.vit_parameters():
                 param.requires_grad_(False)
-        self.dtype = _DTYPES[dtype]
-        if self.dtype is not torch.float32:
+        if _DTYPES[dtype] is not torch.float32:
             # Here, before MMEngine wraps the model in DDP (see ``dtype``).
             # Weights loaded or initialised later are written in place, so
             # they keep this dtype.
-            self.to(self.dtype)
+            self.to(_DTYPES[dtype])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the backbone computes in: its patch embedding's
+        weight's, read now rather than kept from construction, since
+        ``.to()``, ``.half()``, ``.double()`` (or FSDP2's gathered
+        ``param_dtype`` parameters) change it afterwards."""
+        return self.patch_embed.proj.weight.dtype
 
     def vit_parameters(self):
         """The pre-trained ViT's parameters (what ``freeze`` freezes and
@@ -483,7 +513,9 @@ class InternViT(BaseModule):
 
     def forward(self, x):
         b, _, h, w = x.shape
-        x = self.patch_embed(x.to(self.dtype))
+        # Read now, not at construction: see ``dtype``.
+        dtype = self.dtype
+        x = self.patch_embed(x.to(dtype))
         gh, gw = x.shape[-2:]
         x = x.flatten(2).transpose(1, 2)
         pos = self.pos_embed
@@ -508,5 +540,7 @@ class InternViT(BaseModule):
                 op(m) for op, m in zip(
                     (self.up1, self.up2, self.up3, self.up4), maps)
             ]
-        # The heads are fp32.
-        return tuple(m.float() for m in maps)
+        # The heads are fp32 (float64 after ``.double()``): bf16 / fp16
+        # features are widened for them, float64 ones left as they are.
+        out_dtype = _compute_dtype(dtype)
+        return tuple(m.to(out_dtype) for m in maps)

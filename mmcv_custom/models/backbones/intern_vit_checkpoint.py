@@ -27,9 +27,16 @@ Files: ``.pth`` / ``.bin`` (read with torch's safe loader through
 Hugging Face ``*.index.json`` naming the shards of a large checkpoint.
 Resizing to a model's grid and patch size is the model's business
 (:meth:`InternViT.load_public_state_dict`), not this module's.
+
+The layouts are told apart by their prefixes only, so a segmentor of
+another backbone (the toy FCN's ResNet-18: ``backbone.layer1...``) is a
+``segmentor`` too; :func:`check_internvit` looks at the backbone itself
+(a 4-D patch embedding and blocks whose attention has a ``(3C, C)`` qkv)
+and names what it is instead.
 """
 import json
 import os.path as osp
+import pickle
 import re
 from typing import Dict, List, NamedTuple
 
@@ -37,8 +44,8 @@ import torch
 
 __all__ = [
     'LAYOUTS', 'ConvertedCheckpoint', 'UnknownCheckpointLayoutError',
-    'convert_checkpoint', 'detect_layout', 'load_internvit_checkpoint',
-    'read_state_file'
+    'NotInternViTError', 'check_internvit', 'convert_checkpoint',
+    'detect_layout', 'load_internvit_checkpoint', 'read_state_file'
 ]
 
 #: Layout name -> what it is, for messages.
@@ -67,6 +74,10 @@ _HF_LAYER = re.compile(r'^encoder\.layers\.(\d+)\.(.+)$')
 
 class UnknownCheckpointLayoutError(ValueError):
     """A checkpoint's keys match none of :data:`LAYOUTS`."""
+
+
+class NotInternViTError(ValueError):
+    """A checkpoint of a known layout whose backbone is not an InternViT."""
 
 
 class ConvertedCheckpoint(NamedTuple):
@@ -104,10 +115,20 @@ def read_state_file(path: str):
     tensors are read (the language model is most of its size).
 
     Raises:
-        FileNotFoundError: ``path`` (or a shard it names) is not a file.
-        ValueError: A ``.safetensors`` file cannot be read.
+        FileNotFoundError: ``path`` (or a shard it names) does not exist.
+        IsADirectoryError: ``path`` is a directory (an FSDP2 sharded
+            checkpoint, say).
+        ValueError: A ``.safetensors`` or torch file cannot be read (not
+            one, truncated, random bytes); the message names ``path``.
         UnsafeCheckpointError: A torch file holds objects off the allow-list.
     """
+    if osp.isdir(path):
+        from mmcv_custom.checkpoint import is_sharded_checkpoint
+        hint = (': an FSDP2 sharded checkpoint; make it one file first with '
+                'tools/model_converters/fsdp2_to_pth.py'
+                if is_sharded_checkpoint(path) else '')
+        raise IsADirectoryError(
+            f'checkpoint {path} is a directory, not a checkpoint file{hint}')
     if not osp.isfile(path):
         raise FileNotFoundError(f'checkpoint {path} does not exist')
     if path.endswith('.index.json'):
@@ -120,8 +141,18 @@ def read_state_file(path: str):
         except Exception as e:  # SafetensorError derives from Exception
             raise ValueError(f'{path} is not a readable safetensors file '
                              f'({e})') from e
-    from mmcv_custom.checkpoint import load_checkpoint_file
-    return load_checkpoint_file(path, map_location='cpu')
+    from mmcv_custom.checkpoint import (UnsafeCheckpointError,
+                                        load_checkpoint_file)
+    from mmcv_custom.integrity import CheckpointDamagedError
+    try:
+        return load_checkpoint_file(path, map_location='cpu')
+    except (UnsafeCheckpointError, CheckpointDamagedError):
+        raise  # they name the file, and what is wrong with it
+    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(
+            f'{path} is not a readable torch checkpoint (truncated, or not '
+            f'written by torch.save): {first}') from None
 
 
 def _read_shards(index_path: str) -> Dict[str, torch.Tensor]:
@@ -239,6 +270,70 @@ def convert_checkpoint(checkpoint) -> ConvertedCheckpoint:
             if not k.startswith('backbone.') and k not in heads
         ]
     return ConvertedCheckpoint(layout, backbone, heads, ignored)
+
+
+_QKV = re.compile(r'^blocks\.\d+\.attn\.qkv\.weight$')
+# What a backbone that is not an InternViT most likely is, by its keys:
+# (name, pattern of a telling key).
+_OTHER_BACKBONES = (
+    ('ResNet-like', re.compile(r'(^|\.)layer\d+\.\d+\.(conv|bn)\d')),
+    ('Swin-like', re.compile(r'\.w_msa\.')),
+    ('ConvNeXt-like', re.compile(r'(^|\.)(downsample_layers|stages)\.\d+'
+                                 r'\..*(depthwise_conv|dwconv)')),
+    ('MMSegmentation VisionTransformer-like',
+     re.compile(r'(^|\.)layers\.\d+\.attn\.attn\.in_proj_weight$')),
+    ('Hugging Face ViT-like',
+     re.compile(r'\.attention\.attention\.query\.weight$')),
+)
+
+
+def _looks_internvit(backbone: Dict[str, torch.Tensor]) -> bool:
+    patch = backbone.get('patch_embed.proj.weight')
+    if getattr(patch, 'dim', lambda: 0)() != 4:
+        return False
+    width = patch.shape[0]
+    qkv = [v for k, v in backbone.items() if _QKV.match(k)]
+    return bool(qkv) and all(
+        getattr(v, 'dim', lambda: 0)() == 2 and tuple(v.shape) == (
+            3 * width, width) for v in qkv)
+
+
+def check_internvit(converted: ConvertedCheckpoint, source: str) -> None:
+    """Refuse a checkpoint whose backbone is not an InternViT.
+
+    The layouts are recognised by their prefixes (``backbone.`` makes a
+    segmentor), which a ResNet segmentor has as well. An InternViT has a
+    4-D ``patch_embed.proj.weight`` of ``C`` output channels and blocks
+    whose ``attn.qkv.weight`` is ``(3C, C)``, in every layout this module
+    reads, once renamed.
+
+    Args:
+        converted (ConvertedCheckpoint): What :func:`convert_checkpoint`
+            made of the file.
+        source (str): The file, for the message.
+
+    Raises:
+        NotInternViTError: Names what the backbone looks like, with one
+            of its keys (a segmentor's with its ``backbone.`` prefix).
+    """
+    backbone = converted.backbone
+    if _looks_internvit(backbone):
+        return
+    prefix = 'backbone.' if converted.layout == 'segmentor' else ''
+    what, example = 'a backbone', None
+    for name, pattern in _OTHER_BACKBONES:
+        example = next((k for k in backbone if pattern.search(k)), None)
+        if example is not None:
+            what = f'a {name} backbone'
+            break
+    if example is None:
+        example = next(iter(backbone), None)
+    keys = (f'keys like {prefix}{example}' if example is not None else
+            'no backbone tensors')
+    raise NotInternViTError(
+        f'{source} holds {what} ({keys}), not an InternViT (which has a '
+        '4-D patch_embed.proj.weight and blocks.N.attn.qkv.weight of '
+        'shape (3C, C))')
 
 
 def load_internvit_checkpoint(path: str) -> ConvertedCheckpoint:
