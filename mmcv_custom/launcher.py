@@ -179,7 +179,18 @@ def init_gloo(launcher: str) -> None:
         os.environ.setdefault('WORLD_SIZE', os.environ['OMPI_COMM_WORLD_SIZE'])
         os.environ.setdefault('LOCAL_RANK',
                               os.environ['OMPI_COMM_WORLD_LOCAL_RANK'])
-    dist.init_process_group(backend='gloo', init_method='env://')
+    restart = restart_count()
+    if not restart:
+        dist.init_process_group(backend='gloo', init_method='env://')
+        return
+    # A restart under torchrun meets its peers through the agent's store,
+    # which still holds the killed attempt's gloo addresses under the same
+    # keys: ranks would dial dead ports ("Connection refused") and the
+    # restart fail. A prefix per attempt keeps each attempt's keys apart.
+    store, rank, world_size = next(dist.rendezvous('env://'))
+    dist.init_process_group(
+        backend='gloo', store=dist.PrefixStore(f'attempt{restart}', store),
+        rank=rank, world_size=world_size)
 
 
 def _sync_bn_to_bn(node) -> int:
@@ -273,6 +284,17 @@ def prepare_launch(cfg: Config, launcher: str,
             f'{dist.get_world_size()} ranks on CPU (DDP without device_ids).',
             logger='current')
     return cfg
+
+
+def restart_count() -> int:
+    """How many times this run was restarted after a failure: torchrun's
+    ``TORCHELASTIC_RESTART_COUNT`` (``--max-restarts``), or
+    ``MMCV_CUSTOM_RESTART_COUNT`` (``tools/slurm_train.sh``'s loop)."""
+    for name in ('TORCHELASTIC_RESTART_COUNT', 'MMCV_CUSTOM_RESTART_COUNT'):
+        value = os.environ.get(name, '').strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 0
 
 
 def build_runner(cfg: Config):

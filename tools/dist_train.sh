@@ -3,12 +3,20 @@
 # Multi-node: set NNODES, NODE_RANK, MASTER_ADDR and PORT on every node.
 # PYTHON picks the interpreter; by default the repository's .venv/bin/python
 # when it exists (what `make install` builds), else python on PATH.
+# MAX_RESTARTS=N restarts every rank up to N times after a failure (torchrun's
+# --max-restarts); a restarted run resumes from the newest intact checkpoint.
 CONFIG=$1
 NPROC=$2
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 PORT=${PORT:-29500}
 MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+case "$MAX_RESTARTS" in
+    ''|*[!0-9]*)
+        echo "dist_train.sh: MAX_RESTARTS=$MAX_RESTARTS: expected a whole number >= 0 (restarts after a failure)" >&2
+        exit 2 ;;
+esac
 HERE=$(cd "$(dirname "$0")" && pwd)
 VENV_PYTHON="$(dirname "$HERE")/.venv/bin/python"
 if [ -z "$PYTHON" ] && [ -x "$VENV_PYTHON" ]; then
@@ -22,6 +30,7 @@ exec "${PYTHON:-python}" -m torch.distributed.run \
     --master_addr="$MASTER_ADDR" \
     --nproc_per_node="$NPROC" \
     --master_port="$PORT" \
+    --max-restarts="$MAX_RESTARTS" \
     "$HERE/train.py" \
     "$CONFIG" \
     --launcher pytorch "${@:3}"

@@ -3,6 +3,8 @@
 #   tools/slurm_train.sh PARTITION JOB_NAME CONFIG [WORK_DIR] [train.py args...]
 # One task per GPU; MMEngine reads SLURM_* for rank and world size. On CPU
 # nodes (no CUDA) set GPUS to the number of ranks: train.py starts gloo.
+# MAX_RESTARTS=N runs the job step again, up to N times, after a failure;
+# a restarted run resumes from the newest intact checkpoint.
 set -x
 PARTITION=$1
 JOB_NAME=$2
@@ -23,15 +25,31 @@ if [ -z "$PYTHON" ] && [ -x "$VENV_PYTHON" ]; then
 fi
 # MASTER_ADDR for gloo on CPU nodes: the first host of the allocation.
 export MASTER_PORT=${MASTER_PORT:-29500}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+case "$MAX_RESTARTS" in
+    ''|*[!0-9]*)
+        echo "slurm_train.sh: MAX_RESTARTS=$MAX_RESTARTS: expected a whole number >= 0 (restarts after a failure)" >&2
+        exit 2 ;;
+esac
 
-PYTHONPATH="$HERE/..":$PYTHONPATH \
-srun -p "${PARTITION}" \
-    --job-name="${JOB_NAME}" \
-    ${GRES} \
-    --ntasks="${GPUS}" \
-    --ntasks-per-node="${GPUS_PER_NODE}" \
-    --cpus-per-task="${CPUS_PER_TASK}" \
-    --kill-on-bad-exit=1 \
-    ${SRUN_ARGS} \
-    bash -c 'export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}; exec "${PYTHON:-python}" -u "$0" "$@" --launcher slurm' \
-    "$HERE/train.py" "${CONFIG}" ${PY_ARGS}
+attempt=0
+while true; do
+    PYTHONPATH="$HERE/..":$PYTHONPATH \
+        MMCV_CUSTOM_RESTART_COUNT=$attempt \
+        srun -p "${PARTITION}" \
+        --job-name="${JOB_NAME}" \
+        ${GRES} \
+        --ntasks="${GPUS}" \
+        --ntasks-per-node="${GPUS_PER_NODE}" \
+        --cpus-per-task="${CPUS_PER_TASK}" \
+        --kill-on-bad-exit=1 \
+        ${SRUN_ARGS} \
+        bash -c 'export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}; exec "${PYTHON:-python}" -u "$0" "$@" --launcher slurm' \
+        "$HERE/train.py" "${CONFIG}" ${PY_ARGS}
+    status=$?
+    if [ "$status" -eq 0 ] || [ "$attempt" -ge "$MAX_RESTARTS" ]; then
+        exit "$status"
+    fi
+    attempt=$((attempt + 1))
+    echo "slurm_train.sh: the job step failed (exit $status): restart $attempt of $MAX_RESTARTS" >&2
+done

@@ -15,6 +15,12 @@ Same arguments as MMSegmentation 1.x's ``tools/train.py``. Additionally:
   with a warning (in the log file too);
 * ``load_from`` logs how many of the model's tensors it fills, and stops
   the run below ``load_from_min_match`` (default 0.5) of them;
+* every rank's random generators are saved with each checkpoint and
+  restored on resume (``RandomStateHook``), so a resumed run draws what
+  the uninterrupted one would have;
+* a restart after a failure (``MAX_RESTARTS=N tools/dist_train.sh ...``:
+  torchrun's ``--max-restarts``; ``tools/slurm_train.sh`` likewise) resumes
+  by itself from the newest intact checkpoint;
 * without CUDA, a distributed launch starts a gloo process group and a
   CPU DDP, and SyncBN becomes BN; a ``model_wrapper_cfg`` other than a DDP
   is refused by name (see :mod:`mmcv_custom.launcher`);
@@ -43,7 +49,8 @@ from mmcv_custom.checkpoint import (check_checkpoint_file,
                                     is_sharded_checkpoint)
 from mmcv_custom.integrity import CheckpointDamagedError
 from mmcv_custom.launcher import (is_launch_rank0, load_config,
-                                  prepare_launch, run_runner, uses_fsdp2)
+                                  prepare_launch, restart_count, run_runner,
+                                  uses_fsdp2)
 from mmcv_custom.sharded_checkpoint import consolidated_file
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
@@ -86,6 +93,16 @@ def parse_args():
     return args
 
 
+def add_random_state_hook(cfg: Config) -> None:
+    """Keep every rank's random generators with the checkpoints (see
+    :mod:`mmcv_custom.engine.random_state`), unless the config has it."""
+    hooks = cfg.get('custom_hooks') or []
+    if not any(h.get('type') in ('RandomStateHook',
+                                 'mmcv_custom.RandomStateHook')
+               for h in hooks):
+        cfg.custom_hooks = list(hooks) + [dict(type='RandomStateHook')]
+
+
 def add_comm_hook_runner_hook(cfg: Config) -> None:
     """Add the runner hook when ``comm_hook`` is set but the hook is not."""
     if cfg.get('comm_hook') is None:
@@ -123,6 +140,11 @@ def main():
                                       'CPUAmpOptimWrapper')
             cfg.optim_wrapper.loss_scale = 'dynamic'
 
+    restart = restart_count()
+    if restart and not args.resume:
+        # A restart after a failure (torchrun's --max-restarts, or the
+        # Slurm script's loop) continues the run it restarts.
+        args.resume = True
     cfg.resume = args.resume
     # What the runner will load: load_from (fine-tuning, or the checkpoint
     # to resume from), else with --resume the latest one in the work dir.
@@ -138,6 +160,9 @@ def main():
         # checkpoint is missing, damaged or unreadable (then the newest
         # intact one); none: a fresh start, said as a warning.
         checkpoint, notes = choose_resume_checkpoint(cfg.work_dir)
+        if restart:
+            notes.insert(0, f'restart {restart} after a failure: resuming '
+                         'from the newest intact checkpoint')
         if checkpoint:
             check_checkpoint_file(checkpoint, 'the checkpoint to resume from')
             cfg.load_from = checkpoint  # what MMEngine resumes from
@@ -146,6 +171,7 @@ def main():
         # The notes go to the log file (and console) once the runner's
         # logger exists: run_runner logs them on rank 0.
     add_comm_hook_runner_hook(cfg)
+    add_random_state_hook(cfg)
     prepare_launch(cfg, args.launcher)
     sharded = (checkpoint and is_sharded_checkpoint(checkpoint)
                and not uses_fsdp2(cfg))

@@ -6,9 +6,11 @@ from .comm_hook_registration_hook import (CommHookRegistrationHook,
 from .cpu_amp_optim_wrapper import CPUAmpOptimWrapper
 from .fsdp2_strategy import FSDP2Strategy
 from .layer_decay_constructor import LayerDecayOptimWrapperConstructor
+from .random_state import RandomStateHook
 
 __all__ = [
     'AtomicLocalBackend', 'install_checkpoint_integrity', 'load_verified',
     'CommHookRegistrationHook', 'CPUAmpOptimWrapper', 'FSDP2Strategy',
-    'LayerDecayOptimWrapperConstructor', 'NonFiniteGradientsError'
+    'LayerDecayOptimWrapperConstructor', 'NonFiniteGradientsError',
+    'RandomStateHook'
 ]
