@@ -18,6 +18,7 @@ loader still only *calls* allow-listed functions, so an attribute fetched
 this way cannot be executed.
 """
 import builtins
+import logging
 import os
 import os.path as osp
 import pickle
@@ -34,7 +35,7 @@ __all__ = [
     'check_checkpoint', 'check_checkpoint_file', 'load_checkpoint_file',
     'resolve_resume_checkpoint', 'is_sharded_checkpoint', 'SHARDED_META_FILE',
     'UnsafeCheckpointError', 'readable_checkpoint', 'newest_intact',
-    'choose_resume_checkpoint'
+    'choose_resume_checkpoint', 'say_unverified_once'
 ]
 
 
@@ -232,6 +233,19 @@ def resolve_resume_checkpoint(work_dir: str,
            'is a copy of another run (which is left alone)')
     return local, (f'{recorded_file} names {recorded}, outside this work dir; '
                    f'the work dir {how}, so resuming from {local}.')
+
+
+_UNVERIFIED_SAID = set()
+
+
+def say_unverified_once(path: str, message: str) -> None:
+    """Log ``message`` (INFO) that ``path`` loads without a digest to
+    check, once per file and process, however often it is loaded."""
+    key = osp.abspath(path)
+    if key not in _UNVERIFIED_SAID:
+        _UNVERIFIED_SAID.add(key)
+        from mmengine.logging import print_log
+        print_log(message, logger='current', level=logging.INFO)
 
 
 def readable_checkpoint(path: str) -> bool:

@@ -23,19 +23,19 @@ torch's safe loader and this project's allow-list instead
 (:mod:`mmcv_custom.checkpoint`), and ``meta.pth`` is read the same way.
 """
 import contextlib
-import logging
 import os.path as osp
 import pickle
 import re
 import shutil
 import tempfile
 import warnings
-from typing import Dict, Iterable, Optional, Set, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
 from .checkpoint import (SHARDED_META_FILE, UnsafeCheckpointError,
-                         is_sharded_checkpoint, load_checkpoint_file)
+                         is_sharded_checkpoint, load_checkpoint_file,
+                         say_unverified_once)
 from .integrity import (CheckpointDamagedError, Verification,
                         atomic_write_text, checkpoint_candidates,
                         file_sha256, verify_file)
@@ -52,9 +52,6 @@ MANIFEST_FILE = 'SHA256SUMS'
 _MANIFEST_LINE = re.compile(r'^([0-9a-f]{64}) [ *](\S.*)$')
 _DCP_METADATA = '.metadata'
 # Directories said once to have no manifest (INFO), by absolute path.
-_UNVERIFIED_SAID: Set[str] = set()
-
-
 def write_manifest(folder: str, digests: Dict[str, str]) -> None:
     """Write ``folder/SHA256SUMS``: ``digests`` (file name relative to
     ``folder`` -> SHA-256 hex digest), one line each, sorted by name."""
@@ -259,15 +256,6 @@ def damaged_message(result: Verification, path: str) -> str:
             f'{alternative}')
 
 
-def _said_unverified(path: str, message: str) -> None:
-    key = osp.abspath(path)
-    if key in _UNVERIFIED_SAID:
-        return
-    _UNVERIFIED_SAID.add(key)
-    from mmengine.logging import print_log
-    print_log(message, logger='current', level=logging.INFO)
-
-
 def require_intact_sharded(path: str) -> Verification:
     """:func:`verify_sharded_checkpoint` of the whole directory in this
     process, raising when it is damaged; a directory without a manifest
@@ -281,7 +269,7 @@ def require_intact_sharded(path: str) -> Verification:
     if result.status == 'damaged':
         raise CheckpointDamagedError(damaged_message(result, path))
     if result.status == 'no_digest':
-        _said_unverified(path, result.message)
+        say_unverified_once(path, result.message)
     return result
 
 

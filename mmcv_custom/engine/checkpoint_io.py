@@ -18,26 +18,20 @@ Two of MMEngine's own extension points, installed by ``import mmcv_custom``
   newest intact checkpoint beside it); one without a digest loads with one
   INFO line.
 """
-import logging
 import os
 import os.path as osp
-from typing import Set
 
 import torch
 from mmengine.fileio import LocalBackend, register_backend
 from mmengine.fileio import io as _fileio
-from mmengine.logging import print_log
 from mmengine.runner import CheckpointLoader
 
-from ..checkpoint import newest_intact
+from ..checkpoint import newest_intact, say_unverified_once
 from ..integrity import (DIGEST_SUFFIX, atomic_write_bytes, atomic_write_text,
                          require_intact)
 
 __all__ = ['AtomicLocalBackend', 'load_verified',
            'install_checkpoint_integrity']
-
-_UNVERIFIED_SAID: Set[str] = set()
-
 
 class AtomicLocalBackend(LocalBackend):
     """MMEngine's local backend, whose writes are all-or-nothing.
@@ -80,10 +74,7 @@ def load_verified(filename: str, map_location=None):
             'last_checkpoint file in the work dir)')
     result = require_intact(filename, lambda: newest_intact(filename))
     if result.status == 'no_digest':
-        key = osp.abspath(filename)
-        if key not in _UNVERIFIED_SAID:
-            _UNVERIFIED_SAID.add(key)
-            print_log(result.message, logger='current', level=logging.INFO)
+        say_unverified_once(filename, result.message)
     return torch.load(filename, map_location=map_location)
 
 
