@@ -189,6 +189,22 @@ def _recorded(path: str) -> Optional[str]:
     return fields[0]
 
 
+# SHA-256 of files this process has hashed, by (path, inode, size, mtime):
+# a run checks its checkpoint before the runner exists and MMEngine's loader
+# checks it again; a multi-GB file is read for its digest only once.
+_HASHED = {}
+
+
+def _hashed(path: str) -> str:
+    """:func:`file_sha256`, remembered while the file is unchanged (any
+    write changes its size or modification time, and it is read again)."""
+    st = os.stat(path)
+    key = (osp.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _HASHED:
+        _HASHED[key] = file_sha256(path)
+    return _HASHED[key]
+
+
 def verify_file(path: str) -> Verification:
     """Check ``path`` against its digest file, reading it once."""
     if not osp.isfile(path):
@@ -204,7 +220,7 @@ def verify_file(path: str) -> Verification:
             'no_digest', f'{path} has no {DIGEST_SUFFIX} digest beside it '
             '(written before checkpoints had digests, or by another tool): '
             'loaded unverified')
-    actual = file_sha256(path)
+    actual = _hashed(path)
     if actual != recorded:
         return Verification(
             'damaged', f'{path} is damaged: its SHA-256 is {actual[:16]}..., '
