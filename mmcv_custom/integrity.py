@@ -32,13 +32,15 @@ import os
 import os.path as osp
 import re
 import secrets
+import shutil
 from typing import Callable, Iterable, List, NamedTuple, Optional
 
 __all__ = [
     'DIGEST_SUFFIX', 'CheckpointDamagedError', 'Verification',
     'atomic_write_bytes', 'atomic_write_text', 'digest_path',
     'write_digest', 'file_sha256', 'verify_file', 'require_intact',
-    'temporary_name', 'is_temporary_name', 'checkpoint_candidates'
+    'temporary_name', 'is_temporary_name', 'remove_stale_temporaries',
+    'checkpoint_candidates'
 ]
 
 #: What a digest file's name adds to the file it vouches for.
@@ -107,7 +109,61 @@ def _sync_to_disk() -> bool:
     return os.environ.get('MMCV_CUSTOM_FSYNC', '0') not in ('', '0')
 
 
+def _process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (one we may not
+    signal counts: it exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str) -> List[str]:
+    """Remove what an earlier write of ``path`` left under a temporary name
+    when its process was killed; returns the paths removed.
+
+    A save killed mid-write leaves ``.<name>.<pid>-<random>.tmp`` (a file,
+    or a folder for a sharded checkpoint): for a large model, gigabytes
+    that nothing else would ever remove. The next write of the same name
+    (a restarted run saves the same iterations again) removes them. Only
+    names of exactly that pattern, and only when their writer is gone: a
+    pid that is not this process and runs nowhere on this machine. Other
+    names (a user's ``iter_N.pth.partial``, say) are never touched. A
+    writer of this very name on another machine of a shared file system
+    would look dead here, but two jobs writing one checkpoint name into
+    one folder already cannot end well.
+    """
+    folder, base = osp.split(os.fspath(path))
+    pattern = re.compile(re.escape(f'.{base}.') + r'(\d+)-[0-9a-f]{8}\.tmp')
+    removed: List[str] = []
+    try:
+        names = os.listdir(folder or '.')
+    except OSError:
+        return removed
+    for name in names:
+        match = pattern.fullmatch(name)
+        if not match:
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or _process_alive(pid):
+            continue
+        stale = osp.join(folder, name)
+        try:
+            if osp.isdir(stale) and not osp.islink(stale):
+                shutil.rmtree(stale)
+            else:
+                os.remove(stale)
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove: left alone
+        removed.append(stale)
+    return removed
+
+
 def _write_then_rename(path: str, data: bytes) -> None:
+    remove_stale_temporaries(path)
     tmp = temporary_name(path)
     try:
         with open(tmp, 'wb') as f:

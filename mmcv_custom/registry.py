@@ -57,6 +57,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
 
 from .batched_powersgd import batched_powersgd_hook
 from .comm_worker import on_comm_worker
+from .powersgd import powersgd_hook
 from .powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
 from .ddp_hooks import (CompressState, _check_compress_args,
                         allreduce_hook,
@@ -80,7 +81,7 @@ COMM_HOOK_STATES = Registry('DDP communication hook state',
 COMM_HOOKS.register_module(name='allreduce', module=allreduce_hook)
 COMM_HOOKS.register_module(name='fp16_compress', module=fp16_compress_hook)
 COMM_HOOKS.register_module(name='bf16_compress', module=bf16_compress_hook)
-COMM_HOOKS.register_module(name='powerSGD', module=powerSGD.powerSGD_hook)
+COMM_HOOKS.register_module(name='powerSGD', module=powersgd_hook)
 COMM_HOOKS.register_module(
     name='batched_powerSGD', module=batched_powersgd_hook)
 COMM_HOOKS.register_module(name='int8_compress', module=int8_compress_hook)
@@ -101,27 +102,27 @@ _HALF_PRECISION_HOOKS = {
 _QUANTIZING_HOOKS = {int8_compress_hook: 'int8'}
 
 # Hooks that wait for their own collectives (the int8 hook between its two
-# phases, batched PowerSGD between its all-reduces) or start collectives from
-# future callbacks (PyTorch's PowerSGD, unsafe on gloo with several buckets in
-# flight: pytorch/pytorch#48478). Their whole composed chain, state included,
+# phases, both PowerSGD hooks between their all-reduces; PyTorch's own
+# PowerSGD would start collectives from future callbacks, unsafe on gloo with
+# several buckets in flight: pytorch/pytorch#48478). Their whole composed chain, state included,
 # runs on the communication worker (mmcv_custom.comm_worker): one bucket after
 # another in DDP's order, while the backward pass goes on. The value: whether
 # the worker must wait for a bucket's future before the next bucket (its
 # callbacks issue collectives), or may encode the next bucket while this one
 # is still on the wire (every collective issued when the hook returns).
 _WAITING_HOOKS = {
-    powerSGD.powerSGD_hook: True,
+    powersgd_hook: False,
     batched_powersgd_hook: False,
     int8_compress_hook: False,
 }
 
 # Hooks that run on a PowerSGDState (and keep its compression counters).
-_POWERSGD_HOOKS = {powerSGD.powerSGD_hook, batched_powersgd_hook}
+_POWERSGD_HOOKS = {powersgd_hook, batched_powersgd_hook}
 
 # How each stateful hook keeps its state per parameter, across DDP's bucket
 # layouts and checkpoints.
 _RELAYOUTS = {
-    powerSGD.powerSGD_hook: PowerSGDRelayout,
+    powersgd_hook: PowerSGDRelayout,
     batched_powersgd_hook: BatchedPowerSGDRelayout,
     int8_compress_hook: Int8Relayout,
 }

@@ -10,6 +10,7 @@ from mmcv_custom import (COMM_HOOK_STATES, COMM_HOOKS, allreduce_hook,
                          bf16_compress_hook, build_comm_hook,
                          check_comm_hook_cfg)
 from mmcv_custom.batched_powersgd import batched_powersgd_hook
+from mmcv_custom.powersgd import powersgd_hook
 from tests.dist_utils import run_ranks
 
 BUILTIN = ['allreduce', 'batched_powerSGD', 'bf16_compress', 'fp16_compress',
@@ -19,7 +20,8 @@ BUILTIN = ['allreduce', 'batched_powerSGD', 'bf16_compress', 'fp16_compress',
 def test_builtin_names():
     assert sorted(COMM_HOOKS.module_dict) == BUILTIN
     assert COMM_HOOKS.get('bf16_compress') is bf16_compress_hook
-    assert COMM_HOOKS.get('powerSGD') is powerSGD.powerSGD_hook
+    # Ours too: PyTorch's algorithm on aligned copies (mmcv_custom.powersgd).
+    assert COMM_HOOKS.get('powerSGD') is powersgd_hook
     # Ours: PyTorch 2.13's batched hook fails at its first compressed step.
     assert COMM_HOOKS.get('batched_powerSGD') is batched_powersgd_hook
 

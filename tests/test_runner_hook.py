@@ -34,7 +34,7 @@ def _train_val_test(rank, world_size, work_dir, comm_hook):
       'CPU casts: C kernel (']),
     (dict(type='powerSGD', wrapper='bf16', matrix_approximation_rank=2,
           start_powerSGD_iter=2),
-     ["type='powerSGD' (powerSGD_hook), wrapper='bf16'",
+     ["type='powerSGD' (powersgd_hook), wrapper='bf16'",
       'PowerSGDState(matrix_approximation_rank=2, start_powerSGD_iter=2, '
       'orthogonalization_epsilon=1e-08 (default set by mmcv_custom))',
       'in order on a worker thread, overlapped with backward',

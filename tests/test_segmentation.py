@@ -202,7 +202,7 @@ def test_dist_train_with_each_hook(trained, name):
         'allreduce': "type='allreduce' (allreduce_hook), wrapper=None",
         'fp16_compress': "type='fp16_compress' (fp16_compress_hook)",
         'bf16_compress': "type='bf16_compress' (bf16_compress_hook)",
-        'powerSGD-bf16': "type='powerSGD' (powerSGD_hook), wrapper='bf16'",
+        'powerSGD-bf16': "type='powerSGD' (powersgd_hook), wrapper='bf16'",
     }[name]
     assert expected in log
     assert 'process group: 2 ranks, backend gloo' in log

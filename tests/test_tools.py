@@ -68,7 +68,7 @@ def test_mlp_demo_learns_the_function_in_its_own_work_dir(tmp_path):
                 'comm_hook.type=powerSGD', 'comm_hook.wrapper=fp16',
                 'comm_hook.start_powerSGD_iter=5', cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "type='powerSGD' (powerSGD_hook), wrapper='fp16'" in out.stdout
+    assert "type='powerSGD' (powersgd_hook), wrapper='fp16'" in out.stdout
     # Evaluated by tools/test.py on the validation set, shown to four
     # significant digits (an MSE of 0.03 is not 0.0).
     assert re.search(r"eval      : \{'regression/mse': 0\.0\d{3,4}\}",

@@ -48,7 +48,7 @@ from torch import nn
 from ..checkpoint import (SHARDED_META_FILE, is_sharded_checkpoint,
                           load_checkpoint_file)
 from ..integrity import (CheckpointDamagedError, atomic_write_bytes,
-                         digest_path, file_sha256, is_temporary_name,
+                         digest_path, file_sha256, remove_stale_temporaries,
                          temporary_name)
 from ..sharded_checkpoint import (MANIFEST_FILE, damaged_message,
                                   safe_dcp_load, verify_sharded_checkpoint,
@@ -184,57 +184,6 @@ def _broadcast_buffers(module: nn.Module, *args) -> None:
         for buffer, value in zip(buffers, flat.split(
                 [b.numel() for b in buffers])):
             buffer.copy_(value.view_as(buffer))
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this machine (one we may not
-    signal counts: it exists)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
-def _remove_stale_temporaries(filename: str) -> list:
-    """Remove what an earlier save of ``filename`` left under a temporary
-    name (``.iter_N.pth.<pid>-<random>.tmp``, file or directory) when it
-    was killed; returns the paths removed.
-
-    Only names of that exact pattern, and only when their writer is gone:
-    a pid that is not this process and runs nowhere on this machine. A
-    writer that is alive keeps its directory, and other names (a user's
-    ``iter_N.pth.partial``, say) are never touched. Rank 0 of a job on
-    another machine of a shared file system would look dead here, but
-    such a job would be writing this very checkpoint name into this very
-    folder, which already cannot end well.
-    """
-    folder, base = osp.split(filename)
-    pattern = re.compile(re.escape(f'.{base}.') + r'(\d+)-[0-9a-f]{8}\.tmp')
-    removed = []
-    try:
-        names = os.listdir(folder or '.')
-    except OSError:
-        return removed
-    for name in names:
-        match = pattern.fullmatch(name)
-        if not (match and is_temporary_name(name)):
-            continue
-        pid = int(match.group(1))
-        if pid == os.getpid() or _process_alive(pid):
-            continue
-        path = osp.join(folder, name)
-        try:
-            if osp.isdir(path) and not osp.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
-        except OSError:
-            continue  # gone meanwhile, or not ours to remove: left alone
-        removed.append(path)
-    return removed
 
 
 def _hash_own_shards(folder: str, rank: int) -> Dict[str, str]:
@@ -451,7 +400,7 @@ class FSDP2Strategy(DDPStrategy):
         leftover of any earlier save, file or directory, can be in its
         way) and renamed at the end; a failed save removes it. What a
         killed save left of ``filename`` is removed first
-        (:func:`_remove_stale_temporaries`).
+        (:func:`~mmcv_custom.integrity.remove_stale_temporaries`).
         """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -480,7 +429,7 @@ class FSDP2Strategy(DDPStrategy):
 
         main = self.rank == 0
         if main:
-            for path in _remove_stale_temporaries(filename):
+            for path in remove_stale_temporaries(filename):
                 self.logger.info(f'Removed {path}, left by a save that did '
                                  'not finish (its process is gone).')
         tmp = self._from_rank0(temporary_name(filename) if main else None)
