@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from mmcv_custom import comm_worker
 from mmcv_custom.batched_powersgd import (_batched_powersgd,
                                           batched_powersgd_hook)
+from mmcv_custom.powersgd import _powersgd, powersgd_hook
 from mmcv_custom.int8_hooks import Int8State, _int8_reduce, int8_compress_hook
 from mmcv_custom.registry import build_comm_hook
 from tests.dist_utils import run_ranks
@@ -84,9 +85,11 @@ HOOKS = {
     'int8': (_int8, int8_compress_hook, _blocking(_int8_reduce)),
     'batched_powerSGD': (_powersgd_state, batched_powersgd_hook,
                          _blocking(_batched_powersgd)),
-    'powerSGD': (_powersgd_state,
-                 comm_worker.on_comm_worker(powerSGD.powerSGD_hook),
-                 _blocking(powerSGD.powerSGD_hook)),
+    'powerSGD': (_powersgd_state, powersgd_hook, _blocking(_powersgd)),
+    # PyTorch's own, through the public wrapper.
+    'pytorch_powerSGD': (_powersgd_state,
+                         comm_worker.on_comm_worker(powerSGD.powerSGD_hook),
+                         _blocking(powerSGD.powerSGD_hook)),
 }
 
 
