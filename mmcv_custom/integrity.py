@@ -37,7 +37,8 @@ from typing import Callable, Iterable, List, NamedTuple, Optional
 
 __all__ = [
     'DIGEST_SUFFIX', 'CheckpointDamagedError', 'Verification',
-    'atomic_write_bytes', 'atomic_write_text', 'digest_path',
+    'atomic_write_bytes', 'atomic_write_stream', 'atomic_write_text',
+    'digest_path',
     'write_digest', 'file_sha256', 'verify_file', 'require_intact',
     'temporary_name', 'is_temporary_name', 'remove_stale_temporaries',
     'checkpoint_candidates'
@@ -209,6 +210,58 @@ def atomic_write_bytes(path: str, data: bytes, digest: bool = True) -> None:
     _write_then_rename(path, data)
     if digest:
         write_digest(path, hashlib.sha256(data).hexdigest())
+
+
+class _HashingWriter:
+    """A write-only file that hashes what passes through it."""
+
+    def __init__(self, file) -> None:
+        self._file = file
+        self.sha256 = hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def atomic_write_stream(path: str, write: Callable[[object], None],
+                        digest: bool = True) -> None:
+    """:func:`atomic_write_bytes` for bytes that a writer streams out.
+
+    ``write(file)`` writes sequentially into a file object (``torch.save``
+    does); the bytes are hashed on their way to the temporary file, so a
+    multi-GB checkpoint is never held in memory a second time (a converted
+    InternViT-6B would be 24 GB more) and is read only once.
+    """
+    path = os.fspath(path)
+    if digest:
+        try:
+            os.remove(digest_path(path))
+        except FileNotFoundError:
+            pass
+    remove_stale_temporaries(path)
+    tmp = temporary_name(path)
+    try:
+        with open(tmp, 'wb') as f:
+            writer = _HashingWriter(f)
+            write(writer)
+            f.flush()
+            if _sync_to_disk():
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    if _sync_to_disk():
+        _fsync_folder(osp.dirname(path))
+    if digest:
+        write_digest(path, writer.sha256.hexdigest())
 
 
 def atomic_write_text(path: str, text: str, encoding: str = 'utf-8') -> None:

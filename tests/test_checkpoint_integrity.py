@@ -107,6 +107,46 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_nothing(
     assert integrity.verify_file(path).status == 'no_digest'
 
 
+def test_a_streamed_write_hashes_what_it_wrote(tmp_path):
+    """What the converters use: torch.save straight into the temporary
+    file, hashed on the way (the bytes are never held in memory)."""
+    path = str(tmp_path / 'model.pth')
+    state = {'w': torch.arange(100000, dtype=torch.float32)}
+    integrity.atomic_write_stream(path, lambda f: torch.save(state, f))
+    assert integrity.verify_file(path).status == 'ok'
+    assert integrity.file_sha256(path) == open(
+        path + '.sha256').read().split()[0]
+    assert torch.equal(torch.load(path)['w'], state['w'])
+
+    def dies_halfway(f):
+        f.write(b'x' * 1000)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        integrity.atomic_write_stream(path, dies_halfway)
+    # The old file stays, without a digest; nothing else is left.
+    assert sorted(os.listdir(tmp_path)) == ['model.pth']
+    assert torch.equal(torch.load(path)['w'], state['w'])
+
+
+def test_the_next_write_removes_what_a_killed_writer_left(tmp_path):
+    path = str(tmp_path / 'iter_4.pth')
+    gone = subprocess.run([sys.executable, '-c',
+                           'import os; print(os.getpid())'],
+                          capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    stale = tmp_path / f'.iter_4.pth.{dead_pid}-0123abcd.tmp'
+    stale.write_bytes(b'half a checkpoint')
+    alive = tmp_path / f'.iter_4.pth.{os.getppid()}-0123abcd.tmp'
+    alive.write_bytes(b'a live writer')
+    other = tmp_path / f'.iter_40.pth.{dead_pid}-0123abcd.tmp'
+    other.write_bytes(b'another name')
+    integrity.atomic_write_bytes(path, b'whole')
+    names = sorted(os.listdir(tmp_path))
+    assert stale.name not in names
+    assert alive.name in names and other.name in names
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 1 MiB tmpfs (root only), unmounted afterwards."""

@@ -19,7 +19,6 @@ it, nor an existing directory.
 ``tools/test.py`` also takes SRC_DIR directly.
 """
 import argparse
-import io
 import os
 import os.path as osp
 import sys
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0,
                 osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
-from mmcv_custom.integrity import atomic_write_bytes  # noqa: E402
+from mmcv_custom.integrity import atomic_write_stream  # noqa: E402
 from mmcv_custom.sharded_checkpoint import (  # noqa: E402
     consolidate_sharded_checkpoint)
 
@@ -60,13 +59,9 @@ def convert(src: str, dst: str) -> str:
     state = checkpoint['state_dict']
     folder = osp.dirname(osp.abspath(dst))
     os.makedirs(folder, exist_ok=True)
-    # Whole or not at all, with its digest: the bytes are hashed as they
-    # are written. They are held in memory once (a model's size again).
-    buffer = io.BytesIO()
-    torch.save(checkpoint, buffer)
-    with buffer.getbuffer() as data:  # no copy of the bytes
-        atomic_write_bytes(dst, data)
-    del buffer
+    # Whole or not at all, with its digest: the bytes are hashed on their
+    # way to the disk, never held in memory.
+    atomic_write_stream(dst, lambda f: torch.save(checkpoint, f))
     numel = sum(v.numel() for v in state.values())
     saved_by = checkpoint['meta'].get('sharded', {}).get('world_size', '?')
     return (f'{src}: {len(state)} tensors, {numel:,} numbers, saved by '

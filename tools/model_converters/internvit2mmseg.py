@@ -27,7 +27,6 @@ Prints the detected layout and the counts; a missing, unreadable or
 foreign file is a one-line error and exit status 1, with nothing written.
 """
 import argparse
-import io
 import os
 import os.path as osp
 import sys
@@ -37,7 +36,7 @@ import torch
 sys.path.insert(0,
                 osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
 from mmcv_custom.integrity import (  # noqa: E402
-    CheckpointDamagedError, atomic_write_bytes, verify_file)
+    CheckpointDamagedError, atomic_write_stream, verify_file)
 from mmcv_custom.models.backbones.intern_vit_checkpoint import (  # noqa: E402
     NotInternViTError, check_internvit, load_internvit_checkpoint)
 
@@ -79,11 +78,8 @@ def convert(src: str, dst: str) -> str:
     meta = dict(layout=converted.layout, source=osp.basename(src))
     folder = osp.dirname(osp.abspath(dst))
     os.makedirs(folder, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(dict(state_dict=state, meta=meta), buffer)
-    with buffer.getbuffer() as data:  # no copy of the bytes
-        atomic_write_bytes(dst, data)
-    del buffer
+    atomic_write_stream(
+        dst, lambda f: torch.save(dict(state_dict=state, meta=meta), f))
     return (f'{src}: {converted.summary()}\n'
             f'wrote {len(state)} tensors to {dst} (and its digest '
             f'{dst}.sha256); use it as {use}')
