@@ -31,6 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
 from .comm_worker import run_on_comm_worker
+from .powersgd import _add_error_feedback, _warm_up
 
 __all__ = ['batched_powersgd_hook']
 
@@ -77,10 +78,7 @@ def _batched_powersgd(state: powerSGD.PowerSGDState,
     buffer = bucket.buffer()
 
     if state.iter < state.start_powerSGD_iter:
-        state.maybe_increase_iter(bucket)
-        buffer.div_(world_size)
-        fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0])
+        return _warm_up(state, bucket, group)
 
     numel = buffer.numel()
     side = math.ceil(math.sqrt(numel))
@@ -88,12 +86,7 @@ def _batched_powersgd(state: powerSGD.PowerSGDState,
     index = bucket.index()
     dtype, device = buffer.dtype, buffer.device
 
-    if state.use_error_feedback:
-        error = state.error_dict.get(index)
-        if error is None:
-            error = state.error_dict[index] = torch.zeros_like(buffer)
-        buffer.add_(error)
-        target = buffer.clone()
+    target = _add_error_feedback(state, bucket)
 
     square = torch.zeros(side * side, dtype=dtype, device=device)
     square[:numel].copy_(buffer)
@@ -119,7 +112,7 @@ def _batched_powersgd(state: powerSGD.PowerSGDState,
     state.p_memory_dict[index] = p
 
     buffer.copy_((p @ q.t()).view(-1)[:numel])
-    if state.use_error_feedback:
+    if target is not None:
         torch.sub(target, buffer, out=state.error_dict[index])
 
     state.total_numel_before_compression += numel

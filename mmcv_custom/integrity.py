@@ -163,12 +163,14 @@ def remove_stale_temporaries(path: str) -> List[str]:
     return removed
 
 
-def _write_then_rename(path: str, data: bytes) -> None:
+def _write_then_rename(path: str, write: Callable[[object], None]) -> None:
+    """Write ``path`` through a temporary name: ``write(file)`` fills it,
+    and only a complete file is renamed into place."""
     remove_stale_temporaries(path)
     tmp = temporary_name(path)
     try:
         with open(tmp, 'wb') as f:
-            f.write(data)
+            write(f)
             f.flush()
             if _sync_to_disk():
                 os.fsync(f.fileno())
@@ -188,8 +190,8 @@ def write_digest(path: str, hexdigest: Optional[str] = None) -> str:
     returns the digest."""
     if hexdigest is None:
         hexdigest = file_sha256(path)
-    line = f'{hexdigest}  {osp.basename(path)}\n'
-    _write_then_rename(digest_path(path), line.encode())
+    line = f'{hexdigest}  {osp.basename(path)}\n'.encode()
+    _write_then_rename(digest_path(path), lambda f: f.write(line))
     return hexdigest
 
 
@@ -201,15 +203,7 @@ def atomic_write_bytes(path: str, data: bytes, digest: bool = True) -> None:
     be), never a digest of bytes that are not there. The previous digest of
     that name is removed first, so that it cannot vouch for new bytes.
     """
-    path = os.fspath(path)
-    if digest:
-        try:
-            os.remove(digest_path(path))
-        except FileNotFoundError:
-            pass
-    _write_then_rename(path, data)
-    if digest:
-        write_digest(path, hashlib.sha256(data).hexdigest())
+    atomic_write_stream(path, lambda f: f.write(data), digest)
 
 
 class _HashingWriter:
@@ -242,31 +236,21 @@ def atomic_write_stream(path: str, write: Callable[[object], None],
             os.remove(digest_path(path))
         except FileNotFoundError:
             pass
-    remove_stale_temporaries(path)
-    tmp = temporary_name(path)
-    try:
-        with open(tmp, 'wb') as f:
-            writer = _HashingWriter(f)
-            write(writer)
-            f.flush()
-            if _sync_to_disk():
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-    if _sync_to_disk():
-        _fsync_folder(osp.dirname(path))
+    writers = []
+
+    def hashed(f) -> None:
+        writers.append(_HashingWriter(f))
+        write(writers[0])
+
+    _write_then_rename(path, hashed)
     if digest:
-        write_digest(path, writer.sha256.hexdigest())
+        write_digest(path, writers[0].sha256.hexdigest())
 
 
 def atomic_write_text(path: str, text: str, encoding: str = 'utf-8') -> None:
     """Write ``text`` to ``path`` through a temporary name (no digest)."""
-    _write_then_rename(os.fspath(path), text.encode(encoding))
+    data = text.encode(encoding)
+    _write_then_rename(os.fspath(path), lambda f: f.write(data))
 
 
 def file_sha256(path: str) -> str:

@@ -25,7 +25,7 @@ moves and saves them as before. CPU buckets run on
 :mod:`mmcv_custom.comm_worker`'s thread, one after another in DDP's order.
 """
 from collections import defaultdict
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -83,17 +83,8 @@ def _powersgd(state: powerSGD.PowerSGDState,
     dtype, device = buffer.dtype, buffer.device
 
     if state.iter < state.start_powerSGD_iter:
-        state.maybe_increase_iter(bucket)
-        buffer.div_(world_size)
-        fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0])
-
-    if state.use_error_feedback:
-        error = state.error_dict.get(index)
-        if error is None:
-            error = state.error_dict[index] = torch.zeros_like(buffer)
-        buffer.add_(error)
-        target = buffer.clone()
+        return _warm_up(state, bucket, group)
+    target = _add_error_feedback(state, bucket)
 
     matrices, vectors = _split(state, bucket.gradients())
 
@@ -155,7 +146,7 @@ def _powersgd(state: powerSGD.PowerSGDState,
                              flat.split([t.numel() for t in vectors])):
         tensor.copy_(value.view_as(tensor))
 
-    if state.use_error_feedback:
+    if target is not None:
         torch.sub(target, buffer, out=state.error_dict[index])
     if not state.warm_start:
         state.p_memory_dict.clear()
@@ -164,6 +155,32 @@ def _powersgd(state: powerSGD.PowerSGDState,
     fut = torch.futures.Future()
     fut.set_result(buffer)
     return fut
+
+
+def _warm_up(state: powerSGD.PowerSGDState, bucket: dist.GradBucket,
+            group) -> torch.futures.Future:
+    """A step before ``start_powerSGD_iter``: the plain mean, left in
+    flight (shared with batched PowerSGD)."""
+    state.maybe_increase_iter(bucket)
+    buffer = bucket.buffer()
+    buffer.div_(group.size())
+    fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def _add_error_feedback(state: powerSGD.PowerSGDState,
+                       bucket: dist.GradBucket) -> Optional[torch.Tensor]:
+    """Add the bucket's residual of the last step (zeros the first time);
+    returns a copy of what is to be sent, from which the next residual is
+    taken, or None without error feedback (shared with batched PowerSGD)."""
+    if not state.use_error_feedback:
+        return None
+    buffer = bucket.buffer()
+    error = state.error_dict.get(bucket.index())
+    if error is None:
+        error = state.error_dict[bucket.index()] = torch.zeros_like(buffer)
+    buffer.add_(error)
+    return buffer.clone()
 
 
 def _rank(state: powerSGD.PowerSGDState, matrix: torch.Tensor) -> int:

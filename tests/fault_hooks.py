@@ -4,6 +4,7 @@ Imported by a test config through ``custom_imports`` (``tools/`` put the
 repository on ``PYTHONPATH``), so the kill happens inside a real training
 process, as a crashed node's would: SIGKILL, no cleanup, no exception.
 """
+import io
 import os
 import os.path as osp
 import re
@@ -101,11 +102,13 @@ class KillAtRandomHook(Hook):
             wanted = (r'iter_\d+\.pth' if get_rank() == 0 else
                       r'iter_\d+\.pth\.comm_hook_rank\d+\.pth')
 
-            def half_written(path, data):
+            def half_written(path, fill):
                 if not re.fullmatch(wanted, osp.basename(path)):
-                    return write(path, data)
+                    return write(path, fill)
+                data = io.BytesIO()
+                fill(data)
                 with open(integrity.temporary_name(path), 'wb') as f:
-                    f.write(bytes(data[:len(data) // 2]))
+                    f.write(data.getvalue()[:data.tell() // 2])
                 self._die(f': {osp.basename(path)} half written')
 
             integrity._write_then_rename = half_written
