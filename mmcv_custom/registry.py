@@ -57,15 +57,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
 
 from .batched_powersgd import batched_powersgd_hook
 from .comm_worker import on_comm_worker
-from .powersgd import powersgd_hook
-from .powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
 from .ddp_hooks import (CompressState, _check_compress_args,
                         allreduce_hook,
                         bf16_compress_hook, bf16_compress_wrapper,
                         check_bf16_support, fp16_compress_hook,
                         fp16_compress_wrapper)
-from . import int8_codec
-from .int8_hooks import Int8Relayout, Int8State, int8_compress_hook
+from .hook_records import record_of
+from .int8_hooks import Int8State, int8_compress_hook
+from .powersgd import powersgd_hook
+from .powersgd_state import PowerSGDRelayout
 
 __all__ = [
     'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommCounter', 'CommHookSpec',
@@ -90,49 +90,6 @@ _WRAPPERS: Dict[str, Callable] = {
     'fp16': fp16_compress_wrapper,
     'bf16': bf16_compress_wrapper,
 }
-
-# Hooks that already reduce in half precision: a wrapper around them would
-# round twice for nothing.
-_HALF_PRECISION_HOOKS = {
-    fp16_compress_hook: 'fp16',
-    bf16_compress_hook: 'bf16',
-}
-
-# Hooks that quantize below half precision: a wrapper would round twice too.
-_QUANTIZING_HOOKS = {int8_compress_hook: 'int8'}
-
-# Hooks that wait for their own collectives (the int8 hook between its two
-# phases, both PowerSGD hooks between their all-reduces; PyTorch's own
-# PowerSGD would start collectives from future callbacks, unsafe on gloo with
-# several buckets in flight: pytorch/pytorch#48478). Their whole composed chain, state included,
-# runs on the communication worker (mmcv_custom.comm_worker): one bucket after
-# another in DDP's order, while the backward pass goes on. The value: whether
-# the worker must wait for a bucket's future before the next bucket (its
-# callbacks issue collectives), or may encode the next bucket while this one
-# is still on the wire (every collective issued when the hook returns).
-_WAITING_HOOKS = {
-    powersgd_hook: False,
-    batched_powersgd_hook: False,
-    int8_compress_hook: False,
-}
-
-# Hooks that run on a PowerSGDState (and keep its compression counters).
-_POWERSGD_HOOKS = {powersgd_hook, batched_powersgd_hook}
-
-# How each stateful hook keeps its state per parameter, across DDP's bucket
-# layouts and checkpoints.
-_RELAYOUTS = {
-    powersgd_hook: PowerSGDRelayout,
-    batched_powersgd_hook: BatchedPowerSGDRelayout,
-    int8_compress_hook: Int8Relayout,
-}
-
-# PyTorch's PowerSGD default orthogonalization_epsilon=0 divides 0 by 0 when
-# a gradient matrix has an all-zero column (a layer whose loss gradient is
-# zero for a step), which puts NaN into every parameter of the bucket. A tiny
-# epsilon avoids it; fp16 needs one above its smallest subnormal (6e-8), or
-# the addition rounds back to zero.
-_POWERSGD_EPSILON = {None: 1e-8, 'bf16': 1e-8, 'fp16': 1e-6}
 
 
 def with_args_check(check: Callable[[dict], None]) -> Callable:
@@ -362,21 +319,6 @@ def _int8_state(process_group: Optional[dist.ProcessGroup],
     return Int8State(process_group, block_size, error_feedback)
 
 
-def _slow_int8_blocks(state_kwargs: dict,
-                      device: Optional[torch.device]) -> tuple:
-    """A note when ``block_size`` keeps int8 off the one-pass C kernels on
-    CPU: it trains, but each step quantizes some 25x slower."""
-    block = state_kwargs.get('block_size', 256)
-    on_cpu = device is None or torch.device(device).type == 'cpu'
-    if not on_cpu or block <= int8_codec.C_MAX_BLOCK:
-        return ()
-    return (f"comm_hook type='int8_compress': block_size={block} is larger "
-            "than the C kernels' largest block "
-            f'({int8_codec.C_MAX_BLOCK}), so on CPU the quantization runs in '
-            "torch's ops, about 25x slower; a block_size <= "
-            f'{int8_codec.C_MAX_BLOCK} keeps the one-pass kernels.', )
-
-
 @dataclasses.dataclass(frozen=True)
 class CommHookSpec:
     """A communication hook ready for ``ddp.register_comm_hook(state, hook)``.
@@ -392,7 +334,7 @@ class CommHookSpec:
         defaults_set (tuple[str]): Names in ``state_kwargs`` that the user
             did not write and this project chose.
         on_worker (bool): True when the hook runs on the communication
-            worker thread (see ``_WAITING_HOOKS``): CPU buckets are
+            worker thread (see ``HookRecord.worker_waits``): CPU buckets are
             communicated one at a time, in DDP's order, while the backward
             pass goes on.
         relayout (PowerSGDRelayout, optional): Saves and restores a
@@ -541,16 +483,17 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
         raise ValueError(
             "comm_hook wrapper should be 'fp16', 'bf16' or None, but got "
             f'{wrapper!r}')
-    if wrapper is not None and hook in _HALF_PRECISION_HOOKS:
+    record = record_of(hook)
+    if wrapper is not None and record.half_precision:
         raise ValueError(
             f"comm_hook type {hook_type!r} already reduces in "
-            f'{_HALF_PRECISION_HOOKS[hook]}, so wrapper={wrapper!r} would '
+            f'{record.wire}, so wrapper={wrapper!r} would '
             "round twice. Use type='allreduce' with the wrapper, or drop "
             'the wrapper.')
-    if wrapper is not None and hook in _QUANTIZING_HOOKS:
+    if wrapper is not None and record.quantizes:
         raise ValueError(
             f"comm_hook type {hook_type!r} already quantizes to "
-            f'{_QUANTIZING_HOOKS[hook]}, so wrapper={wrapper!r} would '
+            f'{record.wire}, so wrapper={wrapper!r} would '
             'round twice. Drop the wrapper.')
 
     factory = _lookup_state_factory(hook_type)
@@ -574,10 +517,10 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
                 f'comm_hook type {hook_type!r} got unexpected keys '
                 f'{unknown}. Valid keys: type, wrapper, {", ".join(valid)} '
                 '(the process group is the DDP model\'s own).')
-        if hook in _POWERSGD_HOOKS and (
-                'orthogonalization_epsilon' not in cfg):
-            cfg['orthogonalization_epsilon'] = _POWERSGD_EPSILON[wrapper]
-            defaults_set.append('orthogonalization_epsilon')
+        for key, value in record.defaults.get(wrapper, {}).items():
+            if key not in cfg:
+                cfg[key] = value
+                defaults_set.append(key)
         _run_args_check(factory, hook_type, cfg)
     return dict(type=hook_type, wrapper=wrapper, state_kwargs=cfg,
                 defaults_set=tuple(defaults_set))
@@ -642,35 +585,17 @@ def _count_baseline(hook: Callable, counter: CommCounter) -> Callable:
 def _count_wire(hook: Callable, counter: CommCounter,
                 base: Callable) -> Callable:
     """Around the named hook ``base`` (``hook`` may be it or wrap it): what
-    it puts on the wire. Inside any wrapper, so ``bucket.buffer()`` is in
-    the format that is sent."""
+    it puts on the wire, as its record counts it. Inside any wrapper, so
+    ``bucket.buffer()`` is in the format that is sent."""
+    count_wire = record_of(base).count_wire
 
     def _counted_hook(state, bucket: dist.GradBucket):
-        buffer = bucket.buffer()
-        size = buffer.numel() * buffer.element_size()
-        if base in _HALF_PRECISION_HOOKS:
-            counter.wire_bytes += buffer.numel() * 2
-        elif base is allreduce_hook:
-            counter.wire_bytes += size
-        elif base is int8_compress_hook:
-            counter.wire_bytes += state.wire_bytes(bucket)
-        elif base in _POWERSGD_HOOKS:
-            # Both hooks all-reduce the bucket as is while iter <
-            # start_powerSGD_iter, and leave the state's counters alone.
-            compressing = state.iter >= state.start_powerSGD_iter
-            before = state.total_numel_after_compression
-            fut = hook(state, bucket)
-            # Compressing, both add up what they send, in the bucket's
-            # dtype, before their first all-reduce: P and Q ((n + m) * r
-            # numbers for an n x m matrix at rank r) plus the numel of every
-            # tensor left uncompressed (all-reduced as is). That may be 0.
-            counter.wire_bytes += (
-                (state.total_numel_after_compression - before) *
-                buffer.element_size() if compressing else size)
-            return fut
-        else:
+        if count_wire is None:
             counter.wire_known = False
-        return hook(state, bucket)
+            return hook(state, bucket)
+        fut, sent = count_wire(hook, state, bucket)
+        counter.wire_bytes += sent
+        return fut
 
     _counted_hook.__qualname__ = getattr(hook, '__qualname__', 'hook')
     _counted_hook.__wrapped__ = hook
@@ -684,7 +609,7 @@ def _sent_as_they_are(checked: dict, base_hook: Callable,
     e.g. a bf16 backbone under ``fp16_compress``: a user who asked for fp16
     should read that part of the model goes as bf16, and why."""
     wrapper = checked['wrapper']
-    wire = wrapper or _HALF_PRECISION_HOOKS.get(base_hook)
+    wire = wrapper or record_of(base_hook).half_precision
     if wire is None:
         return None
     other = 'bf16' if wire == 'fp16' else 'fp16'
@@ -747,30 +672,31 @@ def build_comm_hook(cfg: dict,
     state = (process_group if factory is None else factory(
         process_group, **state_kwargs))
 
-    if wrapper == 'bf16' or base_hook is bf16_compress_hook:
+    record = record_of(base_hook)
+    if wrapper == 'bf16' or record.wire == 'bf16':
         check_bf16_support(process_group, device)
     notes = ()
     if param_names is not None:
         note = _sent_as_they_are(checked, base_hook, param_names)
         notes = (note, ) if note else ()
-    if base_hook is int8_compress_hook:
-        notes += _slow_int8_blocks(state_kwargs, device)
+    if record.notes is not None:
+        notes += record.notes(state_kwargs, device)
     hook = base_hook
     relayout = None
-    if param_names is not None and base_hook in _RELAYOUTS:
-        relayout = _RELAYOUTS[base_hook](state, param_names)
+    if param_names is not None and record.relayout is not None:
+        relayout = record.relayout(state, param_names)
         hook = relayout.wrap(hook)
     if counter is not None:
         hook = _count_wire(hook, counter, base_hook)
     if wrapper is not None:
         hook = _WRAPPERS[wrapper](hook)
 
-    on_worker = base_hook in _WAITING_HOOKS
+    on_worker = record.worker_waits is not None
     if on_worker:
         # The whole chain, so that the state's bookkeeping (PowerSGD's
         # relayout, the int8 plan that the byte count builds) runs on one
         # thread in bucket order.
-        hook = on_comm_worker(hook, wait=_WAITING_HOOKS[base_hook])
+        hook = on_comm_worker(hook, wait=record.worker_waits)
     if counter is not None:
         hook = _count_baseline(hook, counter)
     name = hook_type if isinstance(hook_type, str) else getattr(

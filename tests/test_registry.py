@@ -2,8 +2,6 @@
 import pytest
 import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import \
-    powerSGD_hook as powerSGD
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mmcv_custom import (COMM_HOOK_STATES, COMM_HOOKS, allreduce_hook,
@@ -209,3 +207,24 @@ def test_batched_powersgd_runs_on_gloo_with_several_buckets(wrapper):
     assert len(buckets) > 1  # several buckets compressed
     assert 0 < after < before / 10  # two thin factors per bucket
     _assert_finite_and_in_sync(grads, grads1)
+
+
+def test_every_builtin_hook_has_its_record():
+    """One record per hook (mmcv_custom.hook_records): what the registry,
+    the byte count and the checkpoints need to know about a built-in hook
+    is there; a user's hook gets the empty record (traffic unknown)."""
+    from mmcv_custom.hook_records import HOOK_RECORDS, record_of
+    for name in BUILTIN:
+        record = record_of(COMM_HOOKS.get(name))
+        assert record is HOOK_RECORDS[COMM_HOOKS.get(name)], name
+        assert record.count_wire is not None, name
+    waiting = sorted(n for n in BUILTIN
+                     if record_of(COMM_HOOKS.get(n)).worker_waits is not None)
+    assert waiting == ['batched_powerSGD', 'int8_compress', 'powerSGD']
+    assert record_of(COMM_HOOKS.get('fp16_compress')).half_precision == 'fp16'
+    assert record_of(COMM_HOOKS.get('int8_compress')).half_precision is None
+
+    def user_hook(state, bucket):
+        return allreduce_hook(state, bucket)
+
+    assert record_of(user_hook).count_wire is None
