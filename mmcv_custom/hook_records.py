@@ -15,6 +15,8 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import \
+    powerSGD_hook as powerSGD
 
 from . import int8_codec
 from .batched_powersgd import batched_powersgd_hook
@@ -23,7 +25,7 @@ from .int8_hooks import Int8Relayout, int8_compress_hook
 from .powersgd import powersgd_hook
 from .powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
 
-__all__ = ['HookRecord', 'HOOK_RECORDS', 'record_of']
+__all__ = ['HookRecord', 'HOOK_RECORDS', 'record_of', 'powersgd_numel']
 
 #: ``count_wire(hook, state, bucket) -> (future, bytes sent)``.
 WireCounter = Callable[[Callable, Any, dist.GradBucket],
@@ -59,6 +61,14 @@ class HookRecord:
         count_wire (Callable, optional): Runs the hook and says how many
             bytes it put on the wire (see
             :class:`~mmcv_custom.registry.CommCounter`); None: unknown.
+        model_bytes (Callable, optional): ``model_bytes(params,
+            state_kwargs, half) -> int``: the bytes it sends per step for
+            these parameters, for a hook whose traffic does not depend on
+            DDP's buckets (``half``: a half-precision wrapper or hook);
+            None where it does.
+        sharded (str, optional): Its form under FSDP2: ``'reduce_scatter'``
+            (a reduce-scatter in :attr:`wire`'s dtype) or ``'int8'``; None:
+            it has none.
     """
     wire: Optional[str] = None
     quantizes: bool = False
@@ -69,11 +79,21 @@ class HookRecord:
         dataclasses.field(default_factory=dict)
     notes: Optional[Callable[[dict, Optional[torch.device]], tuple]] = None
     count_wire: Optional[WireCounter] = None
+    model_bytes: Optional[Callable[[Any, dict, bool], int]] = None
+    sharded: Optional[str] = None
 
     @property
     def half_precision(self) -> Optional[str]:
         """``'fp16'`` or ``'bf16'`` for a hook that reduces in it."""
         return self.wire if self.wire in ('fp16', 'bf16') else None
+
+    @property
+    def wire_dtype(self) -> Optional[torch.dtype]:
+        """The dtype of :attr:`half_precision` (None: the gradients')."""
+        return _HALF_DTYPES.get(self.half_precision)
+
+
+_HALF_DTYPES = {'fp16': torch.float16, 'bf16': torch.bfloat16}
 
 
 def _sends_bucket(element_bytes: Optional[int] = None) -> WireCounter:
@@ -111,6 +131,32 @@ def _powersgd_wire(hook, state, bucket):
     return fut, sent
 
 
+def _whole_bytes(params, state_kwargs: dict, half: bool) -> int:
+    # Half precision halves fp32 gradients; bf16 ones go as they are.
+    return sum(p.numel() * (min(p.element_size(), 2) if half else
+                            p.element_size()) for p in params)
+
+
+def powersgd_numel(params, rank: int, min_rate: float) -> int:
+    """Numbers PowerSGD sends for ``params`` (PyTorch's compression rule:
+    the factors of every matrix it compresses, the rest as it is)."""
+    total = 0
+    for p in params:
+        n = p.shape[0] if p.dim() else 1
+        m = p.numel() // max(n, 1)
+        r = min(n, m, rank)
+        compress, before, after = powerSGD._should_compress(n, m, r, min_rate)
+        total += after if compress else before
+    return total
+
+
+def _powersgd_bytes(params, state_kwargs: dict, half: bool) -> int:
+    numel = powersgd_numel(params,
+                           state_kwargs.get('matrix_approximation_rank', 1),
+                           state_kwargs.get('min_compression_rate', 2))
+    return numel * (2 if half else 4)
+
+
 def _slow_int8_blocks(state_kwargs: dict,
                       device: Optional[torch.device]) -> tuple:
     """A note when ``block_size`` keeps int8 off the one-pass C kernels on
@@ -138,11 +184,17 @@ _POWERSGD_DEFAULTS = {
 
 #: Hook function -> its record, for the built-in hooks.
 HOOK_RECORDS = {
-    allreduce_hook: HookRecord(count_wire=_sends_bucket()),
+    allreduce_hook: HookRecord(count_wire=_sends_bucket(),
+                               model_bytes=_whole_bytes,
+                               sharded='reduce_scatter'),
     fp16_compress_hook: HookRecord(wire='fp16',
-                                   count_wire=_sends_bucket(2)),
+                                   count_wire=_sends_bucket(2),
+                                   model_bytes=_whole_bytes,
+                                   sharded='reduce_scatter'),
     bf16_compress_hook: HookRecord(wire='bf16',
-                                   count_wire=_sends_bucket(2)),
+                                   count_wire=_sends_bucket(2),
+                                   model_bytes=_whole_bytes,
+                                   sharded='reduce_scatter'),
     # Both PowerSGD hooks and int8 wait between their collectives (PyTorch's
     # own PowerSGD hook would start collectives from future callbacks,
     # unsafe on gloo with several buckets in flight: pytorch/pytorch#48478);
@@ -150,7 +202,8 @@ HOOK_RECORDS = {
     powersgd_hook: HookRecord(worker_waits=False, powersgd_state=True,
                               relayout=PowerSGDRelayout,
                               defaults=_POWERSGD_DEFAULTS,
-                              count_wire=_powersgd_wire),
+                              count_wire=_powersgd_wire,
+                              model_bytes=_powersgd_bytes),
     batched_powersgd_hook: HookRecord(worker_waits=False,
                                       powersgd_state=True,
                                       relayout=BatchedPowerSGDRelayout,
@@ -159,7 +212,7 @@ HOOK_RECORDS = {
     int8_compress_hook: HookRecord(wire='int8', quantizes=True,
                                    worker_waits=False, relayout=Int8Relayout,
                                    notes=_slow_int8_blocks,
-                                   count_wire=_int8_wire),
+                                   count_wire=_int8_wire, sharded='int8'),
 }
 
 _UNKNOWN = HookRecord()

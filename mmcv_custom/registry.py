@@ -62,7 +62,7 @@ from .ddp_hooks import (CompressState, _check_compress_args,
                         bf16_compress_hook, bf16_compress_wrapper,
                         check_bf16_support, fp16_compress_hook,
                         fp16_compress_wrapper)
-from .hook_records import record_of
+from .hook_records import HookRecord, record_of
 from .int8_hooks import Int8State, int8_compress_hook
 from .powersgd import powersgd_hook
 from .powersgd_state import PowerSGDRelayout
@@ -71,7 +71,7 @@ __all__ = [
     'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommCounter', 'CommHookSpec',
     'ShardedCommSpec', 'build_sharded_comm',
     'build_comm_hook', 'check_comm_hook_cfg', 'with_args_check',
-    'require_int', 'require_real', 'require_bool'
+    'require_int', 'require_real', 'require_bool', 'hook_record'
 ]
 
 COMM_HOOKS = Registry('DDP communication hook', scope='mmcv_custom')
@@ -401,6 +401,12 @@ def _lookup_hook(hook_type: Any) -> Callable:
             '@COMM_HOOKS.register_module(), or give an import path such as '
             "'my_pkg.hooks.my_hook'.")
     return hook
+
+
+def hook_record(hook_type: Any) -> HookRecord:
+    """The record (:mod:`mmcv_custom.hook_records`) of the hook a config's
+    ``type`` names; an empty one for a hook the project does not know."""
+    return record_of(_lookup_hook(hook_type))
 
 
 def _lookup_state_factory(hook_type: Any) -> Optional[Callable]:
@@ -770,18 +776,20 @@ def build_sharded_comm(cfg: dict,
             cast; ``check_finite``). Besides the errors of
             :func:`check_comm_hook_cfg`.
     """
-    from .sharded_comm import WIRE_DTYPES
     checked = check_comm_hook_cfg(cfg)
     hook_type = checked['type']
     what = f'comm_hook type={hook_type!r}'
-    if hook_type == 'int8_compress':
+    record = hook_record(hook_type)
+    if record.sharded == 'int8':
         return _sharded_int8(checked, what)
-    if not isinstance(hook_type, str) or hook_type not in WIRE_DTYPES:
+    if record.sharded != 'reduce_scatter':
+        forms = [name for name, hook in COMM_HOOKS.module_dict.items()
+                 if record_of(hook).sharded == 'reduce_scatter']
         raise ValueError(
             f'{what} has no sharded form: under FSDP2 (FSDP2Strategy) '
             'gradients are reduce-scattered, not all-reduced through DDP '
             'communication hooks. Use one of '
-            f'{", ".join(repr(t) for t in WIRE_DTYPES)}, or train this hook '
+            f'{", ".join(repr(t) for t in forms)}, or train this hook '
             'with DDP (the default Runner).')
     if checked['wrapper'] is not None:
         raise ValueError(
@@ -803,7 +811,7 @@ def build_sharded_comm(cfg: dict,
         note = _sent_as_they_are(checked, _lookup_hook(hook_type),
                                  param_names)
         notes = (note, ) if note else ()
-    return ShardedCommSpec(type=hook_type, wire_dtype=WIRE_DTYPES[hook_type],
+    return ShardedCommSpec(type=hook_type, wire_dtype=record.wire_dtype,
                            notes=notes)
 
 

@@ -47,14 +47,7 @@ except ImportError:  # pragma: no cover - older torch
     ReduceScatter = object
 
 __all__ = ['AveragingReduceScatter', 'Int8ReduceScatter',
-           'install_reduce_scatter', 'fsdp_modules', 'WIRE_DTYPES']
-
-# comm_hook type -> dtype on the wire (None: the gradients' own dtype).
-WIRE_DTYPES = {
-    'allreduce': None,
-    'fp16_compress': torch.float16,
-    'bf16_compress': torch.bfloat16,
-}
+           'install_reduce_scatter', 'fsdp_modules']
 
 
 class _SummingReduceScatter(ReduceScatter):

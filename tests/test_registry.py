@@ -223,6 +223,12 @@ def test_every_builtin_hook_has_its_record():
     assert waiting == ['batched_powerSGD', 'int8_compress', 'powerSGD']
     assert record_of(COMM_HOOKS.get('fp16_compress')).half_precision == 'fp16'
     assert record_of(COMM_HOOKS.get('int8_compress')).half_precision is None
+    sharded = {n: record_of(COMM_HOOKS.get(n)).sharded for n in BUILTIN}
+    assert sharded == dict(allreduce='reduce_scatter',
+                           fp16_compress='reduce_scatter',
+                           bf16_compress='reduce_scatter',
+                           int8_compress='int8', powerSGD=None,
+                           batched_powerSGD=None)
 
     def user_hook(state, bucket):
         return allreduce_hook(state, bucket)

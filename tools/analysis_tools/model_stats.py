@@ -50,26 +50,14 @@ sys.path.insert(0, osp.dirname(osp.dirname(osp.dirname(osp.abspath(
 from mmcv_custom.engine.fsdp2_strategy import (  # noqa: E402
     _DEFAULT_SHARD_MODULES, select_units, unit_parameters)
 from mmcv_custom.launcher import load_config  # noqa: E402
-from mmcv_custom.registry import check_comm_hook_cfg  # noqa: E402
+from mmcv_custom.hook_records import powersgd_numel  # noqa: E402
+from mmcv_custom.registry import (check_comm_hook_cfg,  # noqa: E402
+                                  hook_record)
 
 __all__ = ['stats', 'powersgd_numel', 'fsdp2_units', 'fsdp2_memory',
            'shard_numel']
 
 GiB = 2**30
-
-
-def powersgd_numel(params, rank: int, min_rate: float) -> int:
-    """Numbers PowerSGD sends for ``params`` (PyTorch's compression rule)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import \
-        powerSGD_hook as powerSGD
-    total = 0
-    for p in params:
-        n = p.shape[0] if p.dim() else 1
-        m = p.numel() // max(n, 1)
-        r = min(n, m, rank)
-        compress, before, after = powerSGD._should_compress(n, m, r, min_rate)
-        total += after if compress else before
-    return total
 
 
 def _size(num_bytes: int) -> str:
@@ -269,21 +257,12 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
             'grad_bytes']
         return out
     checked = check_comm_hook_cfg(hook)
-    half = checked['wrapper'] or checked['type'] in ('fp16_compress',
-                                                     'bf16_compress')
-    kwargs = checked['state_kwargs']
-    if checked['type'] == 'powerSGD':
-        numel = powersgd_numel(trainable,
-                               kwargs.get('matrix_approximation_rank', 1),
-                               kwargs.get('min_compression_rate', 2))
-        out['hook_bytes'] = numel * (2 if half else 4)
-    elif checked['type'] in ('allreduce', 'fp16_compress', 'bf16_compress'):
-        # Half precision halves fp32 gradients; bf16 ones go as they are.
-        out['hook_bytes'] = sum(
-            p.numel() * (min(p.element_size(), 2) if half else
-                         p.element_size()) for p in trainable)
-    else:
-        out['hook_bytes'] = None  # depends on DDP's buckets
+    record = hook_record(checked['type'])
+    half = bool(checked['wrapper'] or record.half_precision)
+    # None where the traffic depends on DDP's buckets.
+    out['hook_bytes'] = (None if record.model_bytes is None else
+                         record.model_bytes(trainable,
+                                            checked['state_kwargs'], half))
     out['hook'] = ', '.join(f'{k}={v!r}' for k, v in hook.items())
     return out
 
