@@ -209,12 +209,12 @@ def atomic_write_bytes(path: str, data: bytes, digest: bool = True) -> None:
 class _HashingWriter:
     """A write-only file that hashes what passes through it."""
 
-    def __init__(self, file) -> None:
+    def __init__(self, file, sha256) -> None:
         self._file = file
-        self.sha256 = hashlib.sha256()
+        self._sha256 = sha256
 
     def write(self, data) -> int:
-        self.sha256.update(data)
+        self._sha256.update(data)
         return self._file.write(data)
 
     def flush(self) -> None:
@@ -236,15 +236,12 @@ def atomic_write_stream(path: str, write: Callable[[object], None],
             os.remove(digest_path(path))
         except FileNotFoundError:
             pass
-    writers = []
-
-    def hashed(f) -> None:
-        writers.append(_HashingWriter(f))
-        write(writers[0])
-
-    _write_then_rename(path, hashed)
-    if digest:
-        write_digest(path, writers[0].sha256.hexdigest())
+        sha256 = hashlib.sha256()
+        _write_then_rename(path,
+                           lambda f: write(_HashingWriter(f, sha256)))
+        write_digest(path, sha256.hexdigest())
+    else:
+        _write_then_rename(path, write)
 
 
 def atomic_write_text(path: str, text: str, encoding: str = 'utf-8') -> None:
