@@ -15,14 +15,12 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import \
-    powerSGD_hook as powerSGD
 
 from . import int8_codec
 from .batched_powersgd import batched_powersgd_hook
 from .ddp_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .int8_hooks import Int8Relayout, int8_compress_hook
-from .powersgd import powersgd_hook
+from .powersgd import compression, powersgd_hook
 from .powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
 
 __all__ = ['HookRecord', 'HOOK_RECORDS', 'record_of', 'powersgd_numel']
@@ -142,10 +140,7 @@ def powersgd_numel(params, rank: int, min_rate: float) -> int:
     the factors of every matrix it compresses, the rest as it is)."""
     total = 0
     for p in params:
-        n = p.shape[0] if p.dim() else 1
-        m = p.numel() // max(n, 1)
-        r = min(n, m, rank)
-        compress, before, after = powerSGD._should_compress(n, m, r, min_rate)
+        compress, before, after = compression(p.shape, rank, min_rate)
         total += after if compress else before
     return total
 

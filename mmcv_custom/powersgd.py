@@ -24,8 +24,9 @@ first appearance), so :class:`~mmcv_custom.powersgd_state.PowerSGDRelayout`
 moves and saves them as before. CPU buckets run on
 :mod:`mmcv_custom.comm_worker`'s thread, one after another in DDP's order.
 """
+import math
 from collections import defaultdict
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
 
 from .comm_worker import run_on_comm_worker
 
-__all__ = ['powersgd_hook']
+__all__ = ['powersgd_hook', 'compression']
 
 # Fresh allocations start at 64 bytes (CPU) or more (CUDA): the largest
 # vector width the kernels align to.
@@ -188,20 +189,32 @@ def _rank(state: powerSGD.PowerSGDState, matrix: torch.Tensor) -> int:
     return min(n, m, state.matrix_approximation_rank)
 
 
+def compression(shape, rank: int, min_rate: float) -> Tuple[bool, int, int]:
+    """PyTorch's rule for a gradient of ``shape``: whether PowerSGD at
+    ``rank`` compresses it, and the numbers it holds before and sends after.
+
+    It is seen as an ``n x m`` matrix, ``n`` its first dimension (a 0-d one
+    as 1 x 1). The hook, the state's per-parameter layout
+    (:mod:`mmcv_custom.powersgd_state`) and ``model_stats.py``'s prediction
+    all decide with this.
+    """
+    shape = tuple(shape)
+    n = shape[0] if shape else 1
+    m = math.prod(shape) // max(n, 1)
+    return powerSGD._should_compress(n, m, min(n, m, rank), min_rate)
+
+
 def _split(state: powerSGD.PowerSGDState, tensors: List[torch.Tensor]):
     """Matrices (``n x m`` views of the bucket) that compression pays for,
     and the rest; the state's compression counters as PyTorch keeps them."""
     matrices, vectors = [], []
     for tensor in tensors:
-        matrix = tensor.view(tensor.shape[0], -1) if tensor.dim() else \
-            tensor.view(1, 1)
-        n, m = matrix.shape
-        worth, before, after = powerSGD._should_compress(
-            n, m, min(n, m, state.matrix_approximation_rank),
-            state.min_compression_rate)
+        worth, before, after = compression(tensor.shape,
+                                           state.matrix_approximation_rank,
+                                           state.min_compression_rate)
         state.total_numel_before_compression += before
         if worth:
-            matrices.append(matrix)
+            matrices.append(tensor.view(tensor.shape[0], -1))
             state.total_numel_after_compression += after
         else:
             vectors.append(tensor)

@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
+from .powersgd import compression
+
 __all__ = ['PowerSGDRelayout', 'BatchedPowerSGDRelayout']
 
 _VERSION = 1
@@ -50,11 +52,11 @@ class _Layout:
         for p in params:
             self.error[id(p)] = (offset, p.numel())
             offset += p.numel()
-            n = p.shape[0] if p.dim() > 0 else 1
-            m = p.numel() // max(n, 1)
-            rank = min(n, m, state.matrix_approximation_rank)
-            if powerSGD._should_compress(n, m, rank,
-                                         state.min_compression_rate)[0]:
+            if compression(p.shape, state.matrix_approximation_rank,
+                           state.min_compression_rate)[0]:
+                n = p.shape[0]
+                m = p.numel() // n
+                rank = min(n, m, state.matrix_approximation_rank)
                 groups.setdefault((n, m), []).append((id(p), m * rank))
                 self.p_size += n * rank
         offset = 0
