@@ -31,6 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
 from .comm_worker import run_on_comm_worker
+from .ddp_hooks import _group_or_world
 from .powersgd import _add_error_feedback, _warm_up
 
 __all__ = ['batched_powersgd_hook']
@@ -72,8 +73,7 @@ def batched_powersgd_hook(
 def _batched_powersgd(state: powerSGD.PowerSGDState,
                       bucket: dist.GradBucket) -> torch.futures.Future:
     """The hook's work on one bucket, waiting for its own all-reduces."""
-    group = (state.process_group
-             if state.process_group is not None else dist.group.WORLD)
+    group = _group_or_world(state.process_group)
     world_size = group.size()
     buffer = bucket.buffer()
 

@@ -69,6 +69,8 @@ import math
 from abc import ABC, abstractmethod
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from .comm.util import align_up, ceil_div
+
 __all__ = [
     'MiB', 'DTYPE_BYTES', 'COLLECTIVE_KINDS', 'ParamSpec', 'Bucket',
     'Collective', 'Cluster', 'LinkConstants', 'GPU_CLUSTER_CONSTANTS',
@@ -553,7 +555,7 @@ class HalfPrecisionCost(HookCost):
 
 
 def _align4(nbytes: int) -> int:
-    return -(-nbytes // 4) * 4
+    return align_up(nbytes, 4)
 
 
 class Int8Cost(HookCost):
@@ -608,7 +610,7 @@ class Int8Cost(HookCost):
         for group in order:
             for i in group:
                 firsts[i] = next_block
-                next_block += -(-params[i].numel // self.block_size)
+                next_block += ceil_div(params[i].numel, self.block_size)
         return firsts
 
     def _segments(self, bucket: Bucket, firsts: Dict[int, int],
@@ -619,7 +621,7 @@ class Int8Cost(HookCost):
         numels = [0] * world_size
         for index, param in zip(bucket.indices, bucket.params):
             n = param.numel
-            blocks = -(-n // block)
+            blocks = ceil_div(n, block)
             if not blocks:
                 continue
             first = firsts[index]

@@ -53,6 +53,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .comm.util import named_after
+
 __all__ = ['run_on_comm_worker', 'on_comm_worker', 'on_worker_thread']
 
 
@@ -228,7 +230,4 @@ def on_comm_worker(hook: Callable, wait: bool = True) -> Callable:
         return run_on_comm_worker(lambda: hook(state, bucket), bucket,
                                   wait)
 
-    name = getattr(hook, '__qualname__', type(hook).__name__)
-    _comm_worker_hook.__qualname__ = f'on_comm_worker({name})'
-    _comm_worker_hook.__wrapped__ = hook
-    return _comm_worker_hook
+    return named_after(_comm_worker_hook, hook, 'on_comm_worker({})')

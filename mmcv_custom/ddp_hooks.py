@@ -32,12 +32,13 @@ Example:
     >>> ddp_model.register_comm_hook(None, bf16_compress_hook)
 """
 import functools
-import math
-import numbers
 from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
+
+from .comm.util import named_after
+from .comm.validation import require_bool, require_real
 
 try:
     # Optional one-pass CPU cast, built from csrc/cpu_codec.c by setup.py.
@@ -171,19 +172,9 @@ def _check_compress_args(predivide_factor: Any = None,
     ``check_finite`` (``'no'`` would turn the check on). The registry runs
     the same check on a ``comm_hook`` config before anything is built.
     """
-    rule = 'None or a finite real number > 0'
-    if predivide_factor is not None:
-        if (isinstance(predivide_factor, bool)
-                or not isinstance(predivide_factor, numbers.Real)):
-            raise TypeError(
-                f'predivide_factor should be {rule}, but got '
-                f'{type(predivide_factor).__name__}: {predivide_factor!r}')
-        if not (math.isfinite(predivide_factor) and predivide_factor > 0):
-            raise ValueError(f'predivide_factor should be {rule}, but got '
-                             f'{predivide_factor!r}')
-    if not isinstance(check_finite, bool):
-        raise TypeError('check_finite should be True or False, but got '
-                        f'{type(check_finite).__name__}: {check_finite!r}')
+    require_real('predivide_factor', predivide_factor, minimum=0,
+                 inclusive=False, allow_none=True)
+    require_bool('check_finite', check_finite)
 
 
 class CompressState:
@@ -520,11 +511,8 @@ def _compress_wrapper(dtype: torch.dtype, hook: CommHook) -> CommHook:
     # __name__ and refuses it on gloo; ours has a name of its own (see the
     # module docstring). __qualname__ is what DDP logs: make it readable.
     prefix = 'fp16' if dtype is torch.float16 else 'bf16'
-    name = getattr(hook, '__qualname__', type(hook).__name__)
-    _half_precision_wrapped_hook.__qualname__ = (
-        f'{prefix}_compress_wrapper({name})')
-    _half_precision_wrapped_hook.__wrapped__ = hook
-    return _half_precision_wrapped_hook
+    return named_after(_half_precision_wrapped_hook, hook,
+                       f'{prefix}_compress_wrapper({{}})')
 
 
 def fp16_compress_wrapper(hook: CommHook) -> CommHook:

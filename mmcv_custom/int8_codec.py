@@ -31,6 +31,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .comm.util import ceil_div
+
 try:
     from . import _cpu_codec
 except ImportError:  # pragma: no cover - depends on the install
@@ -41,14 +43,15 @@ __all__ = [
     'quantize_blocks', 'dequantize_blocks', 'C_MAX_BLOCK'
 ]
 
-#: The largest block the C kernels take (INT8_MAX_BLOCK in
-#: csrc/cpu_codec.c); larger blocks run in torch's ops.
-C_MAX_BLOCK = 4096
+#: The largest block the C kernels take, as the C module says
+#: (INT8_MAX_BLOCK); larger blocks, and every block without the C module,
+#: run in torch's ops.
+C_MAX_BLOCK = getattr(_cpu_codec, 'INT8_MAX_BLOCK', 0)
 
 
 def num_blocks(numel: int, block: int) -> int:
     """Scales a tensor of ``numel`` values has in blocks of ``block``."""
-    return -(-numel // block)
+    return ceil_div(numel, block)
 
 
 def uses_c_kernel(x: torch.Tensor, block: int) -> bool:
@@ -167,9 +170,27 @@ def _dequantize_torch(q, scales, block, out, accumulate):
     return out
 
 
-# Columns of a BlockTable row (the T_* enum of csrc/cpu_codec.c).
+# Columns of a BlockTable row, and the residual modes. The torch ops need
+# them without the C module too; with it, they must be the C module's own.
 _SRC, _RES, _LEN, _PAYLOAD, _SCALE = range(5)
 _MODES = {None: 0, 'feed': 1, 'collect': 2}
+
+
+def _check_c_constants(codec) -> None:
+    """Refuse a C module built for another table layout (a stale build)."""
+    ours = dict(T_SRC=_SRC, T_RES=_RES, T_LEN=_LEN, T_PAYLOAD=_PAYLOAD,
+                T_SCALE=_SCALE, T_COLS=5, INT8_NO_RESIDUAL=_MODES[None],
+                INT8_FEED=_MODES['feed'], INT8_COLLECT=_MODES['collect'])
+    theirs = {name: getattr(codec, name, None) for name in ours}
+    if theirs != ours:
+        raise ImportError(
+            f'{codec.__file__} was built for another block table layout '
+            f'({theirs}, expected {ours}); rebuild it with `make install` '
+            '(or pip install -e .)')
+
+
+if _cpu_codec is not None and hasattr(_cpu_codec, 'int8_encode'):
+    _check_c_constants(_cpu_codec)
 
 
 class BlockTable:

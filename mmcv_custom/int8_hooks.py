@@ -55,11 +55,14 @@ import torch
 import torch.distributed as dist
 
 from . import int8_codec
+from .comm.util import align_up, ceil_div
 from .comm_worker import run_on_comm_worker
+from .ddp_hooks import _group_or_world
+from .hook_state import HookStateKeeper
 from .int8_codec import BlockTable
 
 __all__ = [
-    'Int8State', 'Int8Relayout', 'Int8BucketPlan', 'int8_compress_hook'
+    'Int8State', 'Int8StateKeeper', 'Int8BucketPlan', 'int8_compress_hook'
 ]
 
 _QMAX = 127
@@ -73,12 +76,8 @@ _all_gather_single = (getattr(dist, 'all_gather_single', None)
                       or dist.all_gather_into_tensor)
 
 
-def _group_or_world(process_group: Optional[dist.ProcessGroup]):
-    return process_group if process_group is not None else dist.group.WORLD
-
-
 def _align4(nbytes: int) -> int:
-    return -(-nbytes // 4) * 4
+    return align_up(nbytes, 4)
 
 
 class Int8BucketPlan:
@@ -114,7 +113,7 @@ class Int8BucketPlan:
                  rank: int, block: int) -> None:
         starts, lengths, owners = [], [], []
         for offset, numel, first in pieces:
-            b = torch.arange(-(-numel // block), dtype=torch.int64)
+            b = torch.arange(ceil_div(numel, block), dtype=torch.int64)
             starts.append(offset + b * block)
             lengths.append((numel - b * block).clamp(max=block))
             owners.append((first + b) % world_size)
@@ -302,7 +301,7 @@ class Int8State:
             for pid, numel in layout:
                 if pid not in self._firsts:
                     self._firsts[pid] = self._next_block
-                    self._next_block += -(-numel // self.block_size)
+                    self._next_block += ceil_div(numel, self.block_size)
                 pieces.append((offset, numel, self._firsts[pid]))
                 offset += numel
         plan = Int8BucketPlan(pieces, group.size(), group.rank(),
@@ -403,7 +402,7 @@ class Int8State:
             self._plans.clear()
             self._firsts = {id(by_name[n]): f for n, f in firsts.items()}
             self._next_block = max(
-                f + -(-by_name[n].numel() // self.block_size)
+                f + ceil_div(by_name[n].numel(), self.block_size)
                 for n, f in firsts.items())
 
     def check_state_dict(self, saved, names: Dict[torch.Tensor,
@@ -452,11 +451,10 @@ class Int8State:
                              f'this model does not: {unknown[:5]}')
 
 
-class Int8Relayout:
-    """What the checkpoint machinery of the runner hook needs of a stateful
-    hook (``mmcv_custom.engine.hook_state_files``), for :class:`Int8State`,
-    as ``PowerSGDRelayout`` is for PowerSGD: the state already follows DDP's
-    bucket layouts itself, so this only names its parameters.
+class Int8StateKeeper(HookStateKeeper):
+    """The :class:`~mmcv_custom.hook_state.HookStateKeeper` of
+    :class:`Int8State`. The state already follows DDP's bucket layouts
+    itself, so this only names its parameters.
 
     Args:
         state (Int8State): The hook's state.
@@ -472,6 +470,7 @@ class Int8Relayout:
         self.names = names
 
     def wrap(self, hook):
+        """``hook`` itself: there is nothing to lay out."""
         return hook
 
     def state_dict(self) -> dict:
@@ -491,6 +490,10 @@ class Int8Relayout:
         """Forget every residual (the saved ones could not be used)."""
         self.state._residuals.clear()
         self.state._pending = {}
+
+
+#: The name this class had before it was a HookStateKeeper.
+Int8Relayout = Int8StateKeeper
 
 
 def int8_compress_hook(

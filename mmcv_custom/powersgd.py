@@ -34,6 +34,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
 from .comm_worker import run_on_comm_worker
+from .ddp_hooks import _group_or_world
 
 __all__ = ['powersgd_hook', 'compression']
 
@@ -76,8 +77,7 @@ def _powersgd(state: powerSGD.PowerSGDState,
               bucket: dist.GradBucket) -> torch.futures.Future:
     """The hook's work on one bucket; every collective has completed or
     (during warm-up) been issued when it returns."""
-    group = (state.process_group
-             if state.process_group is not None else dist.group.WORLD)
+    group = _group_or_world(state.process_group)
     world_size = group.size()
     buffer = bucket.buffer()
     index = bucket.index()

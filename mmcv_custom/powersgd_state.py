@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
+from .comm.util import named_after
+from .hook_state import HookStateKeeper
 from .powersgd import compression
 
 __all__ = ['PowerSGDRelayout', 'BatchedPowerSGDRelayout']
@@ -67,7 +69,7 @@ class _Layout:
         self.q_size = offset
 
 
-class PowerSGDRelayout:
+class PowerSGDRelayout(HookStateKeeper):
     """Keep a ``PowerSGDState`` per parameter across bucket layouts.
 
     Args:
@@ -108,9 +110,7 @@ class PowerSGDRelayout:
             self._prepare(bucket)
             return hook(state, bucket)
 
-        _relayout_hook.__qualname__ = getattr(hook, '__qualname__', 'hook')
-        _relayout_hook.__wrapped__ = hook
-        return _relayout_hook
+        return named_after(_relayout_hook, hook)
 
     def _prepare(self, bucket: dist.GradBucket) -> None:
         index = bucket.index()

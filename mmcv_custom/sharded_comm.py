@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import int8_codec
+from .comm.util import align_up
 from .ddp_hooks import (_compress, _decompress, _require_dtype_support,
                         _wire_dtype)
 
@@ -150,7 +151,7 @@ class Int8ReduceScatter(_SummingReduceScatter):
     def _segment(self, chunk: int) -> Tuple[int, int]:
         """``(blocks, bytes)`` of one rank's segment of a chunk."""
         blocks = int8_codec.num_blocks(chunk, self.block_size)
-        return blocks, 4 * blocks + -(-chunk // 4) * 4
+        return blocks, 4 * blocks + align_up(chunk, 4)
 
     def __call__(self,
                  output_tensor: torch.Tensor,

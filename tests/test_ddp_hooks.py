@@ -5,8 +5,10 @@ Each rank plants known gradients (a parameter ``p`` with loss
 exact fp32 mean of all ranks' gradients and compare DDP's result with it.
 """
 import ast
+import os.path as osp
 import inspect
 import pickle
+import subprocess
 import sys
 
 import pytest
@@ -316,10 +318,10 @@ def test_bf16_check_refuses_old_nccl_with_a_clear_error():
     assert 'fp16_compress' in message
 
 
-def test_hook_module_imports_only_torch():
-    """Layering: the hook math imports torch, the standard library and its
-    own optional C kernel (``from . import _cpu_codec``), never MMEngine."""
-    with open(ddp_hooks.__file__) as f:
+def _imported_names(path):
+    """Top-level names a module imports: ``torch``, ``.`` (a sibling) or
+    ``.comm``."""
+    with open(path) as f:
         tree = ast.parse(f.read())
     names = set()
     for node in ast.walk(tree):
@@ -327,4 +329,33 @@ def test_hook_module_imports_only_torch():
             names |= {alias.name.split('.')[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             names.add('.' * node.level + (node.module or '').split('.')[0])
-    assert names - set(sys.stdlib_module_names) == {'torch', '.'}
+    return names - set(sys.stdlib_module_names)
+
+
+def test_hook_module_imports_only_torch():
+    """Layering: the hook math imports torch, the standard library, its
+    own optional C kernel (``from . import _cpu_codec``) and the
+    standard-library helpers of ``mmcv_custom.comm``, never MMEngine."""
+    assert _imported_names(ddp_hooks.__file__) == {'torch', '.', '.comm'}
+    comm = osp.join(osp.dirname(ddp_hooks.__file__), 'comm')
+    for name in ('__init__.py', 'validation.py', 'util.py'):
+        assert _imported_names(osp.join(comm, name)) == set(), name
+
+
+def test_hook_modules_import_without_mmengine(tmp_path):
+    """The torch-only modules really run without MMEngine: imported in a
+    fresh interpreter whose ``mmcv_custom`` package skips its
+    ``__init__`` (which registers the MMEngine glue)."""
+    code = (
+        'import sys, types\n'
+        f'pkg = types.ModuleType("mmcv_custom"); pkg.__path__ = '
+        f'[{osp.dirname(ddp_hooks.__file__)!r}]\n'
+        'sys.modules["mmcv_custom"] = pkg\n'
+        'import mmcv_custom.ddp_hooks, mmcv_custom.int8_hooks\n'
+        'import mmcv_custom.powersgd_state, mmcv_custom.batched_powersgd\n'
+        'import mmcv_custom.sharded_comm, mmcv_custom.comm.records\n'
+        'print(sorted(m for m in sys.modules if m.startswith("mmengine")))\n')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == '[]'

@@ -43,7 +43,7 @@ def _probe(rank, world_size, work_dir, comm_hook):
     runner.train()
     hook = next(h for h in runner.hooks
                 if type(h).__name__ == 'CommHookRegistrationHook')
-    relayout = hook._state_files.relayouts['']
+    relayout = hook._state_files.keepers['']
     lines = [(lvl, m) for lvl, m in records.lines
              if 'communication-hook state' in m or m.startswith('Restored')]
     return bool(relayout._pending), relayout.state.iter, lines

@@ -2,6 +2,8 @@
 of every kernel set this CPU runs against the torch rule, bit for bit, on
 the values a quantiser must get right; and the rule itself on cases worked
 out by hand."""
+import types
+
 import pytest
 import torch
 
@@ -222,3 +224,20 @@ def test_table_checks_its_tensors():
         rows = torch.tensor([[0, 0, 5000, 4, 0]])
         with pytest.raises(ValueError, match=r'length must be in \[1, 4096\]'):
             codec.int8_decode_table(1, 1, rows.data_ptr(), 1, False)
+
+
+@pytest.mark.skipif(int8_codec._cpu_codec is None, reason='no C module')
+def test_block_table_layout_is_the_c_modules_own():
+    """The C module exports its table columns, residual modes and largest
+    block; the Python side reads them, and refuses a build whose layout
+    differs instead of passing it wrong offsets."""
+    codec = int8_codec._cpu_codec
+    assert int8_codec.C_MAX_BLOCK == codec.INT8_MAX_BLOCK >= 256
+    int8_codec._check_c_constants(codec)
+    stale = types.SimpleNamespace(
+        **{n: getattr(codec, n) for n in dir(codec) if n.isupper()},
+        __file__='/old/_cpu_codec.so')
+    stale.T_SCALE, stale.T_PAYLOAD = codec.T_PAYLOAD, codec.T_SCALE
+    with pytest.raises(ImportError, match='/old/_cpu_codec.so was built '
+                       'for another block table layout.*make install'):
+        int8_codec._check_c_constants(stale)

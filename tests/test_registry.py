@@ -1,4 +1,6 @@
 """The comm-hook registry: config names, errors, user hooks, PowerSGD."""
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -8,6 +10,7 @@ from mmcv_custom import (COMM_HOOK_STATES, COMM_HOOKS, allreduce_hook,
                          bf16_compress_hook, build_comm_hook,
                          check_comm_hook_cfg)
 from mmcv_custom.batched_powersgd import batched_powersgd_hook
+from mmcv_custom.hook_state import HookStateKeeper
 from mmcv_custom.powersgd import powersgd_hook
 from tests.dist_utils import run_ranks
 
@@ -210,10 +213,10 @@ def test_batched_powersgd_runs_on_gloo_with_several_buckets(wrapper):
 
 
 def test_every_builtin_hook_has_its_record():
-    """One record per hook (mmcv_custom.hook_records): what the registry,
+    """One record per hook (mmcv_custom.comm.records): what the registry,
     the byte count and the checkpoints need to know about a built-in hook
     is there; a user's hook gets the empty record (traffic unknown)."""
-    from mmcv_custom.hook_records import HOOK_RECORDS, record_of
+    from mmcv_custom.comm.records import HOOK_RECORDS, record_of
     for name in BUILTIN:
         record = record_of(COMM_HOOKS.get(name))
         assert record is HOOK_RECORDS[COMM_HOOKS.get(name)], name
@@ -230,7 +233,20 @@ def test_every_builtin_hook_has_its_record():
                            int8_compress='int8', powerSGD=None,
                            batched_powerSGD=None)
 
+    # Every stateful hook's state is kept by a declared HookStateKeeper,
+    # the interface the state files are written against.
+    keepers = {n: record_of(COMM_HOOKS.get(n)).state_keeper for n in BUILTIN}
+    assert sorted(n for n, k in keepers.items() if k) == [
+        'batched_powerSGD', 'int8_compress', 'powerSGD']
+    for name, keeper in keepers.items():
+        if keeper is not None:
+            assert issubclass(keeper, HookStateKeeper), name
+            assert not inspect.isabstract(keeper), name
+    with pytest.raises(TypeError, match='abstract'):
+        HookStateKeeper()
+
     def user_hook(state, bucket):
         return allreduce_hook(state, bucket)
 
     assert record_of(user_hook).count_wire is None
+    assert record_of(user_hook).state_keeper is None

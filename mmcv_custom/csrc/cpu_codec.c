@@ -726,7 +726,34 @@ static struct PyModuleDef codec_module = {
     codec_methods, NULL, NULL, NULL, NULL,
 };
 
+/* The constants Python needs to drive the kernels, exported so that
+ * int8_codec.py reads them instead of keeping copies in sync by hand. */
+static int add_constants(PyObject *m) {
+  static const struct { const char *name; long value; } constants[] = {
+      {"INT8_MAX_BLOCK", INT8_MAX_BLOCK},
+      {"INT8_NO_RESIDUAL", INT8_NO_RESIDUAL},
+      {"INT8_FEED", INT8_FEED},
+      {"INT8_COLLECT", INT8_COLLECT},
+      {"T_SRC", T_SRC},
+      {"T_RES", T_RES},
+      {"T_LEN", T_LEN},
+      {"T_PAYLOAD", T_PAYLOAD},
+      {"T_SCALE", T_SCALE},
+      {"T_COLS", T_COLS},
+  };
+  for (size_t i = 0; i < sizeof(constants) / sizeof(constants[0]); i++) {
+    if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value))
+      return -1;
+  }
+  return 0;
+}
+
 PyMODINIT_FUNC PyInit__cpu_codec(void) {
   detect_cpu();
-  return PyModule_Create(&codec_module);
+  PyObject *m = PyModule_Create(&codec_module);
+  if (m != NULL && add_constants(m) < 0) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  return m;
 }

@@ -10,8 +10,10 @@ from mmengine.runner import find_latest_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 
 from ..ddp_hooks import CompressState, cpu_codec
-from ..registry import (CommCounter, build_comm_hook, build_sharded_comm,
-                        check_comm_hook_cfg, require_int)
+from ..comm.builder import build_comm_hook, check_comm_hook_cfg
+from ..comm.sharded import build_sharded_comm
+from ..comm.telemetry import CommCounter
+from ..comm.validation import require_int
 from ..sharded_comm import fsdp_modules, install_reduce_scatter
 from .hook_state_files import HookStateFiles
 
@@ -203,7 +205,7 @@ class CommHookRegistrationHook(Hook):
                 'FSDP2), so there is no gradient reduction to change.')
             return
 
-        relayouts = {}
+        keepers = {}
         for name, ddp in targets:
             param = next(ddp.module.parameters(), None)
             device = param.device if param is not None else None
@@ -217,8 +219,8 @@ class CommHookRegistrationHook(Hook):
                     p: n
                     for n, p in ddp.module.named_parameters()
                 })
-            if spec.relayout is not None:
-                relayouts[name] = spec.relayout
+            if spec.state_keeper is not None:
+                keepers[name] = spec.state_keeper
             ddp.register_comm_hook(spec.state, spec.hook)
             prefix = f'{name}.' if name else ''
             names = {
@@ -251,8 +253,8 @@ class CommHookRegistrationHook(Hook):
                     runner.logger.warning(
                         f'{name}: {note}' if name else note)
 
-        if relayouts:
-            self._state_files = HookStateFiles(relayouts, self._cfg)
+        if keepers:
+            self._state_files = HookStateFiles(keepers, self._cfg)
             self._state_files.start()
             if runner.iter > 0:
                 self._state_files.restore(runner, self._loaded_record,

@@ -40,6 +40,7 @@ from mmengine.dist import get_rank, get_world_size, is_main_process
 from mmengine.hooks import CheckpointHook
 
 from ..checkpoint import UnsafeCheckpointError, load_checkpoint_file
+from ..hook_state import HookStateKeeper
 from ..integrity import (CheckpointDamagedError, atomic_write_bytes,
                          digest_path)
 
@@ -70,15 +71,16 @@ class HookStateFiles:
     """Save, prune and restore the state of stateful communication hooks.
 
     Args:
-        relayouts (dict): DDP submodule name ('' for the whole model) ->
-            :class:`~mmcv_custom.powersgd_state.PowerSGDRelayout` (or its
-            batched form), whose ``state_dict`` is what is saved.
+        keepers (dict): DDP submodule name ('' for the whole model) ->
+            the :class:`~mmcv_custom.hook_state.HookStateKeeper` of its
+            hook, whose ``state_dict`` is what is saved.
         cfg (dict): The ``comm_hook`` config (its type and wrapper must
             match for saved state to be used).
     """
 
-    def __init__(self, relayouts: Dict[str, object], cfg: dict) -> None:
-        self.relayouts = relayouts
+    def __init__(self, keepers: Dict[str, HookStateKeeper],
+                 cfg: dict) -> None:
+        self.keepers = keepers
         self.cfg = cfg
         self.run_id: Optional[str] = None
         # (checkpoint path, step) while the CheckpointHook saves this
@@ -121,8 +123,8 @@ class HookStateFiles:
             rank=rank,
             world_size=get_world_size(),
             hooks={
-                name: relayout.state_dict()
-                for name, relayout in self.relayouts.items()
+                name: keeper.state_dict()
+                for name, keeper in self.keepers.items()
             })
         buffer = io.BytesIO()
         torch.save(payload, buffer)
@@ -217,10 +219,10 @@ class HookStateFiles:
             dist.all_gather_object(reasons, reason)
         hook_type = self.cfg.get('type')
         if not any(reasons):
-            for name, relayout in self.relayouts.items():
-                relayout.load_state_dict(payload['hooks'][name])
+            for name, keeper in self.keepers.items():
+                keeper.load_state_dict(payload['hooks'][name])
             if is_main_process():
-                what = next(iter(self.relayouts.values())).RESTORED
+                what = next(iter(self.keepers.values())).RESTORED
                 runner.logger.info(
                     f'Restored the {hook_type} state ({what}) of all '
                     f'{world_size} ranks from the files beside {checkpoint}.')
@@ -228,8 +230,8 @@ class HookStateFiles:
 
         accumulate = getattr(runner.optim_wrapper, '_accumulative_counts', 1)
         steps = runner.iter // max(int(accumulate), 1)
-        for relayout in self.relayouts.values():
-            relayout.start_fresh(steps)
+        for keeper in self.keepers.values():
+            keeper.start_fresh(steps)
         if not is_main_process():
             return
         by_reason: Dict[str, list] = {}
@@ -243,7 +245,7 @@ class HookStateFiles:
         else:
             whys = '; '.join(f'{_describe(ranks)}: {why}'
                              for why, ranks in by_reason.items())
-        fresh = next(iter(self.relayouts.values())).fresh_note(steps)
+        fresh = next(iter(self.keepers.values())).fresh_note(steps)
         runner.logger.warning(
             f'Not restoring the {hook_type} communication-hook state '
             f'({whys}). Every rank starts it afresh at step {steps}: '
@@ -299,9 +301,9 @@ class HookStateFiles:
             raise _Refused(f'{path} holds the state of rank {found[2]}, not '
                            f'of rank {rank}')
         hooks = payload.get('hooks')
-        for name, relayout in self.relayouts.items():
+        for name, keeper in self.keepers.items():
             try:
-                relayout.check_state_dict(
+                keeper.check_state_dict(
                     hooks.get(name) if isinstance(hooks, dict) else None)
             except ValueError as e:
                 raise _Refused(f'{path}: {e}') from None

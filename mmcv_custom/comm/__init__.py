@@ -1,0 +1,60 @@
+"""The communication core: from a ``comm_hook`` config to a registered hook.
+
+Modules, each with one concern:
+
+* :mod:`.validation`: ``require_int``/``require_real``/``require_bool`` and
+  ``with_args_check`` (standard library only);
+* :mod:`.util`: helpers the hook modules share (standard library only);
+* :mod:`.registry`: ``COMM_HOOKS`` and ``COMM_HOOK_STATES`` (MMEngine);
+* :mod:`.records`: one :class:`~.records.HookRecord` per built-in hook;
+* :mod:`.states`: the built-in state factories and their value checks;
+* :mod:`.builder`: ``check_comm_hook_cfg``, ``build_comm_hook``,
+  ``CommHookSpec``;
+* :mod:`.telemetry`: ``CommCounter``, bytes in and on the wire;
+* :mod:`.sharded`: the FSDP2 form of a config.
+
+The names below are imported on first use, not with the package: the
+torch-only hook modules (:mod:`mmcv_custom.ddp_hooks` and its siblings)
+import :mod:`.validation` and :mod:`.util`, and must not pull MMEngine in
+through this file.
+"""
+import importlib
+
+__all__ = [
+    'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommCounter', 'CommHookSpec',
+    'HookRecord', 'ShardedCommSpec', 'build_comm_hook', 'build_sharded_comm',
+    'check_comm_hook_cfg', 'hook_record', 'record_of', 'require_bool',
+    'require_int', 'require_real', 'with_args_check'
+]
+
+_HOME = {
+    'COMM_HOOKS': 'registry',
+    'COMM_HOOK_STATES': 'registry',
+    'CommCounter': 'telemetry',
+    'CommHookSpec': 'builder',
+    'HookRecord': 'records',
+    'ShardedCommSpec': 'sharded',
+    'build_comm_hook': 'builder',
+    'build_sharded_comm': 'sharded',
+    'check_comm_hook_cfg': 'builder',
+    'hook_record': 'builder',
+    'record_of': 'records',
+    'require_bool': 'validation',
+    'require_int': 'validation',
+    'require_real': 'validation',
+    'with_args_check': 'validation',
+}
+
+
+def __getattr__(name: str):
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(
+            f'module {__name__!r} has no attribute {name!r}')
+    value = getattr(importlib.import_module(f'.{home}', __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

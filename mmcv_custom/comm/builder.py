@@ -1,0 +1,373 @@
+"""Checking a ``comm_hook`` config and building what it describes.
+
+A config keeps PyTorch's three pieces apart (as Lightning does): the *hook*
+function, looked up by ``type`` in :data:`~.registry.COMM_HOOKS`; its
+*state*, built from the remaining keys by the factory registered under the
+same name in :data:`~.registry.COMM_HOOK_STATES` (hooks without one get the
+process group as state and accept no extra keys); and an optional
+half-precision *wrapper*. What the project knows about each built-in hook
+(its wire format, worker, state keeper, defaults) is its
+:class:`~.records.HookRecord`.
+
+:func:`check_comm_hook_cfg` checks a config with no process group (the
+runner hook calls it at the start of every run, distributed or not);
+:func:`build_comm_hook` builds the hook, its state and the chain around it.
+"""
+import dataclasses
+import inspect
+from typing import Any, Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from mmengine.utils import get_object_from_string
+
+from ..comm_worker import on_comm_worker
+from ..ddp_hooks import (CompressState, bf16_compress_wrapper,
+                         check_bf16_support, fp16_compress_wrapper)
+from ..hook_state import HookStateKeeper
+from ..int8_hooks import Int8State
+from . import states  # noqa: F401 (registers the built-in factories)
+from .records import HookRecord, record_of
+from .registry import COMM_HOOK_STATES, COMM_HOOKS
+from .telemetry import CommCounter, _count_baseline, _count_wire
+
+__all__ = [
+    'CommHookSpec', 'check_comm_hook_cfg', 'build_comm_hook', 'hook_record',
+    'describe_sent_as_they_are'
+]
+
+_WRAPPERS: Dict[str, Callable] = {
+    'fp16': fp16_compress_wrapper,
+    'bf16': bf16_compress_wrapper,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CommHookSpec:
+    """A communication hook ready for ``ddp.register_comm_hook(state, hook)``.
+
+    Attributes:
+        type (str): The config name, e.g. ``'powerSGD'``.
+        hook (Callable): The composed hook to register.
+        state (Any): The state to register it with.
+        base_hook (Callable): The hook ``type`` names, before composition.
+        wrapper (str, optional): ``'fp16'``, ``'bf16'`` or None.
+        state_kwargs (dict): The state arguments in effect, including the
+            defaults this project sets (see ``defaults_set``).
+        defaults_set (tuple[str]): Names in ``state_kwargs`` that the user
+            did not write and this project chose.
+        on_worker (bool): True when the hook runs on the communication
+            worker thread (see ``HookRecord.worker_waits``): CPU buckets are
+            communicated one at a time, in DDP's order, while the backward
+            pass goes on.
+        state_keeper (HookStateKeeper, optional): Saves and restores the
+            hook's state per parameter (built when ``param_names`` is
+            given, for a hook whose record names a keeper).
+        notes (tuple[str]): What the user should read in the log besides
+            :meth:`describe`, as warnings (e.g. a bf16 backbone's buckets
+            sent as bf16 under ``fp16_compress``).
+    """
+    type: str
+    hook: Callable
+    state: Any
+    base_hook: Callable
+    wrapper: Optional[str] = None
+    state_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    defaults_set: tuple = ()
+    on_worker: bool = False
+    state_keeper: Optional[HookStateKeeper] = None
+    notes: tuple = ()
+
+    @property
+    def relayout(self) -> Optional[HookStateKeeper]:
+        """The name :attr:`state_keeper` had before it covered int8."""
+        return self.state_keeper
+
+    def describe(self) -> str:
+        """One line saying what is registered, for the training log."""
+        base = getattr(self.base_hook, '__qualname__', repr(self.base_hook))
+        parts = [f"type='{self.type}' ({base})"]
+        parts.append(f"wrapper={self.wrapper!r}")
+        if isinstance(self.state, (CompressState, Int8State)):
+            parts.append(f'state: {self.state!r}')
+        elif self.state_kwargs:
+            args = ', '.join(
+                f'{k}={v!r}' + (' (default set by mmcv_custom)'
+                                if k in self.defaults_set else '')
+                for k, v in self.state_kwargs.items())
+            parts.append(f'state: {type(self.state).__name__}({args})')
+        if self.on_worker:
+            parts.append('CPU buckets communicated in order on a worker '
+                         'thread, overlapped with backward')
+        return ', '.join(parts)
+
+
+def _valid_types() -> str:
+    return ', '.join(sorted(COMM_HOOKS.module_dict))
+
+
+def _lookup_hook(hook_type: Any) -> Callable:
+    if callable(hook_type):
+        return hook_type
+    if not isinstance(hook_type, str):
+        raise TypeError('comm_hook type should be a registered name or a '
+                        f'callable, but got {type(hook_type).__name__}: '
+                        f'{hook_type!r}. Valid names: {_valid_types()}')
+    # Not Registry.get: for a name it does not know, it imports whatever
+    # module of that name it finds (a folder called 'allreduce' in the
+    # working directory, say). Only a dotted path is imported, on purpose.
+    hook = COMM_HOOKS.module_dict.get(hook_type)
+    if hook is None and '.' in hook_type:
+        hook = get_object_from_string(hook_type)
+        if hook is not None and not callable(hook):
+            raise TypeError(f'comm_hook type {hook_type!r} should name a '
+                            f'callable hook, but it is {hook!r}')
+    if hook is None:
+        raise KeyError(
+            f"comm_hook type {hook_type!r} is not in the "
+            f'{COMM_HOOKS.scope}::{COMM_HOOKS.name} registry. Valid types: '
+            f'{_valid_types()}. Register your own with '
+            '@COMM_HOOKS.register_module(), or give an import path such as '
+            "'my_pkg.hooks.my_hook'.")
+    return hook
+
+
+def hook_record(hook_type: Any) -> HookRecord:
+    """The record (:mod:`mmcv_custom.comm.records`) of the hook a config's
+    ``type`` names; an empty one for a hook the project does not know."""
+    return record_of(_lookup_hook(hook_type))
+
+
+def _lookup_state_factory(hook_type: Any) -> Optional[Callable]:
+    if isinstance(hook_type, str):
+        return COMM_HOOK_STATES.module_dict.get(hook_type)
+    return None
+
+
+def _factory_args(factory: Callable, state_kwargs: dict) -> dict:
+    """What a factory's ``check_args`` sees: every argument but the process
+    group, from the config or else the factory's default."""
+    args = {}
+    for name, param in inspect.signature(factory).parameters.items():
+        if (name != 'process_group' and param.default is not param.empty
+                and param.kind in (param.POSITIONAL_OR_KEYWORD,
+                                   param.KEYWORD_ONLY)):
+            args[name] = param.default
+    args.update(state_kwargs)
+    return args
+
+
+def _run_args_check(factory: Callable, hook_type: str,
+                    state_kwargs: dict) -> None:
+    check = getattr(factory, 'check_args', None)
+    if check is None:
+        return
+    try:
+        check(_factory_args(factory, state_kwargs))
+    except TypeError as e:
+        raise TypeError(f'comm_hook {hook_type}: {e}') from e
+    except ValueError as e:
+        raise ValueError(f'comm_hook {hook_type}: {e}') from e
+
+
+def check_comm_hook_cfg(cfg: Any) -> dict:
+    """Check a ``comm_hook`` config without building anything.
+
+    Needs no process group, so the runner hook calls it at the start of
+    every run, distributed or not: a typo or a value out of range fails on
+    a one-GPU debugging run as it would on 64 GPUs. Checks the names
+    (``type``, ``wrapper``, the state keys), then the values, with the
+    ``check_args`` of the state factory (see :func:`with_args_check`): the
+    built-in ones check the type and range of every key of
+    ``fp16_compress``, ``bf16_compress``, ``powerSGD``,
+    ``batched_powerSGD`` and ``int8_compress``.
+
+    Args:
+        cfg (dict): e.g. ``dict(type='powerSGD', wrapper='bf16',
+            matrix_approximation_rank=2)``.
+
+    Returns:
+        dict: A copy of the config with the state keys, including the
+        defaults this project sets, under ``state_kwargs`` and the names
+        of those defaults under ``defaults_set``.
+
+    Raises:
+        TypeError: ``cfg`` is not a dict, carries keys the hook's state
+            does not take, or a state value of the wrong type (e.g.
+            ``comm_hook powerSGD: matrix_approximation_rank should be an int
+            >= 1, but got str: 'two'``).
+        KeyError: ``type`` is missing or not a registered name.
+        ValueError: ``wrapper`` is not ``'fp16'``, ``'bf16'`` or None, or
+            wraps a hook that already compresses, or a state value is out
+            of range (``comm_hook powerSGD: matrix_approximation_rank should
+            be an int >= 1, but got 0``).
+    """
+    if not isinstance(cfg, dict):
+        raise TypeError(
+            "comm_hook should be a dict such as dict(type='bf16_compress'), "
+            f'but got {type(cfg).__name__}: {cfg!r}')
+    cfg = dict(cfg)
+    if 'type' not in cfg:
+        raise KeyError(
+            f'comm_hook needs a `type` key, but got {cfg!r}. Valid types: '
+            f'{_valid_types()}')
+    hook_type = cfg.pop('type')
+    hook = _lookup_hook(hook_type)
+    wrapper = cfg.pop('wrapper', None)
+    if wrapper is not None and wrapper not in _WRAPPERS:
+        raise ValueError(
+            "comm_hook wrapper should be 'fp16', 'bf16' or None, but got "
+            f'{wrapper!r}')
+    record = record_of(hook)
+    if wrapper is not None and record.half_precision:
+        raise ValueError(
+            f"comm_hook type {hook_type!r} already reduces in "
+            f'{record.wire}, so wrapper={wrapper!r} would '
+            "round twice. Use type='allreduce' with the wrapper, or drop "
+            'the wrapper.')
+    if wrapper is not None and record.quantizes:
+        raise ValueError(
+            f"comm_hook type {hook_type!r} already quantizes to "
+            f'{record.wire}, so wrapper={wrapper!r} would '
+            'round twice. Drop the wrapper.')
+
+    factory = _lookup_state_factory(hook_type)
+    defaults_set = []
+    if factory is None:
+        if cfg:
+            raise TypeError(
+                f'comm_hook type {hook_type!r} takes no arguments besides '
+                f'type and wrapper, but got {sorted(cfg)}. Register a state '
+                f'factory in COMM_HOOK_STATES under {hook_type!r} for a '
+                'stateful hook.')
+    else:
+        params = inspect.signature(factory).parameters
+        valid = [n for n, p in params.items()
+                 if n != 'process_group' and p.kind in (
+                     p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        unknown = sorted(k for k in cfg if k not in valid)
+        if 'process_group' in cfg or (unknown and not takes_any):
+            raise TypeError(
+                f'comm_hook type {hook_type!r} got unexpected keys '
+                f'{unknown}. Valid keys: type, wrapper, {", ".join(valid)} '
+                '(the process group is the DDP model\'s own).')
+        for key, value in record.defaults.get(wrapper, {}).items():
+            if key not in cfg:
+                cfg[key] = value
+                defaults_set.append(key)
+        _run_args_check(factory, hook_type, cfg)
+    return dict(type=hook_type, wrapper=wrapper, state_kwargs=cfg,
+                defaults_set=tuple(defaults_set))
+
+
+def describe_sent_as_they_are(checked: dict, base_hook: Callable,
+                      param_names: dict) -> Optional[str]:
+    """Say which parameters a half-precision hook or wrapper sends in their
+    own 2-byte dtype instead of its own (see ``ddp_hooks._wire_dtype``),
+    e.g. a bf16 backbone under ``fp16_compress``: a user who asked for fp16
+    should read that part of the model goes as bf16, and why."""
+    wrapper = checked['wrapper']
+    wire = wrapper or record_of(base_hook).half_precision
+    if wire is None:
+        return None
+    other = 'bf16' if wire == 'fp16' else 'fp16'
+    dtype = torch.bfloat16 if other == 'bf16' else torch.float16
+    names = [name for param, name in param_names.items()
+             if param.requires_grad and param.dtype is dtype]
+    if not names:
+        return None
+    shown = ', '.join(names[:3]) + (f', ... ({len(names)} in all)'
+                                    if len(names) > 3 else '')
+    what = (f"type={checked['type']!r}" +
+            (f', wrapper={wrapper!r}' if wrapper is not None else ''))
+    instead = (f"wrapper='{other}'" if wrapper is not None else
+               f"type='{other}_compress'")
+    why = ('fp16 has far less range than bf16: it would overflow above '
+           '65504 and flush values below about 6e-8 to zero'
+           if other == 'bf16' else
+           'bf16 keeps 3 fewer significant bits than fp16')
+    return (f'comm_hook {what}: the {other} parameters ({shown}) are sent '
+            f'as {other}, as they are, not cast to {wire} ({why}); the '
+            f'bytes are the same. Only fp32 buckets are cast to {wire}. '
+            f'For one wire format everywhere use {instead}.')
+
+
+def build_comm_hook(cfg: dict,
+                    process_group: Optional[dist.ProcessGroup] = None,
+                    device: Optional[torch.device] = None,
+                    counter: Optional[CommCounter] = None,
+                    param_names: Optional[dict] = None) -> CommHookSpec:
+    """Build the hook and state a ``comm_hook`` config describes.
+
+    Args:
+        cfg (dict): See :func:`check_comm_hook_cfg`.
+        process_group (ProcessGroup, optional): The group the DDP model
+            reduces over. Defaults to None (WORLD). A process group must be
+            initialised.
+        device (torch.device, optional): Device of the gradients, for the
+            bf16 backend check. Defaults to None.
+        counter (CommCounter, optional): Count the bytes through the hook
+            into this. Defaults to None.
+        param_names (dict, optional): Parameter -> name of the DDP model.
+            Given, PowerSGD's state is kept per parameter across bucket
+            layouts and can be saved (``spec.state_keeper``), and
+            ``spec.notes`` says which parameters a half-precision hook
+            sends in their own dtype. Defaults to None.
+
+    Returns:
+        CommHookSpec: register it with
+        ``ddp.register_comm_hook(spec.state, spec.hook)``. Build one per DDP
+        module: stateful hooks must not share state between models.
+
+    Raises:
+        The errors of :func:`check_comm_hook_cfg`.
+    """
+    checked = check_comm_hook_cfg(cfg)
+    hook_type, wrapper = checked['type'], checked['wrapper']
+    base_hook = _lookup_hook(hook_type)
+    factory = _lookup_state_factory(hook_type)
+    state_kwargs = checked['state_kwargs']
+    state = (process_group if factory is None else factory(
+        process_group, **state_kwargs))
+
+    record = record_of(base_hook)
+    if wrapper == 'bf16' or record.wire == 'bf16':
+        check_bf16_support(process_group, device)
+    notes = ()
+    if param_names is not None:
+        note = describe_sent_as_they_are(checked, base_hook, param_names)
+        notes = (note, ) if note else ()
+    if record.notes is not None:
+        notes += record.notes(state_kwargs, device)
+    hook = base_hook
+    state_keeper = None
+    if param_names is not None and record.state_keeper is not None:
+        state_keeper = record.state_keeper(state, param_names)
+        hook = state_keeper.wrap(hook)
+    if counter is not None:
+        hook = _count_wire(hook, counter, base_hook)
+    if wrapper is not None:
+        hook = _WRAPPERS[wrapper](hook)
+
+    on_worker = record.worker_waits is not None
+    if on_worker:
+        # The whole chain, so that the state's bookkeeping (PowerSGD's
+        # relayout, the int8 plan that the byte count builds) runs on one
+        # thread in bucket order.
+        hook = on_comm_worker(hook, wait=record.worker_waits)
+    if counter is not None:
+        hook = _count_baseline(hook, counter)
+    name = hook_type if isinstance(hook_type, str) else getattr(
+        hook_type, '__qualname__', repr(hook_type))
+    return CommHookSpec(
+        type=name,
+        hook=hook,
+        state=state,
+        base_hook=base_hook,
+        wrapper=wrapper,
+        state_kwargs=state_kwargs,
+        defaults_set=checked['defaults_set'],
+        on_worker=on_worker,
+        state_keeper=state_keeper,
+        notes=notes)

@@ -1,0 +1,136 @@
+"""The sharded (FSDP2) form of a ``comm_hook`` config.
+
+FSDP2 has no DDP communication hooks; the config types whose record has a
+sharded form are carried out by FSDP2's reduce-scatter
+(:mod:`mmcv_custom.sharded_comm`).
+"""
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from .builder import (_lookup_hook, check_comm_hook_cfg,
+                      describe_sent_as_they_are, hook_record)
+from .records import record_of
+from .registry import COMM_HOOKS
+
+__all__ = ['ShardedCommSpec', 'build_sharded_comm']
+
+
+@dataclasses.dataclass
+class ShardedCommSpec:
+    """What a ``comm_hook`` config makes FSDP2's reduce-scatter do.
+
+    FSDP2 has no DDP communication hooks; the same config types that have
+    a sharded form (``allreduce``, ``fp16_compress``, ``bf16_compress``)
+    are carried out by
+    :class:`~mmcv_custom.sharded_comm.AveragingReduceScatter`, and
+    ``int8_compress`` with ``error_feedback=False`` by
+    :class:`~mmcv_custom.sharded_comm.Int8ReduceScatter`.
+
+    Attributes:
+        type (str): The config name.
+        wire_dtype (torch.dtype, optional): What is sent; None for the
+            gradients' own dtype (or int8, see ``int8_block_size``).
+        notes (tuple[str]): Log warnings, as :class:`CommHookSpec`'s.
+        int8_block_size (int, optional): Set for ``int8_compress``: values
+            per fp32 scale. Defaults to None.
+    """
+    type: str
+    wire_dtype: Optional[torch.dtype]
+    notes: tuple = ()
+    state: Any = None  # no DDP-style state (no non-finite records)
+    int8_block_size: Optional[int] = None
+
+    def describe(self) -> str:
+        """One line saying what is installed, for the training log."""
+        if self.int8_block_size is not None:
+            return (f"type='{self.type}' (FSDP2 reduce-scatter in int8, one "
+                    f'fp32 scale per {self.int8_block_size} values, no error '
+                    'feedback, averaged before the rounding)')
+        wire = ('the gradients\' own dtype' if self.wire_dtype is None else
+                str(self.wire_dtype).replace('torch.', ''))
+        return (f"type='{self.type}' (FSDP2 reduce-scatter in {wire}, "
+                'averaged before the cast)')
+
+
+def build_sharded_comm(cfg: dict,
+                       param_names: Optional[dict] = None
+                       ) -> ShardedCommSpec:
+    """The sharded (FSDP2) form of a ``comm_hook`` config.
+
+    Args:
+        cfg (dict): See :func:`check_comm_hook_cfg`.
+        param_names (dict, optional): Parameter -> name of the sharded
+            model, for ``spec.notes`` (a bf16 backbone under
+            ``fp16_compress``). Defaults to None.
+
+    Raises:
+        ValueError: A type without a sharded form (PowerSGD, user hooks,
+            ``int8_compress`` with error feedback), a ``wrapper``, or
+            CompressState keys that change nothing under FSDP2
+            (``predivide_factor``: the whole division is done before the
+            cast; ``check_finite``). Besides the errors of
+            :func:`check_comm_hook_cfg`.
+    """
+    checked = check_comm_hook_cfg(cfg)
+    hook_type = checked['type']
+    what = f'comm_hook type={hook_type!r}'
+    record = hook_record(hook_type)
+    if record.sharded == 'int8':
+        return _sharded_int8(checked, what)
+    if record.sharded != 'reduce_scatter':
+        forms = [name for name, hook in COMM_HOOKS.module_dict.items()
+                 if record_of(hook).sharded == 'reduce_scatter']
+        raise ValueError(
+            f'{what} has no sharded form: under FSDP2 (FSDP2Strategy) '
+            'gradients are reduce-scattered, not all-reduced through DDP '
+            'communication hooks. Use one of '
+            f'{", ".join(repr(t) for t in forms)}, or train this hook '
+            'with DDP (the default Runner).')
+    if checked['wrapper'] is not None:
+        raise ValueError(
+            f"{what}, wrapper={checked['wrapper']!r}: wrappers have no "
+            f"sharded form under FSDP2; use type='{checked['wrapper']}"
+            "_compress' instead.")
+    given = {k: v for k, v in checked['state_kwargs'].items()
+             if k not in checked['defaults_set']
+             and v is not None and v is not False}
+    if given:
+        raise ValueError(
+            f'{what}: {", ".join(f"{k}={v!r}" for k, v in given.items())} '
+            'is not supported under FSDP2: the sharded form always divides '
+            'by the whole world size before the cast (fp16 overflows only '
+            'if the mean does) and does not record non-finite buckets. '
+            f"Remove it, e.g. comm_hook = dict(type='{hook_type}').")
+    notes = ()
+    if param_names is not None:
+        note = describe_sent_as_they_are(checked, _lookup_hook(hook_type),
+                                 param_names)
+        notes = (note, ) if note else ()
+    return ShardedCommSpec(type=hook_type, wire_dtype=record.wire_dtype,
+                           notes=notes)
+
+
+def _sharded_int8(checked: dict, what: str) -> ShardedCommSpec:
+    """``int8_compress`` under FSDP2: only without error feedback.
+
+    Error feedback keeps, on every rank, what rounding dropped from the
+    whole unsharded gradient the rank sends: as large as the gradients
+    FSDP2 shards, so it would take back the memory FSDP2 saves.
+    """
+    if checked['wrapper'] is not None:
+        raise ValueError(
+            f"{what}, wrapper={checked['wrapper']!r}: int8_compress already "
+            'quantizes; drop the wrapper.')
+    kwargs = checked['state_kwargs']
+    if kwargs.get('error_feedback', True):
+        raise ValueError(
+            f'{what} with error_feedback=True has no sharded form: under '
+            'FSDP2 (FSDP2Strategy) error feedback would keep a full-size, '
+            'unsharded residual of the gradients on every rank, the memory '
+            'FSDP2 is there to save. Set error_feedback=False (e.g. '
+            '--cfg-options comm_hook.error_feedback=False) to reduce-scatter '
+            "in int8 without it, or use type='bf16_compress'.")
+    return ShardedCommSpec(type='int8_compress', wire_dtype=None,
+                           int8_block_size=kwargs.get('block_size', 256))
