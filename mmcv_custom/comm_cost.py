@@ -1148,6 +1148,23 @@ def load_benchmark(source: Union[str, Mapping]) -> Benchmark:
         where = f'{name}: buckets[{i}]'
         bucket_bytes.append(_field(bucket, 'bytes', where))
         ready.append(_field(bucket, 'ready_s', where))
+    hooks, notes = _read_hooks(data, name, len(buckets))
+    rates = _read_rates(data, name)
+    return Benchmark(
+        source=name, nodes=nodes, ranks_per_node=per_node,
+        grad_bytes=_field(data, 'grad_bytes', name),
+        bucket_bytes=tuple(bucket_bytes), ready_s=tuple(ready),
+        backward_s=_field(data, 'backward_s', name),
+        compute_step_s=_compute_step(data, rates, name),
+        hooks=hooks, rates=tuple(rates), notes=tuple(notes),
+        config=data.get('config') if isinstance(data.get('config'),
+                                                str) else None,
+        bucket_cap_mb=data.get('bucket_cap_mb'))
+
+
+def _read_hooks(data: Mapping, name: str, num_buckets: int):
+    """The benchmark's ``hooks``: each one's collectives and codec time;
+    ``(hooks, notes)``, a note for each hook whose traffic is unknown."""
     hooks, notes = {}, []
     for hook, entry in _field(data, 'hooks', name, dict).items():
         where = f'{name}: hooks.{hook}'
@@ -1161,9 +1178,9 @@ def load_benchmark(source: Union[str, Mapping]) -> Benchmark:
         for j, c in enumerate(_field(entry, 'collectives', where, list)):
             at = f'{where}.collectives[{j}]'
             bucket = _field(c, 'bucket', at, int)
-            if not 0 <= bucket < len(buckets):
+            if not 0 <= bucket < num_buckets:
                 raise ValueError(f'{at}: bucket should be in [0, '
-                                 f'{len(buckets) - 1}], but got {bucket}')
+                                 f'{num_buckets - 1}], but got {bucket}')
             kind = _field(c, 'kind', at, str)
             if kind not in COLLECTIVE_KINDS:
                 raise ValueError(f'{at}: kind should be one of '
@@ -1173,6 +1190,11 @@ def load_benchmark(source: Union[str, Mapping]) -> Benchmark:
                 Collective(kind, _field(c, 'bytes', at), bucket))
         hooks[hook] = dict(collectives=collectives,
                            codec_s=_field(entry, 'codec_s', where))
+    return hooks, notes
+
+
+def _read_rates(data: Mapping, name: str) -> list:
+    """The benchmark's ``rates``: each link rate and its measured steps."""
     rates = []
     for i, rate in enumerate(_field(data, 'rates', name, list)):
         where = f'{name}: rates[{i}]'
@@ -1192,16 +1214,7 @@ def load_benchmark(source: Union[str, Mapping]) -> Benchmark:
         rates.append(dict(mbit=mbit,
                           calibrated_mbit=rate.get('calibrated_mbit'),
                           median_step_s=steps))
-    return Benchmark(
-        source=name, nodes=nodes, ranks_per_node=per_node,
-        grad_bytes=_field(data, 'grad_bytes', name),
-        bucket_bytes=tuple(bucket_bytes), ready_s=tuple(ready),
-        backward_s=_field(data, 'backward_s', name),
-        compute_step_s=_compute_step(data, rates, name),
-        hooks=hooks, rates=tuple(rates), notes=tuple(notes),
-        config=data.get('config') if isinstance(data.get('config'),
-                                                str) else None,
-        bucket_cap_mb=data.get('bucket_cap_mb'))
+    return rates
 
 
 def _compute_step(data: Mapping, rates: Sequence[Mapping],

@@ -741,6 +741,46 @@ def _stop(procs: List[subprocess.Popen], cluster: EmulatedCluster,
             _LOG.warning('process %d did not exit after SIGKILL', proc.pid)
 
 
+def _start_on_node(cluster: EmulatedCluster, node, argv: List[str],
+                   port: int, env: Optional[Dict[str, str]],
+                   log_dir: Optional[str], stream: Optional[IO[str]],
+                   lock: threading.Lock):
+    """Start ``argv`` in ``node``'s namespace, in a session of its own,
+    and a thread pumping its output to ``stream`` and its log."""
+    log = (open(os.path.join(log_dir, f'node{node.rank}.log'), 'wb')
+           if log_dir is not None else None)
+    try:
+        proc = subprocess.Popen(
+            ['ip', 'netns', 'exec', node.namespace] + argv,
+            env=_node_env(cluster, node, port, env),
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    except BaseException:
+        if log is not None:
+            log.close()
+        raise
+    pump = threading.Thread(
+        target=_pump, args=(node.rank, proc.stdout, stream, log, lock),
+        name=f'node{node.rank}-output', daemon=True)
+    pump.start()
+    return proc, pump
+
+
+def _wait_for_nodes(procs: List[subprocess.Popen], start: float,
+                    timeout: Optional[float]) -> Tuple[Optional[int], bool]:
+    """Wait until every node exited, one failed or ``timeout`` passed since
+    ``start``; ``(first failed node or None, whether it timed out)``."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = next((i for i, c in enumerate(codes)
+                       if c is not None and c != 0), None)
+        if failed is not None or all(c is not None for c in codes):
+            return failed, False
+        if timeout is not None and time.monotonic() - start > timeout:
+            return None, True
+        time.sleep(0.05)
+
+
 def run_on_nodes(cluster: EmulatedCluster,
                  command: Union[str, Sequence[str]],
                  *,
@@ -812,39 +852,13 @@ def run_on_nodes(cluster: EmulatedCluster,
     procs: List[subprocess.Popen] = []
     pumps: List[threading.Thread] = []
     start = time.monotonic()
-    failed = None
-    timed_out = False
     try:
         for node in cluster.nodes:
-            log = (open(os.path.join(log_dir, f'node{node.rank}.log'), 'wb')
-                   if log_dir is not None else None)
-            try:
-                proc = subprocess.Popen(
-                    ['ip', 'netns', 'exec', node.namespace] + argv,
-                    env=_node_env(cluster, node, port, env),
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, start_new_session=True)
-            except BaseException:
-                if log is not None:
-                    log.close()
-                raise
+            proc, pump = _start_on_node(cluster, node, argv, port, env,
+                                        log_dir, stream, lock)
             procs.append(proc)
-            pump = threading.Thread(
-                target=_pump, args=(node.rank, proc.stdout, stream, log,
-                                    lock),
-                name=f'node{node.rank}-output', daemon=True)
-            pump.start()
             pumps.append(pump)
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = next((i for i, c in enumerate(codes)
-                           if c is not None and c != 0), None)
-            if failed is not None or all(c is not None for c in codes):
-                break
-            if timeout is not None and time.monotonic() - start > timeout:
-                timed_out = True
-                break
-            time.sleep(0.05)
+        failed, timed_out = _wait_for_nodes(procs, start, timeout)
         elapsed = time.monotonic() - start
     finally:
         # Also on Ctrl-C and Interrupted: nothing may outlive the call.

@@ -170,6 +170,60 @@ def _run_args_check(factory: Callable, hook_type: str,
         raise ValueError(f'comm_hook {hook_type}: {e}') from e
 
 
+def _check_wrapper(hook_type: Any, wrapper: Any,
+                   record: HookRecord) -> None:
+    """A known wrapper, and none around a hook that already rounds."""
+    if wrapper is not None and wrapper not in _WRAPPERS:
+        raise ValueError(
+            "comm_hook wrapper should be 'fp16', 'bf16' or None, but got "
+            f'{wrapper!r}')
+    if wrapper is not None and record.half_precision:
+        raise ValueError(
+            f"comm_hook type {hook_type!r} already reduces in "
+            f'{record.wire}, so wrapper={wrapper!r} would '
+            "round twice. Use type='allreduce' with the wrapper, or drop "
+            'the wrapper.')
+    if wrapper is not None and record.quantizes:
+        raise ValueError(
+            f"comm_hook type {hook_type!r} already quantizes to "
+            f'{record.wire}, so wrapper={wrapper!r} would '
+            'round twice. Drop the wrapper.')
+
+
+def _check_state_keys(hook_type: Any, wrapper: Optional[str],
+                      record: HookRecord, state_kwargs: dict) -> tuple:
+    """Check the state keys by the factory's signature and its
+    ``check_args``, after adding the defaults the record sets (in place).
+    Returns the names of the defaults added."""
+    factory = _lookup_state_factory(hook_type)
+    if factory is None:
+        if state_kwargs:
+            raise TypeError(
+                f'comm_hook type {hook_type!r} takes no arguments besides '
+                f'type and wrapper, but got {sorted(state_kwargs)}. Register '
+                f'a state factory in COMM_HOOK_STATES under {hook_type!r} '
+                'for a stateful hook.')
+        return ()
+    params = inspect.signature(factory).parameters
+    valid = [n for n, p in params.items()
+             if n != 'process_group' and p.kind in (
+                 p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    unknown = sorted(k for k in state_kwargs if k not in valid)
+    if 'process_group' in state_kwargs or (unknown and not takes_any):
+        raise TypeError(
+            f'comm_hook type {hook_type!r} got unexpected keys '
+            f'{unknown}. Valid keys: type, wrapper, {", ".join(valid)} '
+            '(the process group is the DDP model\'s own).')
+    defaults_set = []
+    for key, value in record.defaults.get(wrapper, {}).items():
+        if key not in state_kwargs:
+            state_kwargs[key] = value
+            defaults_set.append(key)
+    _run_args_check(factory, hook_type, state_kwargs)
+    return tuple(defaults_set)
+
+
 def check_comm_hook_cfg(cfg: Any) -> dict:
     """Check a ``comm_hook`` config without building anything.
 
@@ -212,53 +266,12 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
             f'comm_hook needs a `type` key, but got {cfg!r}. Valid types: '
             f'{_valid_types()}')
     hook_type = cfg.pop('type')
-    hook = _lookup_hook(hook_type)
     wrapper = cfg.pop('wrapper', None)
-    if wrapper is not None and wrapper not in _WRAPPERS:
-        raise ValueError(
-            "comm_hook wrapper should be 'fp16', 'bf16' or None, but got "
-            f'{wrapper!r}')
-    record = record_of(hook)
-    if wrapper is not None and record.half_precision:
-        raise ValueError(
-            f"comm_hook type {hook_type!r} already reduces in "
-            f'{record.wire}, so wrapper={wrapper!r} would '
-            "round twice. Use type='allreduce' with the wrapper, or drop "
-            'the wrapper.')
-    if wrapper is not None and record.quantizes:
-        raise ValueError(
-            f"comm_hook type {hook_type!r} already quantizes to "
-            f'{record.wire}, so wrapper={wrapper!r} would '
-            'round twice. Drop the wrapper.')
-
-    factory = _lookup_state_factory(hook_type)
-    defaults_set = []
-    if factory is None:
-        if cfg:
-            raise TypeError(
-                f'comm_hook type {hook_type!r} takes no arguments besides '
-                f'type and wrapper, but got {sorted(cfg)}. Register a state '
-                f'factory in COMM_HOOK_STATES under {hook_type!r} for a '
-                'stateful hook.')
-    else:
-        params = inspect.signature(factory).parameters
-        valid = [n for n, p in params.items()
-                 if n != 'process_group' and p.kind in (
-                     p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        unknown = sorted(k for k in cfg if k not in valid)
-        if 'process_group' in cfg or (unknown and not takes_any):
-            raise TypeError(
-                f'comm_hook type {hook_type!r} got unexpected keys '
-                f'{unknown}. Valid keys: type, wrapper, {", ".join(valid)} '
-                '(the process group is the DDP model\'s own).')
-        for key, value in record.defaults.get(wrapper, {}).items():
-            if key not in cfg:
-                cfg[key] = value
-                defaults_set.append(key)
-        _run_args_check(factory, hook_type, cfg)
+    record = record_of(_lookup_hook(hook_type))
+    _check_wrapper(hook_type, wrapper, record)
+    defaults_set = _check_state_keys(hook_type, wrapper, record, cfg)
     return dict(type=hook_type, wrapper=wrapper, state_kwargs=cfg,
-                defaults_set=tuple(defaults_set))
+                defaults_set=defaults_set)
 
 
 def describe_sent_as_they_are(checked: dict, base_hook: Callable,
