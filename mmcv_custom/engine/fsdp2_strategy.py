@@ -16,17 +16,15 @@ How gradients are reduced is the ``comm_hook`` key's business, read by
 its own so that there is one place to say it.
 
 Checkpoints are directories (MMEngine's CheckpointHook already handles
-those, as it does DeepSpeed's): ``iter_N.pth/`` holds the model and
-optimizer shards in ``torch.distributed.checkpoint`` (DCP) format, written
-by every rank, and ``meta.pth`` (rank 0) with what MMEngine keeps besides
-(meta, message hub, schedulers), and ``SHA256SUMS`` with the digest of
-every other file. A save goes to a temporary directory of a name no other
-writer uses (``.iter_N.pth.<pid>-<random>.tmp/``, chosen by rank 0) and is
-renamed when every rank has finished and the manifest is written, so a
-directory of the final name is always complete and vouched for. Loading
-checks the manifest first (the ranks share the hashing), and is safe:
-DCP's own loader unpickles non-tensor entries with ``weights_only=False``;
-ours does not (``_SafeLoadPlanner``).
+those, as it does DeepSpeed's): ``iter_N.pth/`` holds every rank's model
+and optimizer shards in ``torch.distributed.checkpoint`` (DCP) format,
+rank 0's ``meta.pth`` (meta, message hub, schedulers) and ``SHA256SUMS``.
+A save goes to a temporary directory that rank 0 names and is renamed once
+every rank has finished and the manifest is written, so a directory of the
+final name is always complete and vouched for. Loading checks the
+manifest first and reads non-tensor entries with torch's safe loader
+(DCP's own unpickles them with ``weights_only=False``). User guide:
+``docs/en/user_guides/fsdp2.md``.
 """
 import hashlib
 import io

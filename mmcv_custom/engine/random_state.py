@@ -5,8 +5,7 @@ would have drawn.
 MMEngine seeds the generators once, at start (``randomness=dict(seed=...)``).
 A resumed run starts from that seed again, so its augmentations
 (``RandomFlip``: NumPy, Python's ``random``) and dropout (torch) differ from
-the run it continues; with ``tools/train.py`` a toy segmenter resumed once
-ended different from the uninterrupted run in most of its tensors.
+the run it continues (measured: ``docs/en/user_guides/launching.md``).
 
 * **Saved when a checkpoint is due**, on every rank, before the
   CheckpointHook writes it (this hook's priority is higher): the states

@@ -259,31 +259,16 @@ class InternViT(BaseModule):
         dtype (str): ``'float32'`` or ``'bfloat16'``: the initial dtype of
             the backbone's parameters, hence of their gradients and of the
             DDP buckets that carry them. ``'bfloat16'`` trains the backbone
-            in bf16 as InternVL does (with a runner hook), while the heads
-            stay fp32: ``forward`` casts its input to the parameters' dtype
-            at the entrance and returns fp32 features (the pyramid's
-            channel LayerNorm computes in fp32 either way). Defaults to
+            in bf16 as InternVL does, while the heads stay fp32. Cast here,
+            at construction, because DDP fixes its buckets' dtype when
+            MMEngine wraps the model, before any runner hook could cast it.
+            ``forward`` reads the dtype again on every call (see
+            :attr:`dtype`), so a later ``.to()``, ``.half()``,
+            ``.double()`` or FSDP2's ``param_dtype`` is followed; features
+            leave in fp32 (float64 from float64 parameters). Why, and what
+            the hooks do with bf16 buckets:
+            ``docs/en/design/bf16_backbone.md``. Defaults to
             ``'float32'``.
-
-            Only the start: ``forward`` reads the dtype from the patch
-            embedding's weight on every call (see :attr:`dtype`), so the
-            backbone follows a later ``.to(torch.bfloat16)`` (InternVL's
-            ``ToBFloat16Hook``), ``.half()``, ``.float()`` or ``.double()``,
-            and FSDP2's ``param_dtype``, which swaps in gathered parameters
-            of that dtype just before ``forward``. Features leave in fp32
-            from bf16 / fp16 parameters and in float64 from float64 ones,
-            so that ``.double()`` on the whole segmentor keeps every step
-            in float64.
-
-            Why a backbone option, not a runner hook: MMEngine wraps the
-            model in DDP in ``Runner.__init__``, before any hook runs, and
-            DDP lays out its buckets (and their dtype) at construction.
-            Casting a DDP-wrapped module afterwards does not give bf16
-            buckets: DDP's reducer never sees the recast parameters'
-            gradients, and the next step fails with "Expected to have
-            finished reduction in the prior iteration" (checked on 2 gloo
-            ranks, torch 2.13). Cast at construction, DDP puts the bf16
-            parameters in buckets of their own, in bf16.
         init_cfg (dict, optional): MMEngine's init, applied before
             ``pretrained`` is loaded, so with a checkpoint it reaches the
             new parts only; e.g. InternVL's init of the pyramid is
@@ -375,7 +360,7 @@ class InternViT(BaseModule):
             # the 6B recipes ask for InternVL's He-normal over the fan-out
             # (``_base_/models/upernet_intern-vit-6b.py``); the tiny toy
             # recipe, trained from scratch, keeps the default, which
-            # measured mIoU 73 against 64 after 200 iterations.
+            # trains it better (docs/en/user_guides/intern_vit.md).
         if freeze:
             for param in self.vit_parameters():
                 param.requires_grad_(False)

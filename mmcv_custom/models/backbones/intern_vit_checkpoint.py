@@ -1,11 +1,10 @@
 """Read InternViT checkpoints in any released layout, as our key names.
 
-InternViT weights are published in four layouts, and a file in one of them
-used to load *nothing* into a backbone expecting another (only a log line
-said so, and training started from random weights). This module tells them
+InternViT weights are published in four layouts, and a file in one layout
+loads nothing into a backbone that expects another. This module tells them
 apart by their keys and renames them to :class:`InternViT`'s names, so that
 ``InternViT(pretrained=...)`` and ``tools/model_converters/internvit2mmseg.py``
-share one conversion:
+share one conversion (see ``docs/en/user_guides/intern_vit.md``):
 
 * ``backbone``: our names, which are also InternVL's segmentation backbone's
   (``patch_embed.proj``, ``pos_embed``, ``cls_token``, ``blocks.{i}...``,
