@@ -14,39 +14,15 @@ an element costs about ``1 + 4 / block_size`` bytes on the wire instead of
 carry it out on CPU bit for bit as torch's ops do elsewhere, are
 :mod:`mmcv_custom.int8_codec`'s.
 
-Integers do not add up the way floats do (the ranks' scales differ), so the
-reduction cannot be a plain ``all_reduce``. It is a reduce-scatter followed
-by an all-gather, the two halves of a ring all-reduce, each in int8:
-
-1. every rank multiplies its bucket by ``1 / world_size`` (before any
-   rounding, so the sum cannot overflow and the rounding is of the rank's
-   share; exact for power-of-two world sizes, as in the fp16/bf16 hooks),
-   adds its error feedback, and quantizes it, block by block, straight into
-   one byte buffer grouped by the rank that owns each block;
-2. ``all_to_all_single`` hands every rank the blocks it owns, from every
-   rank;
-3. the owner dequantizes the ``world_size`` copies of its blocks, sums them
-   in fp32 in rank order and quantizes the sum again;
-4. ``all_gather`` gives every rank every owner's re-quantized blocks, which
-   each dequantizes into the bucket's own buffer, in place.
-
-Each rank sends about ``2 * (world_size - 1) / world_size`` times the
-quantized bucket, as a ring all-reduce of it would: nearly constant in the
-number of ranks. Payload and scales travel together in one byte tensor, so
-a bucket costs two collectives.
-
-Why blocks per parameter, and owners per parameter: DDP lays its buckets out
-once more after the first step, and a resumed run starts from the first
-layout again. If blocks and owners followed the bucket, the same gradient
-would be rounded in other blocks, summed by another rank and fed back on
-another rank after every re-layout, so a resumed run would part from the
-uninterrupted one. Here every number a step computes depends only on the
-parameter and the position in it: block ``b`` of a parameter belongs to rank
-``(first + b) % world_size``, where ``first`` numbers the parameter's
-blocks in the order the hook first met them (global block index; kept in
-the checkpointed state). Blocks of consecutive parameters therefore take
-turns among the ranks, and a resumed run is bit for bit the uninterrupted
-one.
+The reduction is a reduce-scatter then an all-gather (the two halves of a
+ring all-reduce), each in int8: every rank scales its bucket by
+``1 / world_size``, adds its error feedback and quantizes it into one byte
+buffer grouped by owner; ``all_to_all_single`` gives each owner its blocks
+from every rank, which it sums in fp32 and quantizes again; ``all_gather``
+returns the result, dequantized into the bucket in place. Blocks and their
+owners follow the parameters, not the buckets, so a resumed run is bit for
+bit the uninterrupted one; the reasoning, step by step, is in
+``docs/en/design/int8_ownership.md``.
 """
 import numbers
 from typing import Dict, List, Optional, Tuple

@@ -8,15 +8,12 @@ compression pays for is replaced by ``P Q^T`` with ``P = M Q`` and
 averaged), with error feedback and warm start; vectors and small matrices
 are all-reduced as they are.
 
-Why not PyTorch's ``powerSGD_hook`` itself: it multiplies views into the
-bucket, and where a view starts decides how the CPU's matrix-vector kernels
-round (MKL, at rank 1: a gradient 4 bytes further along the bucket gives
-another last bit). DDP lays out a resumed run's first step as a new run's,
-so the step after a resume rounded differently from the uninterrupted run
-and the two drifted apart. Here every product and orthonormalisation runs
-on a tensor of its own, aligned as every fresh allocation is, and results
-are copied back: the same gradients give the same bits in any layout, and
-a resumed or restarted run ends where the uninterrupted one does.
+Unlike PyTorch's ``powerSGD_hook``, every product and orthonormalisation
+runs on a tensor of its own, aligned as a fresh allocation is, and results
+are copied back: the CPU's matrix-vector kernels round by where their
+operands start, so the same gradients now give the same bits in any bucket
+layout, and a resumed run ends where the uninterrupted one does
+(``docs/en/design/hook_state_files.md``).
 
 Errors and warm-start matrices keep PyTorch's per-bucket layout (one flat
 residual per bucket; ``Q`` factors grouped by matrix shape in order of
