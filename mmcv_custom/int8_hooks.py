@@ -24,7 +24,6 @@ owners follow the parameters, not the buckets, so a resumed run is bit for
 bit the uninterrupted one; the reasoning, step by step, is in
 ``docs/en/design/int8_ownership.md``.
 """
-import numbers
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -32,6 +31,7 @@ import torch.distributed as dist
 
 from . import int8_codec
 from .comm.util import align_up, ceil_div
+from .comm.validation import require_bool, require_int
 from .comm_worker import run_on_comm_worker
 from .ddp_hooks import _group_or_world
 from .hook_state import HookStateKeeper
@@ -213,17 +213,8 @@ class Int8State:
                  process_group: Optional[dist.ProcessGroup] = None,
                  block_size: int = 256,
                  error_feedback: bool = True) -> None:
-        if isinstance(block_size, bool) or not isinstance(
-                block_size, numbers.Integral):
-            raise TypeError('block_size should be an int >= 1, but got '
-                            f'{type(block_size).__name__}: {block_size!r}')
-        if block_size < 1:
-            raise ValueError(
-                f'block_size should be an int >= 1, but got {block_size!r}')
-        if not isinstance(error_feedback, bool):
-            raise TypeError(
-                'error_feedback should be True or False, but got '
-                f'{type(error_feedback).__name__}: {error_feedback!r}')
+        require_int('block_size', block_size, minimum=1)
+        require_bool('error_feedback', error_feedback)
         self.process_group = process_group
         self.block_size = int(block_size)  # numpy's ints count too
         self.error_feedback = error_feedback

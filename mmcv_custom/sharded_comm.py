@@ -39,6 +39,7 @@ from torch import nn
 
 from . import int8_codec
 from .comm.util import align_up
+from .comm.validation import require_int
 from .ddp_hooks import (_compress, _decompress, _require_dtype_support,
                         _wire_dtype)
 
@@ -141,10 +142,7 @@ class Int8ReduceScatter(_SummingReduceScatter):
     """
 
     def __init__(self, block_size: int = 256, counter=None) -> None:
-        if (isinstance(block_size, bool) or not isinstance(block_size, int)
-                or block_size < 1):
-            raise ValueError('block_size should be an int >= 1, but got '
-                             f'{block_size!r}')
+        require_int('block_size', block_size, minimum=1)
         self.block_size = block_size
         self.counter = counter
 
