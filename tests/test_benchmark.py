@@ -1,5 +1,6 @@
-"""tools/benchmark_comm_hooks.py end to end, in a small configuration, and
-its argument checks (usage errors before any rank starts)."""
+"""tools/analysis_tools/benchmark_comm_hooks.py end to end, in a small
+configuration, and its argument checks (usage errors before any rank
+starts)."""
 import json
 import os.path as osp
 import re
@@ -12,7 +13,7 @@ import torch
 from tests.tool_utils import load_script, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-TOOL = osp.join(ROOT, 'tools', 'benchmark_comm_hooks.py')
+TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'benchmark_comm_hooks.py')
 STEP_HEADER = ('| bucket | hook | ours | PyTorch | ours / PyTorch | '
                'wire MB (ours) | rel. error |')
 CODEC_HEADER = ('| bucket | fp32 copy | ours fp16 | PyTorch fp16 | '
@@ -58,7 +59,7 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
                      r'fp32 copy', out.stdout)
     # Kineto's "USDT: ... profiler_start/stop" lines stay off the console.
     assert 'USDT' not in out.stderr and 'profiler_st' not in out.stderr
-    # The README's two tables, row for row.
+    # The two tables of docs/en/notes/benchmarks.md, row for row.
     lines = out.stdout.splitlines()
     step = [re.fullmatch(STEP_ROW, row) for row in _table(lines, STEP_HEADER)]
     assert [(m['size'], m['hook']) for m in step] == [
@@ -120,9 +121,10 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
     assert (tmp_path / 'b.png').stat().st_size > 10000
 
 
-def test_readme_shows_the_tables_the_tool_prints():
-    readme = open(osp.join(ROOT, 'README.md')).read().splitlines()
-    section = readme[readme.index('## Benchmark'):]
+def test_benchmarks_page_shows_the_tables_the_tool_prints():
+    page = open(osp.join(ROOT, 'docs', 'en', 'notes',
+                         'benchmarks.md')).read().splitlines()
+    section = page[page.index("## Comm hooks against PyTorch's"):]
     for header, row in ((STEP_HEADER, STEP_ROW), (CODEC_HEADER, CODEC_ROW)):
         rows = _table(section, header)
         assert rows

@@ -17,7 +17,6 @@ from tests.tool_utils import load_script, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'comm_cost_model.py')
-MODEL_STATS = osp.join(ROOT, 'tools', 'analysis_tools', 'model_stats.py')
 GBIT = 1e9
 
 
@@ -168,7 +167,9 @@ def test_powersgd_rule_agrees_with_model_stats_and_torch():
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import \
         powerSGD_hook as powerSGD
-    stats = load_script(MODEL_STATS, '_model_stats_for_comm_cost')
+
+    from mmcv_custom.registry import hook_record
+    model_bytes = hook_record('powerSGD').model_bytes
     shapes = SHAPES + ((7, ), (1, 50), (50, 1), (16, 3, 3, 3), (4, 4), ())
     for rank in (1, 2, 4):
         hook = cc.PowerSGDCost(rank)
@@ -176,7 +177,10 @@ def test_powersgd_rule_agrees_with_model_stats_and_torch():
         sent = sum(c.nbytes for b in hook.collectives(buckets, 2)
                    for c in b) // 4
         tensors = [torch.empty(s, device='meta') for s in shapes]
-        assert sent == stats.powersgd_numel(tensors, rank, 2)
+        # What model_stats.py counts (fp32 gradients: 4 bytes a number).
+        assert sent == model_bytes(
+            tensors, dict(matrix_approximation_rank=rank,
+                          min_compression_rate=2), False) // 4
         for p in _params(*shapes):
             n, m = p.matrix
             assert cc.powersgd_compresses(n, m, rank) == (

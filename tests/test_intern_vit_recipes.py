@@ -10,6 +10,7 @@ import sys
 import pytest
 from mmengine.config import Config
 
+from mmcv_custom.analysis import stats
 from tests.tool_utils import load_script
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -24,7 +25,7 @@ def _stats(name):
     from mmengine.registry import DefaultScope
     cfg = Config.fromfile(osp.join(RECIPES, name))
     with DefaultScope.overwrite_default_scope('mmseg'):
-        return _load('tools/analysis_tools/model_stats.py').stats(cfg)
+        return stats(cfg)
 
 
 @pytest.mark.parametrize('name,published', [

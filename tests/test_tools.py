@@ -35,7 +35,7 @@ def test_demo_trains_evaluates_and_summarizes(tmp_path):
             ) in summary
     assert '(iter 20)' in summary
     assert "'mIoU'" in summary
-    # `make demo` writes where the README says.
+    # `make demo` writes where docs/en/get_started.md says.
     work_dir = tmp_path / 'work_dirs' / 'demo'
     assert f'work dir  : {work_dir}\n' in summary
     assert (work_dir / 'iter_20.pth').is_file()

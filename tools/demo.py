@@ -19,10 +19,10 @@ import subprocess
 import sys
 import time
 
+from mmcv_custom.launcher import free_port
+
 HERE = osp.dirname(osp.abspath(__file__))
 ROOT = osp.dirname(HERE)
-sys.path.insert(0, ROOT)
-from mmcv_custom.launcher import free_port  # noqa: E402
 DEFAULT_CONFIG = osp.join(ROOT, 'configs', 'fcn',
                           'fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py')
 
@@ -48,7 +48,7 @@ def parse_args():
 
 def default_work_dir(config: str) -> str:
     """``work_dirs/demo`` for the default config (what ``make demo`` and
-    the README show), ``work_dirs/<config name>`` for any other."""
+    docs/en/get_started.md show), ``work_dirs/<config name>`` for any other."""
     if osp.abspath(config) == DEFAULT_CONFIG:
         return osp.join('work_dirs', 'demo')
     return osp.join('work_dirs', osp.splitext(osp.basename(config))[0])

@@ -28,7 +28,9 @@ gathers is measured apart, in one more (untimed) step: the most bytes of
 whole parameters registered on the model at once, sampled at every
 operator of the forward and backward. That leaves out a unit being
 prefetched, whose all-gather output becomes its parameters only when it
-runs; ``model_stats.py`` counts it separately.
+runs; ``model_stats.py`` counts it separately. The measuring is
+:mod:`mmcv_custom.analysis.held_memory`'s, the prediction
+:func:`mmcv_custom.analysis.fsdp2_memory`'s.
 
 The table sets FSDP2's fullest rank (rank 0, see
 ``tools/analysis_tools/model_stats.py``) against DDP, next to 1/N and to
@@ -41,26 +43,25 @@ Examples:
         --warmup 1 --json fsdp2.json  # quick
 """
 import argparse
-import importlib.util
 import itertools
 import json
 import logging
 import os
 import os.path as osp
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from mmcv_custom.analysis import (GatheredPeak, filter_tool_warnings,
+                                  fsdp2_memory, held_bytes)
+from mmcv_custom.launcher import check_writable, spawn_ranks, write_results
+
+__all__ = ['report', 'parse_args']
+
+# The repository: --config and the configs' data_root are relative to it.
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-sys.path.insert(0, ROOT)
-from mmcv_custom.launcher import (  # noqa: E402
-    check_writable, spawn_ranks, write_results)
-
-__all__ = ['held_bytes', 'report', 'parse_args']
-
 CONFIG = ('configs/intern_vit/'
           'upernet_intern-vit-tiny_2xb8-200iter_toy-shapes-56x56.py')
 MiB = 2**20
@@ -69,91 +70,6 @@ KINDS = ('ddp', 'fsdp2')
 _ROWS = (('param_bytes', 'parameters'), ('grad_bytes', 'gradients'),
          ('optim_bytes', 'optimizer state'),
          ('total_bytes', 'all three'))
-
-
-def _local_bytes(tensor) -> int:
-    """Bytes of this rank's part of ``tensor`` (a DTensor's local shard)."""
-    if hasattr(tensor, 'to_local'):
-        tensor = tensor.to_local()
-    return tensor.numel() * tensor.element_size()
-
-
-def held_bytes(params, optimizer) -> dict:
-    """Bytes this rank holds for ``params``, their gradients and
-    ``optimizer``'s state, counting local shards only.
-
-    Returns:
-        dict: ``param_bytes``, ``grad_bytes`` (of the gradients present
-        now), ``optim_bytes`` (every tensor of ``optimizer.state``) and,
-        of those, ``optim_step_bytes`` (the ``step`` counters).
-    """
-    params = list(params)
-    out = dict(
-        param_bytes=sum(_local_bytes(p) for p in params),
-        grad_bytes=sum(_local_bytes(p.grad) for p in params
-                       if p.grad is not None),
-        optim_bytes=0, optim_step_bytes=0)
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if torch.is_tensor(value):
-                out['optim_bytes'] += _local_bytes(value)
-                if key == 'step':
-                    out['optim_step_bytes'] += _local_bytes(value)
-    return out
-
-
-class _GatheredPeak:
-    """Most bytes of whole (gathered) parameters registered on an FSDP2
-    model at once, sampled at every operator of a forward and backward.
-
-    FSDP2 registers a unit's unsharded parameters on its modules while it
-    runs, and the ``DTensor`` shards otherwise, so the plain tensors among
-    ``model.parameters()`` are what is gathered at that moment.
-    """
-
-    def __init__(self, model):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        peak = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                peak.sample()
-                return func(*args, **(kwargs or {}))
-
-        self.model = model
-        self.peak = 0
-        self.mode = _Mode()
-
-    def sample(self):
-        now = sum(p.numel() * p.element_size()
-                  for p in self.model.parameters()
-                  if not hasattr(p, 'to_local'))
-        self.peak = max(self.peak, now)
-
-    def step(self, batch, optim_wrapper) -> int:
-        """One training step of the model, sampled; returns the peak."""
-        data = self.model.data_preprocessor(batch, True)
-        with self.mode:
-            losses = self.model(**data, mode='loss')
-            loss, _ = self.model.parse_losses(losses)
-            loss.backward()
-        optim_wrapper.step()
-        optim_wrapper.zero_grad()
-        return self.peak
-
-
-def _script(path: str, name: str):
-    """A script of tools/ as a module (scripts are not in a package)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _model_stats():
-    """tools/analysis_tools/model_stats.py, for its predictions."""
-    return _script(osp.join(osp.dirname(osp.abspath(__file__)),
-                            'model_stats.py'), '_model_stats')
 
 
 def _build(kind, cfg, work_dir):
@@ -184,6 +100,7 @@ def _build(kind, cfg, work_dir):
 
 
 def _worker(rank, world_size, folder, args):
+    filter_tool_warnings()  # a spawned rank starts with Python's filters
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     os.chdir(ROOT)  # the config's data_root is relative to it
@@ -239,13 +156,13 @@ def _worker(rank, world_size, folder, args):
         mine[kind] = held
     # One more FSDP2 step, untimed (sampling slows it down).
     model, optim_wrapper = built['fsdp2']
-    mine['fsdp2']['gathered_peak_bytes'] = _GatheredPeak(model).step(
+    mine['fsdp2']['gathered_peak_bytes'] = GatheredPeak(model).step(
         batches[-1], optim_wrapper)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         module = built['ddp'][0].module
-        predicted = _model_stats().fsdp2_memory(module, world_size)
+        predicted = fsdp2_memory(module, world_size)
         results = dict(
             world_size=world_size, backend='gloo', torch=torch.__version__,
             config=args.config, iters=args.iters, warmup=args.warmup,
@@ -356,6 +273,7 @@ def parse_args(argv=None):
 
 
 def main():
+    filter_tool_warnings()
     args = parse_args()
     results = spawn_ranks(_worker, args.nproc, args)
     print(report(results))

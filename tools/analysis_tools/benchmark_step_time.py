@@ -56,7 +56,6 @@ import sys
 import tempfile
 import time
 
-_ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 _DEFAULT_CONFIG = osp.join(
     'configs', 'intern_vit',
     'upernet_intern-vit-tiny_2xb8-200iter_toy-shapes-56x56.py')
@@ -241,7 +240,6 @@ def _node_worker(spec_path):
                       LOCAL_RANK='0', MASTER_PORT=os.environ['PORT'])
     torch.set_num_threads(spec['threads'])
     dist.init_process_group('gloo', init_method='env://')
-    sys.path.insert(0, _ROOT)
     from mmcv_custom.launcher import load_config
     cfg = load_config(spec['config'], spec.get('cfg_options'))
     model, data = _build(cfg)
@@ -719,7 +717,6 @@ def main(argv=None):
     if args.node_worker:
         _node_worker(args.node_worker)
         return 0
-    sys.path.insert(0, _ROOT)
     from mmcv_custom import emulated_cluster as ec
     reason = ec.check_available()
     if reason is not None:

@@ -38,6 +38,7 @@ import os.path as osp
 import sys
 
 from mmcv_custom import comm_cost as cc
+from mmcv_custom.analysis import filter_tool_warnings
 from mmcv_custom.launcher import check_writable
 
 __all__ = ['parse_args', 'main']
@@ -339,7 +340,8 @@ def _rates(points) -> str:
 
 def _fit_json(result: cc.FitResult) -> dict:
     c = result.constants
-    return dict(alpha_s=c.alpha_s, eta=c.eta, overhead_share=dict(c.overhead_share),
+    return dict(alpha_s=c.alpha_s, eta=c.eta,
+                overhead_share=dict(c.overhead_share),
                 codec_s_per_byte=dict(result.codec.per_byte),
                 source=c.source, skipped=list(result.skipped),
                 points=[dict(dataclasses.asdict(p), rel_error=p.rel_error)
@@ -520,6 +522,7 @@ def _write_json(path: str, data: dict) -> None:
 
 
 def main(argv=None) -> None:
+    filter_tool_warnings()
     args = parse_args(argv)
     out, lines = {}, []
     constants = cc.GPU_CLUSTER_CONSTANTS

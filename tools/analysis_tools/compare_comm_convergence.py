@@ -61,10 +61,10 @@ __all__ = [
     'format_table', 'verdict', 'plot', 'main'
 ]
 
+from mmcv_custom.launcher import check_writable, free_port
+
 HERE = osp.dirname(osp.abspath(__file__))
 ROOT = osp.dirname(osp.dirname(HERE))
-sys.path.insert(0, ROOT)
-from mmcv_custom.launcher import check_writable, free_port  # noqa: E402
 DIST_TRAIN = osp.join(ROOT, 'tools', 'dist_train.sh')
 BASELINE = 'allreduce'
 

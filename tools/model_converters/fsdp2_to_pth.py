@@ -25,11 +25,8 @@ import sys
 
 import torch
 
-sys.path.insert(0,
-                osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
-from mmcv_custom.integrity import atomic_write_stream  # noqa: E402
-from mmcv_custom.sharded_checkpoint import (  # noqa: E402
-    consolidate_sharded_checkpoint)
+from mmcv_custom.integrity import atomic_write_stream
+from mmcv_custom.sharded_checkpoint import consolidate_sharded_checkpoint
 
 
 def _check_destination(src: str, dst: str) -> None:

@@ -33,11 +33,9 @@ import sys
 
 import torch
 
-sys.path.insert(0,
-                osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__)))))
-from mmcv_custom.integrity import (  # noqa: E402
-    CheckpointDamagedError, atomic_write_stream, verify_file)
-from mmcv_custom.models.backbones.intern_vit_checkpoint import (  # noqa: E402
+from mmcv_custom.integrity import (CheckpointDamagedError, atomic_write_stream,
+                                   verify_file)
+from mmcv_custom.models.backbones.intern_vit_checkpoint import (
     NotInternViTError, check_internvit, load_internvit_checkpoint)
 
 

@@ -33,21 +33,22 @@ close the hooks come to the memory-bandwidth limit (for int8, blockwise
 quantize with error feedback, then dequantize, as the hook does to each
 element it sends).
 
-It prints two Markdown tables, as the README shows them, and a verdict on
+It prints two Markdown tables, as docs/en/notes/benchmarks.md shows
+them, and a verdict on
 the targets. Arguments are checked before any rank starts (a bad value is
 a usage error, exit code 2), as are the ``--json`` and ``--plot`` paths.
 
 Examples:
-    python tools/benchmark_comm_hooks.py --nproc 2 --json bench.json \\
-        --plot bench.png
-    python tools/benchmark_comm_hooks.py --sizes-mb 1 4 --repeat 3  # quick
+    python tools/analysis_tools/benchmark_comm_hooks.py --nproc 2 \\
+        --json bench.json --plot bench.png
+    python tools/analysis_tools/benchmark_comm_hooks.py --sizes-mb 1 4 \\
+        --repeat 3  # quick
 """
 import argparse
 import json
 import math
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -55,10 +56,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mmcv_custom import ddp_hooks, int8_codec, int8_hooks  # noqa: E402
-from mmcv_custom.launcher import (  # noqa: E402
-    check_writable, spawn_ranks, write_results)
+from mmcv_custom import ddp_hooks, int8_codec, int8_hooks
+from mmcv_custom.launcher import check_writable, spawn_ranks, write_results
+from mmcv_custom.registry import hook_record
 
 MB = 2**20
 
@@ -86,27 +86,23 @@ def _int8_state():
 # Blocks of the int8 hook as benchmarked (Int8State's default).
 _INT8_BLOCK = 256
 
-# name -> (hook or None for DDP's built-in all-reduce, wire dtype, family,
-# state factory or None for the process group). Ours are registered as the
-# runner hook registers them: with a state, which keeps the send buffers
-# (and the int8 hook's error feedback) between steps.
+# name -> (hook or None for DDP's built-in all-reduce, state factory or
+# None for the process group). Ours are registered as the runner hook
+# registers them: with a state, which keeps the send buffers (and the int8
+# hook's error feedback) between steps. What each of ours sends is read
+# from its hook record (see _PAIRS).
 HOOKS = {
-    'noop': (_noop_hook, None, None, None),
-    'ddp_builtin': (None, torch.float32, 'allreduce', None),
-    'torch.allreduce_hook': (default_hooks.allreduce_hook, torch.float32,
-                             'allreduce', None),
-    'ours.allreduce_hook': (ddp_hooks.allreduce_hook, torch.float32,
-                            'allreduce', None),
-    'torch.fp16_compress_hook': (default_hooks.fp16_compress_hook,
-                                 torch.float16, 'fp16', None),
-    'ours.fp16_compress_hook': (ddp_hooks.fp16_compress_hook, torch.float16,
-                                'fp16', _compress_state),
-    'torch.bf16_compress_hook': (_torch_bf16_compress_hook, torch.bfloat16,
-                                 'bf16', None),
+    'noop': (_noop_hook, None),
+    'ddp_builtin': (None, None),
+    'torch.allreduce_hook': (default_hooks.allreduce_hook, None),
+    'ours.allreduce_hook': (ddp_hooks.allreduce_hook, None),
+    'torch.fp16_compress_hook': (default_hooks.fp16_compress_hook, None),
+    'ours.fp16_compress_hook': (ddp_hooks.fp16_compress_hook,
+                                _compress_state),
+    'torch.bf16_compress_hook': (_torch_bf16_compress_hook, None),
     'ours.bf16_compress_hook': (ddp_hooks.bf16_compress_hook,
-                                torch.bfloat16, 'bf16', _compress_state),
-    'ours.int8_compress_hook': (int8_hooks.int8_compress_hook, torch.uint8,
-                                'int8', _int8_state),
+                                _compress_state),
+    'ours.int8_compress_hook': (int8_hooks.int8_compress_hook, _int8_state),
 }
 
 
@@ -269,7 +265,7 @@ def _worker(rank, world_size, folder, args):
         exact = torch.stack([_planted(r, numel).double()
                              for r in range(world_size)]).mean(0).to(device)
         models = {}
-        for name, (hook, _, _, make_state) in HOOKS.items():
+        for name, (hook, make_state) in HOOKS.items():
             model = nn.parallel.DistributedDataParallel(
                 _OneBucket(numel).to(device),
                 device_ids=[rank] if use_cuda else None,
@@ -347,7 +343,7 @@ def _ms(seconds):
 
 
 def _table(header, rows):
-    """A Markdown table, as the README shows the results."""
+    """A Markdown table, as docs/en/notes/benchmarks.md shows the results."""
     lines = ['| ' + ' | '.join(header) + ' |',
              '|' + '---|' * len(header)]
     lines += ['| ' + ' | '.join(row) + ' |' for row in rows]
@@ -366,10 +362,21 @@ def _pytorch_twin(ours):
     return theirs if theirs in HOOKS else None
 
 
-# (family, our hook, PyTorch's or None) in the order of the step-time table.
-_PAIRS = [(family, name, _pytorch_twin(name))
-          for name, (_, _, family, _) in HOOKS.items()
-          if name.startswith('ours.')]
+def _pairs():
+    """(family, our hook, PyTorch's or None, our hook's record) in the
+    order of the step-time table. The family is the wire format the record
+    names (``'fp16'``, ``'bf16'``, ``'int8'``), or ``'allreduce'`` for a
+    hook that sends the gradients' own dtype."""
+    out = []
+    for name, (hook, _) in HOOKS.items():
+        if name.startswith('ours.'):
+            record = hook_record(hook)
+            out.append((record.wire or 'allreduce', name,
+                        _pytorch_twin(name), record))
+    return out
+
+
+_PAIRS = _pairs()
 # Columns of the codec table, after the fp32 copy.
 _CODECS = ('ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16',
            'ours.int8')
@@ -391,8 +398,8 @@ def _int8_codec_note(results):
 
 
 def report(results, world_size, backend, repeat=None):
-    """The results as the README's two tables, then the verdict on the
-    targets, as text."""
+    """The results as the two tables of docs/en/notes/benchmarks.md, then
+    the verdict on the targets, as text."""
     rounds = '' if repeat is None else f', {repeat} rounds'
     lines = [f'{world_size} ranks, backend {backend}, torch '
              f'{torch.__version__}{rounds}']
@@ -401,7 +408,7 @@ def report(results, world_size, backend, repeat=None):
     lines.append(f'int8 codec (block {_INT8_BLOCK}): '
                  f'{_int8_codec_note(results)}')
     # Only pairs with a PyTorch hook have a ratio and a target.
-    ratios = {family: [] for family, _, theirs in _PAIRS if theirs}
+    ratios = {family: [] for family, _, theirs, _ in _PAIRS if theirs}
     bytes_ok, worst = True, (0.0, '', 0)
     int8_phases = []  # (size, all_to_all send / fp32, gathered / fp32)
     int8_vs_bf16, int8_cost = [], []  # step / bf16's; codec / copy, bf16
@@ -410,7 +417,7 @@ def report(results, world_size, backend, repeat=None):
         hooks = entry['hooks']
         fp32_bytes = entry['numel'] * 4
         bucket = f'{entry["size_mb"]:g} MB'
-        for family, ours, theirs in _PAIRS:
+        for family, ours, theirs, record in _PAIRS:
             data = hooks[ours]
             theirs_s = hooks[theirs]['hook_s'] if theirs else math.nan
             r = (_ratio(data['step_s'], hooks[theirs]['step_s'])
@@ -418,9 +425,9 @@ def report(results, world_size, backend, repeat=None):
             if theirs:
                 ratios[family].append(r)
             wire = data['wire_bytes']
-            if family in ('fp16', 'bf16'):
+            if record.half_precision:
                 bytes_ok &= wire == fp32_bytes // 2
-            elif family == 'int8':
+            elif record.quantizes:
                 by = data['wire_bytes_by_collective']
                 int8_phases.append(
                     (entry['size_mb'], by['all_to_all'] / fp32_bytes,
