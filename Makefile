@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 NPROC ?= 2
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo lint format test test-fast clean
 
 install: $(STAMP)
 
@@ -30,6 +30,19 @@ $(STAMP): setup.py requirements/runtime.txt requirements/dev.txt \
 
 demo: $(STAMP)
 	$(PY) tools/demo.py
+
+# The sources `make lint` checks, with MMEngine's settings (setup.cfg).
+LINTED := mmcv_custom tools tests configs setup.py
+
+lint: $(STAMP)
+	$(PY) -m flake8 $(LINTED)
+	$(PY) -m isort --check-only --diff $(LINTED)
+	$(PY) -m yapf --recursive --diff $(LINTED)
+
+# Rewrites the sources in place to pass `make lint`'s isort and yapf.
+format: $(STAMP)
+	$(PY) -m isort $(LINTED)
+	$(PY) -m yapf --recursive --in-place $(LINTED)
 
 test: $(STAMP)
 	$(PY) -m pytest tests

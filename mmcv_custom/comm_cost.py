@@ -655,7 +655,7 @@ def powersgd_compresses(n: int, m: int, rank: int,
                         min_compression_rate: float = 2.0) -> bool:
     """PyTorch's rule: an ``n x m`` gradient is compressed at rank ``r``
     (``min(n, m, rank)``) iff ``(n + m) r * min_compression_rate < n m``
-    (``_should_compress``, the rule ``model_stats.powersgd_numel`` uses).
+    (``_should_compress``, the rule ``comm.records.powersgd_numel`` uses).
     1-d tensors (``m == 1``) never pass."""
     r = min(n, m, rank)
     return (n + m) * r * min_compression_rate < n * m

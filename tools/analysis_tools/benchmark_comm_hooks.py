@@ -34,9 +34,9 @@ quantize with error feedback, then dequantize, as the hook does to each
 element it sends).
 
 It prints two Markdown tables, as docs/en/notes/benchmarks.md shows
-them, and a verdict on
-the targets. Arguments are checked before any rank starts (a bad value is
-a usage error, exit code 2), as are the ``--json`` and ``--plot`` paths.
+them, and a verdict on the targets. Arguments are checked before any rank
+starts (a bad value is a usage error, exit code 2), as are the ``--json``
+and ``--plot`` paths.
 
 Examples:
     python tools/analysis_tools/benchmark_comm_hooks.py --nproc 2 \\
