@@ -1,11 +1,10 @@
-"""Install mmcv_custom: ``pip install -e .`` (add ``[seg]`` for MMSegmentation).
+"""Install mmcv_custom: ``pip install -e .`` (``[seg]`` adds MMSegmentation).
 
 torch is required without a version pin, so pip keeps whatever torch (CUDA
 or CPU) is already installed.
 """
 import os.path as osp
 import sys
-
 from setuptools import Extension, find_packages, setup
 
 
@@ -16,7 +15,9 @@ def _read(*parts):
 
 def _requirements(name):
     lines = _read('requirements', name).splitlines()
-    return [ln.strip() for ln in lines if ln.strip() and not ln.startswith('#')]
+    return [
+        ln.strip() for ln in lines if ln.strip() and not ln.startswith('#')
+    ]
 
 
 def _cpu_codec():
@@ -55,8 +56,8 @@ setup(
     ext_modules=[_cpu_codec()],
     install_requires=_requirements('runtime.txt'),
     extras_require={
-        'seg': ['mmcv>=2.0.0rc4,<2.2.0', 'mmsegmentation>=1.0.0', 'ftfy',
-                'regex'],
+        'seg':
+        ['mmcv>=2.0.0rc4,<2.2.0', 'mmsegmentation>=1.0.0', 'ftfy', 'regex'],
         'tests': ['pytest'],
     },
     license='Apache-2.0',

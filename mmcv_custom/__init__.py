@@ -16,15 +16,14 @@ from .ddp_hooks import (CompressState, allreduce_hook, bf16_compress_hook,
                         bf16_compress_wrapper, check_bf16_support,
                         default_predivide_factor, fp16_compress_hook,
                         fp16_compress_wrapper)
-from .int8_hooks import Int8State, int8_compress_hook
 from .engine import (CommHookRegistrationHook, CPUAmpOptimWrapper,
                      FSDP2Strategy, LayerDecayOptimWrapperConstructor,
                      NonFiniteGradientsError, install_checkpoint_integrity)
+from .int8_hooks import Int8State, int8_compress_hook
 from .integrity import CheckpointDamagedError
-from .registry import (COMM_HOOK_STATES, COMM_HOOKS, CommCounter,
-                       CommHookSpec, build_comm_hook, check_comm_hook_cfg,
-                       require_bool, require_int, require_real,
-                       with_args_check)
+from .registry import (COMM_HOOK_STATES, COMM_HOOKS, CommCounter, CommHookSpec,
+                       build_comm_hook, check_comm_hook_cfg, require_bool,
+                       require_int, require_real, with_args_check)
 from .version import __version__
 
 allow_mmengine_checkpoints()

@@ -66,8 +66,8 @@ def batched_powersgd_hook(
     """
     # Every all-reduce is issued before _batched_powersgd returns (the
     # warm-up's is left in flight).
-    return run_on_comm_worker(lambda: _batched_powersgd(state, bucket),
-                              bucket, wait=False)
+    return run_on_comm_worker(
+        lambda: _batched_powersgd(state, bucket), bucket, wait=False)
 
 
 def _batched_powersgd(state: powerSGD.PowerSGDState,

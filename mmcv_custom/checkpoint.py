@@ -64,7 +64,6 @@ SAFE_CHECKPOINT_GLOBALS: Dict[str, object] = {
     for obj in [HistoryBuffer, builtins.getattr, *_numpy_globals()]
 }
 
-
 #: The file of a sharded (FSDP2Strategy) checkpoint directory that holds
 #: everything but the tensors: meta, message hub, schedulers.
 SHARDED_META_FILE = 'meta.pth'
@@ -194,9 +193,10 @@ def load_checkpoint_file(path: str, map_location='cpu'):
             f'({str(e).splitlines()[0]}).') from None
 
 
-def resolve_resume_checkpoint(work_dir: str,
-                              load_from: Optional[str] = None
-                              ) -> Tuple[Optional[str], Optional[str]]:
+def resolve_resume_checkpoint(
+        work_dir: str,
+        load_from: Optional[str] = None
+) -> Tuple[Optional[str], Optional[str]]:
     """The checkpoint ``--resume`` should continue from, and why if moved.
 
     MMEngine resumes from ``load_from`` or, without it, from the absolute
@@ -284,8 +284,7 @@ def _unusable(path: str) -> Optional[str]:
     return None
 
 
-def choose_resume_checkpoint(work_dir: str
-                             ) -> Tuple[Optional[str], List[str]]:
+def choose_resume_checkpoint(work_dir: str) -> Tuple[Optional[str], List[str]]:
     """What ``--resume`` continues from, and the warnings that explain it.
 
     MMEngine's own choice is what ``<work_dir>/last_checkpoint`` names
@@ -308,16 +307,16 @@ def choose_resume_checkpoint(work_dir: str
         notes.append(f'{recorded_file} is empty (a save interrupted while '
                      'writing it?)')
     elif path is not None and '://' not in path:
-        why = (_unusable(path) if osp.exists(path) else
-               f'{path}: no such file')
+        why = (
+            _unusable(path) if osp.exists(path) else f'{path}: no such file')
         if why is None:
             return path, notes
         notes.append(f'the latest checkpoint cannot be resumed from: {why}')
     elif path is not None:
         return path, notes
     fallback = None
-    for candidate in checkpoint_candidates(work_dir,
-                                           exclude=[path] if path else []):
+    for candidate in checkpoint_candidates(
+            work_dir, exclude=[path] if path else []):
         if _unusable(candidate) is None:
             fallback = candidate
             break

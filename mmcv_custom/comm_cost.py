@@ -48,8 +48,9 @@ out, in DDP's order). What runs past the end of the backward is exposed::
     step = compute_step + max(0, finish of the last bucket - backward)
 
 **Fit** (:func:`fit`): ``alpha``, ``eta`` and optionally an overhead per
-hook and step, as a share of the compute step, by least squares of the relative error on a chosen
-subset of a benchmark's link rates, validated on the others.
+hook and step, as a share of the compute step, by least squares of the
+relative error on a chosen subset of a benchmark's link rates, validated
+on the others.
 
 **Recommendation** (:func:`recommend`): per hook, the step on a cluster,
 the speed-up against ``allreduce`` and the fastest hook, with its accuracy
@@ -75,15 +76,14 @@ __all__ = [
     'MiB', 'DTYPE_BYTES', 'COLLECTIVE_KINDS', 'ParamSpec', 'Bucket',
     'Collective', 'Cluster', 'LinkConstants', 'GPU_CLUSTER_CONSTANTS',
     'Traffic', 'traffic', 'collective_time', 'all_reduce_time',
-    'all_gather_time', 'all_to_all_time', 'ddp_buckets',
-    'powersgd_compresses', 'CodecCost', 'GpuCodec', 'FittedCodec',
-    'HookCost', 'AllReduceCost', 'HalfPrecisionCost', 'Int8Cost',
-    'PowerSGDCost', 'BatchedPowerSGDCost', 'HOOK_COSTS', 'hook_costs',
-    'compare_collectives', 'Overlap', 'simulate_overlap',
-    'even_ready_times', 'Workload', 'estimate_compute', 'StepPrediction',
-    'predict_step', 'Benchmark', 'load_benchmark', 'check_benchmark',
-    'FitPoint', 'FitResult',
-    'fit', 'Recommendation', 'recommend', 'assumptions'
+    'all_gather_time', 'all_to_all_time', 'ddp_buckets', 'powersgd_compresses',
+    'CodecCost', 'GpuCodec', 'FittedCodec', 'HookCost', 'AllReduceCost',
+    'HalfPrecisionCost', 'Int8Cost', 'PowerSGDCost', 'BatchedPowerSGDCost',
+    'HOOK_COSTS', 'hook_costs', 'compare_collectives', 'Overlap',
+    'simulate_overlap', 'even_ready_times', 'Workload', 'estimate_compute',
+    'StepPrediction', 'predict_step', 'Benchmark', 'load_benchmark',
+    'check_benchmark', 'FitPoint', 'FitResult', 'fit', 'Recommendation',
+    'recommend', 'assumptions'
 ]
 
 MiB = 1024 * 1024
@@ -101,9 +101,9 @@ _DEFAULT_INTRA_BPS = 450e9 * 8
 def _require_positive(name: str, value, allow_zero: bool = False) -> None:
     """Raise ``ValueError`` unless ``value`` is a finite number > 0 (or
     >= 0)."""
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value)
-          and (value >= 0 if allow_zero else value > 0))
+    ok = (
+        isinstance(value, (int, float)) and not isinstance(value, bool)
+        and math.isfinite(value) and (value >= 0 if allow_zero else value > 0))
     if not ok:
         rule = 'a number >= 0' if allow_zero else 'a number > 0'
         raise ValueError(f'{name} should be {rule}, but got {value!r}')
@@ -131,8 +131,9 @@ class ParamSpec:
 
     def __post_init__(self) -> None:
         shape = tuple(self.shape)
-        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0
-               for d in shape):
+        if any(
+                isinstance(d, bool) or not isinstance(d, int) or d < 0
+                for d in shape):
             raise ValueError(f'ParamSpec {self.name!r}: shape should hold '
                              f'ints >= 0, but got {self.shape!r}')
         object.__setattr__(self, 'shape', shape)
@@ -218,8 +219,9 @@ def ddp_buckets(params: Sequence[ParamSpec],
     """
     if bucket_cap_mb is None:
         cap = _DEFAULT_BUCKET_CAP_MB
-        first = (_DEFAULT_FIRST_BUCKET_MB
-                 if first_bucket_mb is None else first_bucket_mb)
+        first = (
+            _DEFAULT_FIRST_BUCKET_MB
+            if first_bucket_mb is None else first_bucket_mb)
     else:
         cap = bucket_cap_mb
         first = cap if first_bucket_mb is None else first_bucket_mb
@@ -238,11 +240,9 @@ def ddp_buckets(params: Sequence[ParamSpec],
             done.append(current)
             open_buckets[dtype] = []
             closed_per_dtype[dtype] = closed_per_dtype.get(dtype, 0) + 1
-    done.extend(sorted((b for b in open_buckets.values() if b),
-                       key=lambda b: -b[0]))
-    return [
-        Bucket(tuple(params[i] for i in b), tuple(b)) for b in done
-    ]
+    done.extend(
+        sorted((b for b in open_buckets.values() if b), key=lambda b: -b[0]))
+    return [Bucket(tuple(params[i] for i in b), tuple(b)) for b in done]
 
 
 # -- collectives --------------------------------------------------------------
@@ -314,8 +314,8 @@ class LinkConstants:
     """
     alpha_s: float = 10e-6
     eta: float = 0.9
-    overhead_share: Mapping[str, float] = dataclasses.field(
-        default_factory=dict)
+    overhead_share: Mapping[str,
+                            float] = dataclasses.field(default_factory=dict)
     source: str = 'defaults'
 
     def __post_init__(self) -> None:
@@ -325,8 +325,7 @@ class LinkConstants:
 
 # NCCL on a GPU cluster: ~10 us per ring step, ~90% of the link rate.
 GPU_CLUSTER_CONSTANTS = LinkConstants(
-    alpha_s=10e-6, eta=0.9,
-    source='defaults for NCCL on a GPU cluster')
+    alpha_s=10e-6, eta=0.9, source='defaults for NCCL on a GPU cluster')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,12 +342,14 @@ class Traffic:
     node_bytes: float
     intra_bytes: float
 
-    def seconds(self, cluster: Cluster, alpha_s: float = 0.0,
+    def seconds(self,
+                cluster: Cluster,
+                alpha_s: float = 0.0,
                 eta: float = 1.0) -> float:
         """The time with latency ``alpha_s`` and efficiency ``eta``."""
-        return (self.messages * alpha_s +
-                8 * (self.node_bytes / cluster.link_bps +
-                     self.intra_bytes / cluster.intra_bps) / eta)
+        return (self.messages * alpha_s + 8 *
+                (self.node_bytes / cluster.link_bps +
+                 self.intra_bytes / cluster.intra_bps) / eta)
 
 
 def traffic(collective: Collective, cluster: Cluster) -> Traffic:
@@ -369,37 +370,45 @@ def traffic(collective: Collective, cluster: Cluster) -> Traffic:
     return Traffic(messages, 0.0, moved)
 
 
-def collective_time(collective: Collective, cluster: Cluster,
-                    constants: LinkConstants = GPU_CLUSTER_CONSTANTS
-                    ) -> float:
+def collective_time(collective: Collective,
+                    cluster: Cluster,
+                    constants: LinkConstants = GPU_CLUSTER_CONSTANTS) -> float:
     """Seconds ``collective`` takes on ``cluster``."""
     return traffic(collective, cluster).seconds(cluster, constants.alpha_s,
                                                 constants.eta)
 
 
-def all_reduce_time(nbytes: float, cluster: Cluster, alpha_s: float = 0.0,
+def all_reduce_time(nbytes: float,
+                    cluster: Cluster,
+                    alpha_s: float = 0.0,
                     eta: float = 1.0) -> float:
     """Ring all-reduce of ``nbytes``:
     ``2 (P - 1) alpha + 2 (P - 1) / P * S / (eta B)``."""
-    return collective_time(Collective('all_reduce', nbytes), cluster,
-                           LinkConstants(alpha_s, eta))
+    return collective_time(
+        Collective('all_reduce', nbytes), cluster, LinkConstants(alpha_s, eta))
 
 
-def all_gather_time(part_bytes: float, cluster: Cluster,
-                    alpha_s: float = 0.0, eta: float = 1.0) -> float:
+def all_gather_time(part_bytes: float,
+                    cluster: Cluster,
+                    alpha_s: float = 0.0,
+                    eta: float = 1.0) -> float:
     """All-gather of ``part_bytes`` from each rank:
     ``(P - 1) alpha + (P - 1) / P * (P s) / (eta B)``."""
-    return collective_time(Collective('all_gather', part_bytes), cluster,
-                           LinkConstants(alpha_s, eta))
+    return collective_time(
+        Collective('all_gather', part_bytes), cluster,
+        LinkConstants(alpha_s, eta))
 
 
-def all_to_all_time(send_bytes: float, cluster: Cluster,
-                    alpha_s: float = 0.0, eta: float = 1.0) -> float:
+def all_to_all_time(send_bytes: float,
+                    cluster: Cluster,
+                    alpha_s: float = 0.0,
+                    eta: float = 1.0) -> float:
     """All-to-all of ``send_bytes`` per rank:
     ``(P - 1) alpha + G (M - 1) / M * S / (eta B) + (G - 1) / P * S /
     (eta B_in)``."""
-    return collective_time(Collective('all_to_all', send_bytes), cluster,
-                           LinkConstants(alpha_s, eta))
+    return collective_time(
+        Collective('all_to_all', send_bytes), cluster,
+        LinkConstants(alpha_s, eta))
 
 
 # -- local (codec) cost ---------------------------------------------------
@@ -522,8 +531,10 @@ class AllReduceCost(HookCost):
     caveat = 'exact: the reference'
 
     def collectives(self, buckets, world_size):
-        return [_nonempty(Collective('all_reduce', b.nbytes, i))
-                for i, b in enumerate(buckets)]
+        return [
+            _nonempty(Collective('all_reduce', b.nbytes, i))
+            for i, b in enumerate(buckets)
+        ]
 
     def memory_bytes(self, bucket):
         return 2.0 * bucket.nbytes
@@ -547,8 +558,10 @@ class HalfPrecisionCost(HookCost):
                        "nearly lossless: 8 significant bits, fp32's range")
 
     def collectives(self, buckets, world_size):
-        return [_nonempty(Collective('all_reduce', 2 * b.numel, i))
-                for i, b in enumerate(buckets)]
+        return [
+            _nonempty(Collective('all_reduce', 2 * b.numel, i))
+            for i, b in enumerate(buckets)
+        ]
 
     def memory_bytes(self, bucket):
         return (12.0 if bucket.itemsize > 2 else 4.0) * bucket.numel
@@ -588,7 +601,8 @@ class Int8Cost(HookCost):
               'about 1%; keeps error-feedback state, one fp32 copy of the '
               'gradients per rank')
 
-    def __init__(self, block_size: int = 256,
+    def __init__(self,
+                 block_size: int = 256,
                  error_feedback: bool = True) -> None:
         _require_count('block_size', block_size)
         self.block_size = block_size
@@ -642,8 +656,10 @@ class Int8Cost(HookCost):
         out = []
         for i, bucket in enumerate(buckets):
             segments = self._segments(bucket, firsts, world_size)
-            out.append(_nonempty(Collective('all_to_all', sum(segments), i),
-                                 Collective('all_gather', max(segments), i)))
+            out.append(
+                _nonempty(
+                    Collective('all_to_all', sum(segments), i),
+                    Collective('all_gather', max(segments), i)))
         return out
 
     def memory_bytes(self, bucket):
@@ -651,7 +667,9 @@ class Int8Cost(HookCost):
         return float(per * bucket.numel)
 
 
-def powersgd_compresses(n: int, m: int, rank: int,
+def powersgd_compresses(n: int,
+                        m: int,
+                        rank: int,
                         min_compression_rate: float = 2.0) -> bool:
     """PyTorch's rule: an ``n x m`` gradient is compressed at rank ``r``
     (``min(n, m, rank)``) iff ``(n + m) r * min_compression_rate < n m``
@@ -686,7 +704,8 @@ class PowerSGDCost(HookCost):
               'warm-start factors; needs a warm-up of plain all-reduces, '
               'start_powerSGD_iter')
 
-    def __init__(self, rank: int = 1,
+    def __init__(self,
+                 rank: int = 1,
                  min_compression_rate: float = 2.0) -> None:
         _require_count('rank', rank)
         _require_positive('min_compression_rate', min_compression_rate)
@@ -703,8 +722,7 @@ class PowerSGDCost(HookCost):
         for param in bucket.params:
             n, m = param.matrix
             r = min(n, m, self.rank)
-            if powersgd_compresses(n, m, self.rank,
-                                   self.min_compression_rate):
+            if powersgd_compresses(n, m, self.rank, self.min_compression_rate):
                 ps += n * r
                 qs += m * r
                 flops += 6.0 * n * m * r
@@ -717,9 +735,11 @@ class PowerSGDCost(HookCost):
         for i, bucket in enumerate(buckets):
             plain, ps, qs, _ = self._split(bucket)
             e = bucket.itemsize
-            out.append(_nonempty(Collective('all_reduce', plain * e, i),
-                                 Collective('all_reduce', ps * e, i),
-                                 Collective('all_reduce', qs * e, i)))
+            out.append(
+                _nonempty(
+                    Collective('all_reduce', plain * e, i),
+                    Collective('all_reduce', ps * e, i),
+                    Collective('all_reduce', qs * e, i)))
         return out
 
     def memory_bytes(self, bucket):
@@ -766,8 +786,10 @@ class BatchedPowerSGDCost(HookCost):
         for i, bucket in enumerate(buckets):
             side = self.side(bucket.numel)
             nbytes = side * min(side, self.rank) * bucket.itemsize
-            out.append(_nonempty(Collective('all_reduce', nbytes, i),
-                                 Collective('all_reduce', nbytes, i)))
+            out.append(
+                _nonempty(
+                    Collective('all_reduce', nbytes, i),
+                    Collective('all_reduce', nbytes, i)))
         return out
 
     def memory_bytes(self, bucket):
@@ -778,7 +800,8 @@ class BatchedPowerSGDCost(HookCost):
         return 6.0 * side * side * min(side, self.rank)
 
 
-def hook_costs(block_size: int = 256, powersgd_rank: int = 1,
+def hook_costs(block_size: int = 256,
+               powersgd_rank: int = 1,
                min_compression_rate: float = 2.0,
                int8_error_feedback: bool = True) -> Dict[str, HookCost]:
     """Every hook's :class:`HookCost`, keyed by its ``comm_hook`` type, in
@@ -816,8 +839,10 @@ def compare_collectives(predicted: Sequence[Sequence[Collective]],
         if entry['bytes']:
             got.setdefault(int(entry['bucket']), []).append(
                 (entry['kind'], entry['bytes']))
-    want = {i: [(c.kind, c.nbytes) for c in cs]
-            for i, cs in enumerate(predicted) if cs}
+    want = {
+        i: [(c.kind, c.nbytes) for c in cs]
+        for i, cs in enumerate(predicted) if cs
+    }
     problems = []
     for index in sorted(set(got) | set(want)):
         if got.get(index, []) != want.get(index, []):
@@ -913,10 +938,11 @@ class Workload:
         _require_positive('achieved_flops', self.achieved_flops)
 
 
-def estimate_compute(params: Sequence[ParamSpec], workload: Workload,
-                     total_params: Optional[int] = None,
-                     hbm_Bps: float = GpuCodec().hbm_Bps
-                     ) -> Tuple[float, float]:
+def estimate_compute(
+        params: Sequence[ParamSpec],
+        workload: Workload,
+        total_params: Optional[int] = None,
+        hbm_Bps: float = GpuCodec().hbm_Bps) -> Tuple[float, float]:
     """Backward and whole-step compute time from FLOPs.
 
     A transformer spends about ``2 N T`` FLOPs in the forward and ``4 N T``
@@ -937,8 +963,8 @@ def estimate_compute(params: Sequence[ParamSpec], workload: Workload,
     Returns:
         tuple[float, float]: ``(backward_s, compute_step_s)``.
     """
-    n = total_params if total_params is not None else sum(
-        p.numel for p in params)
+    n = total_params if total_params is not None else sum(p.numel
+                                                          for p in params)
     per_pass = n * workload.tokens_per_gpu / workload.achieved_flops
     backward = (4 + 2 * workload.recompute) * per_pass
     optimizer = 7 * sum(p.nbytes for p in params) / hbm_Bps
@@ -988,13 +1014,14 @@ class StepPrediction:
     collectives: int
 
 
-def predict_step(hook: HookCost, buckets: Sequence[Bucket],
-                 cluster: Cluster, backward_s: float,
+def predict_step(hook: HookCost,
+                 buckets: Sequence[Bucket],
+                 cluster: Cluster,
+                 backward_s: float,
                  compute_step_s: float,
                  constants: LinkConstants = GPU_CLUSTER_CONSTANTS,
                  codec: Optional[CodecCost] = None,
-                 ready_s: Optional[Sequence[float]] = None
-                 ) -> StepPrediction:
+                 ready_s: Optional[Sequence[float]] = None) -> StepPrediction:
     """``hook``'s step time on ``cluster``.
 
     Args:
@@ -1024,16 +1051,16 @@ def predict_step(hook: HookCost, buckets: Sequence[Bucket],
     for bucket, collectives in zip(buckets, per_bucket):
         loads = [traffic(c, cluster) for c in collectives]
         local = codec.seconds(hook, bucket)
-        link = sum(t.seconds(cluster, constants.alpha_s, constants.eta)
-                   for t in loads)
+        link = sum(
+            t.seconds(cluster, constants.alpha_s, constants.eta)
+            for t in loads)
         ideal = sum(t.seconds(cluster) for t in loads)
         busy.append(link + local)
         bound.append(ideal)
         codec_total += local
         wire += ideal
         node += sum(t.node_bytes for t in loads)
-        sent += sum(c.nbytes for c in collectives
-                    if c.kind != 'all_gather')
+        sent += sum(c.nbytes for c in collectives if c.kind != 'all_gather')
     exposed = simulate_overlap(ready_s, busy, backward_s).exposed_s
     overhead = constants.overhead_share.get(hook.name, 0.0) * compute_step_s
     return StepPrediction(
@@ -1045,8 +1072,7 @@ def predict_step(hook: HookCost, buckets: Sequence[Bucket],
         comm_s=sum(busy),
         codec_s=codec_total,
         wire_s=wire,
-        overlap_bound_s=simulate_overlap(ready_s, bound,
-                                         backward_s).exposed_s,
+        overlap_bound_s=simulate_overlap(ready_s, bound, backward_s).exposed_s,
         sent_bytes=sent,
         node_bytes=node,
         collectives=sum(len(c) for c in per_bucket))
@@ -1104,8 +1130,9 @@ def _field(data: Mapping, key: str, where: str, kind=(int, float)):
         raise ValueError(f'{where}: the key {key!r} is missing')
     value = data[key]
     if not isinstance(value, kind) or isinstance(value, bool):
-        names = (kind.__name__ if isinstance(kind, type) else
-                 ' or '.join(k.__name__ for k in kind))
+        names = (
+            kind.__name__ if isinstance(kind, type) else ' or '.join(
+                k.__name__ for k in kind))
         raise ValueError(f'{where}: {key!r} should be a {names}, but got '
                          f'{type(value).__name__}: {value!r}')
     return value
@@ -1151,14 +1178,19 @@ def load_benchmark(source: Union[str, Mapping]) -> Benchmark:
     hooks, notes = _read_hooks(data, name, len(buckets))
     rates = _read_rates(data, name)
     return Benchmark(
-        source=name, nodes=nodes, ranks_per_node=per_node,
+        source=name,
+        nodes=nodes,
+        ranks_per_node=per_node,
         grad_bytes=_field(data, 'grad_bytes', name),
-        bucket_bytes=tuple(bucket_bytes), ready_s=tuple(ready),
+        bucket_bytes=tuple(bucket_bytes),
+        ready_s=tuple(ready),
         backward_s=_field(data, 'backward_s', name),
         compute_step_s=_compute_step(data, rates, name),
-        hooks=hooks, rates=tuple(rates), notes=tuple(notes),
-        config=data.get('config') if isinstance(data.get('config'),
-                                                str) else None,
+        hooks=hooks,
+        rates=tuple(rates),
+        notes=tuple(notes),
+        config=data.get('config')
+        if isinstance(data.get('config'), str) else None,
         bucket_cap_mb=data.get('bucket_cap_mb'))
 
 
@@ -1188,8 +1220,8 @@ def _read_hooks(data: Mapping, name: str, num_buckets: int):
                                  f'{kind!r}')
             collectives.append(
                 Collective(kind, _field(c, 'bytes', at), bucket))
-        hooks[hook] = dict(collectives=collectives,
-                           codec_s=_field(entry, 'codec_s', where))
+        hooks[hook] = dict(
+            collectives=collectives, codec_s=_field(entry, 'codec_s', where))
     return hooks, notes
 
 
@@ -1208,17 +1240,21 @@ def _read_rates(data: Mapping, name: str) -> list:
                                  f'got {mbit}')
         steps = _field(rate, 'median_step_s', where, dict)
         # A hook that was not measured at this rate may be null.
-        steps = {h: t for h, t in steps.items()
-                 if isinstance(t, (int, float)) and not isinstance(t, bool)
-                 and t > 0}
-        rates.append(dict(mbit=mbit,
-                          calibrated_mbit=rate.get('calibrated_mbit'),
-                          median_step_s=steps))
+        steps = {
+            h: t
+            for h, t in steps.items()
+            if isinstance(t, (int,
+                              float)) and not isinstance(t, bool) and t > 0
+        }
+        rates.append(
+            dict(
+                mbit=mbit,
+                calibrated_mbit=rate.get('calibrated_mbit'),
+                median_step_s=steps))
     return rates
 
 
-def _compute_step(data: Mapping, rates: Sequence[Mapping],
-                  name: str) -> float:
+def _compute_step(data: Mapping, rates: Sequence[Mapping], name: str) -> float:
     """``compute_step_s``, or where it is null the unshaped rate's
     ``noop`` step (the same measurement: a hook that sends nothing)."""
     if data.get('compute_step_s') is not None:
@@ -1230,9 +1266,10 @@ def _compute_step(data: Mapping, rates: Sequence[Mapping],
                      'has a noop step to take it from')
 
 
-def check_benchmark(bench: Benchmark, params: Sequence[ParamSpec],
-                    hooks: Optional[Mapping[str, HookCost]] = None
-                    ) -> List[str]:
+def check_benchmark(
+        bench: Benchmark,
+        params: Sequence[ParamSpec],
+        hooks: Optional[Mapping[str, HookCost]] = None) -> List[str]:
     """Check the hook catalogue against what a benchmark measured.
 
     The model's parameters are laid out as :func:`ddp_buckets` does with
@@ -1255,11 +1292,13 @@ def check_benchmark(bench: Benchmark, params: Sequence[ParamSpec],
     hooks = HOOK_COSTS if hooks is None else hooks
     buckets = ddp_buckets(params, bench.bucket_cap_mb)
     same = [b.nbytes for b in buckets] == list(bench.bucket_bytes)
-    lines = [f'{bench.source}: ' + (
-        f'the {len(buckets)} buckets have the measured sizes; collectives '
-        'compared bucket by bucket' if same else
-        f'buckets differ (predicted {len(buckets)}, measured '
-        f'{len(bench.bucket_bytes)}); bytes per step compared')]
+    lines = [
+        f'{bench.source}: ' +
+        (f'the {len(buckets)} buckets have the measured sizes; collectives '
+         'compared bucket by bucket'
+         if same else f'buckets differ (predicted {len(buckets)}, measured '
+         f'{len(bench.bucket_bytes)}); bytes per step compared')
+    ]
     for name, entry in bench.hooks.items():
         if name not in hooks:
             lines.append(f'  {name}: not in the catalogue')
@@ -1267,22 +1306,24 @@ def check_benchmark(bench: Benchmark, params: Sequence[ParamSpec],
         predicted = hooks[name].collectives(buckets, bench.world_size)
         measured = entry['collectives']
         if same:
-            problems = compare_collectives(
-                predicted, [dict(bucket=c.bucket, kind=c.kind,
-                                 bytes=c.nbytes) for c in measured])
-            lines.append(f'  {name}: ' + ('agrees' if not problems else
-                                          f'{len(problems)} buckets '
-                                          f'differ, e.g. {problems[0]}'))
+            problems = compare_collectives(predicted, [
+                dict(bucket=c.bucket, kind=c.kind, bytes=c.nbytes)
+                for c in measured
+            ])
+            lines.append(f'  {name}: ' + (
+                'agrees' if not problems else f'{len(problems)} buckets '
+                f'differ, e.g. {problems[0]}'))
             continue
         for kind in COLLECTIVE_KINDS:
             want = sum(c.nbytes for b in predicted for c in b
                        if c.kind == kind)
             got = sum(c.nbytes for c in measured if c.kind == kind)
             if want or got:
-                lines.append(f'  {name} {kind}: predicted {want:,.0f} '
-                             f'bytes, measured {got:,.0f} ('
-                             + (f'{got / want - 1:+.2%}' if want else
-                                'none predicted') + ')')
+                lines.append(
+                    f'  {name} {kind}: predicted {want:,.0f} '
+                    f'bytes, measured {got:,.0f} (' +
+                    (f'{got / want - 1:+.2%}' if want else 'none predicted') +
+                    ')')
     return lines
 
 
@@ -1356,8 +1397,10 @@ class _Point:
             self.seconds[c.bucket] += load.seconds(cluster)
 
     def comm_exposed(self, alpha: float, eta: float) -> float:
-        busy = [m * alpha + s / eta + c for m, s, c in
-                zip(self.messages, self.seconds, self.codec)]
+        busy = [
+            m * alpha + s / eta + c
+            for m, s, c in zip(self.messages, self.seconds, self.codec)
+        ]
         return simulate_overlap(self.bench.ready_s, busy,
                                 self.bench.backward_s).exposed_s
 
@@ -1371,8 +1414,8 @@ class _Point:
                 shares.get(self.hook, 0.0) * self.bench.compute_step_s)
 
 
-def _overheads(points: Sequence[_Point], bases: Sequence[float]
-               ) -> Dict[str, float]:
+def _overheads(points: Sequence[_Point],
+               bases: Sequence[float]) -> Dict[str, float]:
     """Each hook's overhead share minimizing the squared relative error of
     its points, given their predictions without it (closed form, weights
     ``1 / measured^2``: the share ``f`` of the compute step ``c`` with
@@ -1391,8 +1434,9 @@ def _loss(points: Sequence[_Point], alpha: float, eta: float,
           overhead: bool) -> float:
     bases = [p.base(alpha, eta) for p in points]
     shares = _overheads(points, bases) if overhead else {}
-    return sum(((b + shares.get(p.hook, 0.0) * p.bench.compute_step_s) /
-                p.measured - 1)**2 for p, b in zip(points, bases))
+    return sum(
+        ((b + shares.get(p.hook, 0.0) * p.bench.compute_step_s) / p.measured -
+         1)**2 for p, b in zip(points, bases))
 
 
 # Search bounds: log10(alpha / s), eta.
@@ -1400,9 +1444,11 @@ _LOG_ALPHA = (-8.0, 0.0)
 _ETA = (0.02, 2.0)
 
 
-def _nelder_mead(f, start: Sequence[float], step: Sequence[float],
-                 iterations: int = 400, tolerance: float = 1e-12
-                 ) -> List[float]:
+def _nelder_mead(f,
+                 start: Sequence[float],
+                 step: Sequence[float],
+                 iterations: int = 400,
+                 tolerance: float = 1e-12) -> List[float]:
     """Minimize ``f`` from ``start`` by Nelder and Mead's simplex (the
     standard coefficients: reflect 1, expand 2, contract and shrink 1/2).
     Written out because scipy is not a dependency."""
@@ -1418,8 +1464,10 @@ def _nelder_mead(f, start: Sequence[float], step: Sequence[float],
         values = [values[i] for i in order]
         if values[-1] - values[0] <= tolerance * (abs(values[0]) + 1e-30):
             break
-        centroid = [sum(v[k] for v in simplex[:-1]) / (len(simplex) - 1)
-                    for k in range(len(start))]
+        centroid = [
+            sum(v[k] for v in simplex[:-1]) / (len(simplex) - 1)
+            for k in range(len(start))
+        ]
 
         def toward(t, centroid=centroid):
             return [c + t * (w - c) for c, w in zip(centroid, simplex[-1])]
@@ -1440,9 +1488,9 @@ def _nelder_mead(f, start: Sequence[float], step: Sequence[float],
                 simplex[-1], values[-1] = contracted, fc
             else:
                 best = simplex[0]
-                simplex = [best] + [[b + 0.5 * (v - b)
-                                     for b, v in zip(best, vertex)]
-                                    for vertex in simplex[1:]]
+                simplex = [best] + [[
+                    b + 0.5 * (v - b) for b, v in zip(best, vertex)
+                ] for vertex in simplex[1:]]
                 values = [values[0]] + [f(v) for v in simplex[1:]]
     return simplex[min(range(len(simplex)), key=values.__getitem__)]
 
@@ -1490,8 +1538,7 @@ def fit(benchmarks: Sequence[Benchmark],
                 chosen = ((fit_rates is None or rate['mbit'] in fit_rates)
                           and (fit_world_sizes is None
                                or bench.world_size in fit_world_sizes))
-                points.append(_Point(bench, hook, rate['mbit'], step,
-                                     chosen))
+                points.append(_Point(bench, hook, rate['mbit'], step, chosen))
     fitting = [p for p in points if p.fitted]
     if not fitting:
         raise ValueError('no measured point to fit on: the rates '
@@ -1503,27 +1550,30 @@ def fit(benchmarks: Sequence[Benchmark],
         eta = min(max(x[1], _ETA[0]), _ETA[1])
         return _loss(fitting, alpha, eta, overhead)
 
-    grid = [(_LOG_ALPHA[0] + 0.5 * i, _ETA[0] + 0.09 * j)
-            for i in range(17) for j in range(23)]
+    grid = [(_LOG_ALPHA[0] + 0.5 * i, _ETA[0] + 0.09 * j) for i in range(17)
+            for j in range(23)]
     start = min(grid, key=objective)
     best = _nelder_mead(objective, start, (0.25, 0.045))
     alpha = 10**min(max(best[0], _LOG_ALPHA[0]), _LOG_ALPHA[1])
     eta = min(max(best[1], _ETA[0]), _ETA[1])
-    extra = (_overheads(fitting, [p.base(alpha, eta) for p in fitting])
-             if overhead else {})
+    extra = (
+        _overheads(fitting, [p.base(alpha, eta)
+                             for p in fitting]) if overhead else {})
     sources = sorted({b.source for b in benchmarks})
-    constants = LinkConstants(alpha, eta, extra,
-                              source='fitted to ' + ', '.join(sources))
+    constants = LinkConstants(
+        alpha, eta, extra, source='fitted to ' + ', '.join(sources))
     codec = FittedCodec({
         h: e['codec_s'] / b.grad_bytes
-        for b in benchmarks for h, e in b.hooks.items()})
+        for b in benchmarks
+        for h, e in b.hooks.items()
+    })
     return FitResult(
         constants=constants,
         codec=codec,
         points=tuple(
             FitPoint(p.bench.source, p.bench.world_size, p.hook, p.mbit,
-                     p.measured, p.predicted(alpha, eta, extra),
-                     p.fitted) for p in points),
+                     p.measured, p.predicted(alpha, eta, extra), p.fitted)
+            for p in points),
         skipped=tuple(dict.fromkeys(skipped)))
 
 
@@ -1545,15 +1595,14 @@ class Recommendation:
     @property
     def best(self) -> str:
         """The fastest hook."""
-        return min(self.predictions,
-                   key=lambda h: self.predictions[h].step_s)
+        return min(self.predictions, key=lambda h: self.predictions[h].step_s)
 
     @property
     def best_lossless(self) -> Optional[str]:
         """The fastest hook that does not approximate the average."""
         lossless = [h for h in self.predictions if self.hooks[h].lossless]
-        return min(lossless, key=lambda h: self.predictions[h].step_s,
-                   default=None)
+        return min(
+            lossless, key=lambda h: self.predictions[h].step_s, default=None)
 
     def speedup(self, hook: str) -> Optional[float]:
         """``allreduce``'s step over ``hook``'s; None without allreduce."""
@@ -1582,7 +1631,8 @@ class Recommendation:
         return text
 
 
-def recommend(params: Sequence[ParamSpec], cluster: Cluster,
+def recommend(params: Sequence[ParamSpec],
+              cluster: Cluster,
               backward_s: Optional[float] = None,
               compute_step_s: Optional[float] = None,
               constants: LinkConstants = GPU_CLUSTER_CONSTANTS,
@@ -1628,13 +1678,16 @@ def recommend(params: Sequence[ParamSpec], cluster: Cluster,
     return Recommendation(
         cluster=cluster,
         predictions={
-            name: predict_step(hook, buckets, cluster, backward_s,
-                               compute_step_s, constants, codec)
-            for name, hook in hooks.items()},
+            name:
+            predict_step(hook, buckets, cluster, backward_s, compute_step_s,
+                         constants, codec)
+            for name, hook in hooks.items()
+        },
         hooks=dict(hooks))
 
 
-def assumptions(constants: LinkConstants, codec: CodecCost,
+def assumptions(constants: LinkConstants,
+                codec: CodecCost,
                 cluster: Optional[Cluster] = None) -> List[str]:
     """The model's assumptions, one sentence each, for the output."""
     out = [
@@ -1658,7 +1711,8 @@ def assumptions(constants: LinkConstants, codec: CodecCost,
         'the many small collectives of PowerSGD may cost less than shown',
     ]
     if cluster is not None:
-        out.insert(1, f'{cluster.nodes} nodes x {cluster.gpus_per_node} '
-                      f'GPUs, intra-node {cluster.intra_bps / 8e9:g} GB/s '
-                      'per GPU per direction')
+        out.insert(
+            1, f'{cluster.nodes} nodes x {cluster.gpus_per_node} '
+            f'GPUs, intra-node {cluster.intra_bps / 8e9:g} GB/s '
+            'per GPU per direction')
     return out

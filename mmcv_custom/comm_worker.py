@@ -227,7 +227,6 @@ def on_comm_worker(hook: Callable, wait: bool = True) -> Callable:
             f'The hook to wrap must be callable, but got {type(hook)}')
 
     def _comm_worker_hook(state: Any, bucket: dist.GradBucket):
-        return run_on_comm_worker(lambda: hook(state, bucket), bucket,
-                                  wait)
+        return run_on_comm_worker(lambda: hook(state, bucket), bucket, wait)
 
     return named_after(_comm_worker_hook, hook, 'on_comm_worker({})')

@@ -119,8 +119,8 @@ def _require_dtype_support(dtype: torch.dtype,
 
 
 def allreduce_hook(
-    process_group: Optional[dist.ProcessGroup], bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+        process_group: Optional[dist.ProcessGroup],
+        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket with one full-precision ``all_reduce``.
 
     Equivalent to DDP without any hook: a reference point for the
@@ -163,7 +163,7 @@ def default_predivide_factor(world_size: int) -> int:
 
 
 def _check_compress_args(predivide_factor: Any = None,
-                        check_finite: Any = False) -> None:
+                         check_finite: Any = False) -> None:
     """Raise unless the arguments make a valid :class:`CompressState`.
 
     ``TypeError`` for a wrong type, ``ValueError`` for a value out of range,
@@ -172,8 +172,12 @@ def _check_compress_args(predivide_factor: Any = None,
     ``check_finite`` (``'no'`` would turn the check on). The registry runs
     the same check on a ``comm_hook`` config before anything is built.
     """
-    require_real('predivide_factor', predivide_factor, minimum=0,
-                 inclusive=False, allow_none=True)
+    require_real(
+        'predivide_factor',
+        predivide_factor,
+        minimum=0,
+        inclusive=False,
+        allow_none=True)
     require_bool('check_finite', check_finite)
 
 
@@ -222,8 +226,8 @@ class CompressState:
         self._reuse_buffers = True
 
     def __repr__(self) -> str:
-        factor = ('default' if self.predivide_factor is None else
-                  repr(self.predivide_factor))
+        factor = ('default' if self.predivide_factor is None else repr(
+            self.predivide_factor))
         return (f'CompressState(predivide_factor={factor} (fp16 only), '
                 f'check_finite={self.check_finite})')
 
@@ -231,8 +235,9 @@ class CompressState:
         """``(before, after)`` divisors of the average for ``dtype``."""
         if dtype is not torch.float16:
             return world_size, 1
-        before = (self.predivide_factor if self.predivide_factor is not None
-                  else default_predivide_factor(world_size))
+        before = (
+            self.predivide_factor if self.predivide_factor is not None else
+            default_predivide_factor(world_size))
         return before, world_size / before
 
     def _wire_buffer(self, index: int, like: torch.Tensor,
@@ -246,8 +251,7 @@ class CompressState:
         if like.device.type != 'cpu' or not self._reuse_buffers:
             return None
         buf = self._wire.get(index)
-        if (buf is None or buf.numel() != like.numel()
-                or buf.dtype != dtype):
+        if (buf is None or buf.numel() != like.numel() or buf.dtype != dtype):
             buf = self._wire[index] = torch.empty(
                 like.numel(), dtype=dtype, device=like.device)
         return buf
@@ -293,14 +297,17 @@ def cpu_codec() -> str:
 def _use_cpu_codec(fp32: torch.Tensor, half: torch.Tensor) -> bool:
     """Whether the C kernel can take this pair (it sees raw addresses)."""
     return (_cpu_codec is not None and fp32.device.type == 'cpu'
-            and half.device.type == 'cpu' and fp32.dtype is torch.float32 and fp32.is_contiguous()
-            and half.is_contiguous() and half.numel() == fp32.numel()
+            and half.device.type == 'cpu' and fp32.dtype is torch.float32
+            and fp32.is_contiguous() and half.is_contiguous()
+            and half.numel() == fp32.numel()
             and (half.dtype is torch.bfloat16 or
                  (half.dtype is torch.float16 and _cpu_codec.has_fp16()))
             and torch.get_num_threads() == 1)
 
 
-def _compress(buffer: torch.Tensor, divisor: float, dtype: torch.dtype,
+def _compress(buffer: torch.Tensor,
+              divisor: float,
+              dtype: torch.dtype,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``buffer / divisor`` rounded to ``dtype`` (into ``out`` if given).
 
@@ -331,7 +338,8 @@ def _compress(buffer: torch.Tensor, divisor: float, dtype: torch.dtype,
     return out
 
 
-def _decompress(half: torch.Tensor, buffer: torch.Tensor,
+def _decompress(half: torch.Tensor,
+                buffer: torch.Tensor,
                 divisor: float = 1) -> torch.Tensor:
     """Write ``half / divisor`` into the fp32 ``buffer`` and return it.
 
@@ -399,8 +407,7 @@ def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
                 _record_nonfinite(state, bucket, buffer)
             return buffer
 
-        fut = dist.all_reduce(buffer, group=group,
-                              async_op=True).get_future()
+        fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
         return fut.then(finish)
 
     # Divide in the buffer's own precision, then cast: the quotient is
@@ -421,9 +428,8 @@ def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
 
 
 def fp16_compress_hook(
-    process_group: Union[dist.ProcessGroup, 'CompressState', None],
-    bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+        process_group: Union[dist.ProcessGroup, 'CompressState', None],
+        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket as float16 on the wire, keeping it fp32 locally.
 
     The division by the world size happens in fp32 before the cast, split
@@ -452,9 +458,8 @@ def fp16_compress_hook(
 
 
 def bf16_compress_hook(
-    process_group: Union[dist.ProcessGroup, 'CompressState', None],
-    bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+        process_group: Union[dist.ProcessGroup, 'CompressState', None],
+        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket as bfloat16 on the wire, keeping it fp32 locally.
 
     bfloat16 has fp32's exponent range, so it neither overflows nor flushes

@@ -106,7 +106,8 @@ class SyntheticRegressionDataset(Dataset):
         return len(self.inputs)
 
     def __getitem__(self, index: int) -> dict:
-        return dict(inputs=self.inputs[index], data_samples=self.targets[index])
+        return dict(
+            inputs=self.inputs[index], data_samples=self.targets[index])
 
 
 @METRICS.register_module()

@@ -67,10 +67,10 @@ from typing import IO, Dict, List, Optional, Sequence, Tuple, Union
 __all__ = [
     'NAME_PREFIX', 'SUBNET', 'DEFAULT_PORT', 'MAX_NODES', 'TIMEOUT_EXIT_CODE',
     'TBF_BURST_BYTES', 'TBF_BURST_MS', 'TBF_LATENCY_MS', 'tbf_burst_bytes',
-    'ClusterUnavailable', 'ClusterError', 'NodesFailed', 'Interrupted',
-    'Node', 'EmulatedCluster', 'RunResult', 'Calibration',
-    'check_available', 'check_user_namespace', 'reexec_in_user_namespace',
-    'run_on_nodes', 'calibrate', 'signal_exit_code', 'shape_links'
+    'ClusterUnavailable', 'ClusterError', 'NodesFailed', 'Interrupted', 'Node',
+    'EmulatedCluster', 'RunResult', 'Calibration', 'check_available',
+    'check_user_namespace', 'reexec_in_user_namespace', 'run_on_nodes',
+    'calibrate', 'signal_exit_code', 'shape_links'
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -117,8 +117,10 @@ _USERNS_SETUP = (
     'mount -t tmpfs -o mode=0755 mmcvc /run/netns; '
     'else mount -t tmpfs -o mode=0755 mmcvc /run; mkdir /run/netns; fi; '
     'exec "$@"')
-_UNSHARE = ['unshare', '--user', '--map-root-user', '--net', '--mount',
-            '--propagation', 'private']
+_UNSHARE = [
+    'unshare', '--user', '--map-root-user', '--net', '--mount',
+    '--propagation', 'private'
+]
 
 
 class ClusterUnavailable(RuntimeError):
@@ -163,13 +165,13 @@ def _one_line(text: str) -> str:
                      if ln.strip())
 
 
-def _run(cmd: Sequence[str], check: bool = True
-         ) -> subprocess.CompletedProcess:
+def _run(cmd: Sequence[str],
+         check: bool = True) -> subprocess.CompletedProcess:
     """Run a short setup command (``ip``, ``tc``); raise
     :class:`ClusterError` naming it and its error when ``check``."""
     _LOG.debug('+ %s', ' '.join(cmd))
-    done = subprocess.run(list(cmd), stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        list(cmd), stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if check and done.returncode != 0:
         raise ClusterError(
             f'`{" ".join(cmd)}` failed with exit code {done.returncode}: '
@@ -232,14 +234,17 @@ def check_user_namespace() -> Optional[str]:
     --map-root-user --net --mount`` with a private tmpfs on
     ``/run/netns``, as the re-executed program would run.
     """
-    missing = _missing_programs() + (
-        [] if shutil.which('unshare') else ['unshare'])
+    missing = _missing_programs() + ([] if shutil.which('unshare') else
+                                     ['unshare'])
     if missing:
         return (f'an unprivileged user namespace needs util-linux and '
                 f'iproute2 ({" and ".join(missing)} not found on PATH)')
-    done = _run(_UNSHARE + ['--', 'sh', '-c', _USERNS_SETUP, 'sh', 'sh',
-                            '-c', _probe_script(_probe_name())],
-                check=False)
+    done = _run(
+        _UNSHARE + [
+            '--', 'sh', '-c', _USERNS_SETUP, 'sh', 'sh', '-c',
+            _probe_script(_probe_name())
+        ],
+        check=False)
     if done.returncode != 0:
         return ('an unprivileged user namespace (`unshare --user '
                 '--map-root-user --net --mount`, tmpfs on /run/netns) '
@@ -318,8 +323,8 @@ def _check_nodes(nodes) -> int:
 def _check_bandwidth(bandwidth_mbit) -> Optional[float]:
     if bandwidth_mbit is None:
         return None
-    if isinstance(bandwidth_mbit, bool) or not isinstance(
-            bandwidth_mbit, (int, float)):
+    if isinstance(bandwidth_mbit,
+                  bool) or not isinstance(bandwidth_mbit, (int, float)):
         raise TypeError(
             'bandwidth_mbit should be a number of Mbit/s or None (not '
             f'shaped), but got {type(bandwidth_mbit).__name__} '
@@ -351,9 +356,11 @@ def shape_links(links: Sequence[Tuple[str, str]],
             _run(['tc', '-n', ns, 'qdisc', 'del', 'dev', dev, 'root'],
                  check=False)
             continue
-        _run(['tc', '-n', ns, 'qdisc', 'replace', 'dev', dev, 'root',
-              'tbf', 'rate', f'{int(round(rate * 1e6))}bit', 'burst',
-              str(tbf_burst_bytes(rate)), 'latency', f'{TBF_LATENCY_MS}ms'])
+        _run([
+            'tc', '-n', ns, 'qdisc', 'replace', 'dev', dev, 'root', 'tbf',
+            'rate', f'{int(round(rate * 1e6))}bit', 'burst',
+            str(tbf_burst_bytes(rate)), 'latency', f'{TBF_LATENCY_MS}ms'
+        ])
 
 
 def tbf_burst_bytes(bandwidth_mbit: float) -> int:
@@ -413,9 +420,12 @@ class EmulatedCluster:
         self.switch = f'{self.tag}-sw'
         hosts = SUBNET.network_address
         self.nodes: List[Node] = [
-            Node(rank=i, namespace=f'{self.tag}-node{i}',
-                 address=str(hosts + i + 1), interface=_NODE_IFACE,
-                 switch_port=f'n{i}') for i in range(self.num_nodes)
+            Node(
+                rank=i,
+                namespace=f'{self.tag}-node{i}',
+                address=str(hosts + i + 1),
+                interface=_NODE_IFACE,
+                switch_port=f'n{i}') for i in range(self.num_nodes)
         ]
         # What exists (or may: recorded before the command runs), in the
         # order it was made.
@@ -438,9 +448,11 @@ class EmulatedCluster:
     def describe(self, port: Optional[int] = None) -> List[str]:
         """The tool's header: the nodes, their addresses, the link rate,
         and what is not emulated. One string per line."""
-        lines = [f'Emulated cluster: {self.num_nodes} nodes on this host, '
-                 'one network namespace each, joined by a bridge in '
-                 f'{self.switch}']
+        lines = [
+            f'Emulated cluster: {self.num_nodes} nodes on this host, '
+            'one network namespace each, joined by a bridge in '
+            f'{self.switch}'
+        ]
         if os.environ.get(_USERNS_ENV):
             lines.append('  (not root: inside an unprivileged user '
                          'namespace, with a private /run/netns)')
@@ -500,16 +512,17 @@ class EmulatedCluster:
         for signum in (signal.SIGTERM, signal.SIGHUP):
             if signal.getsignal(signum) is signal.SIG_IGN:
                 continue  # e.g. SIGHUP under nohup: still ignored
-            self._old_handlers[signum] = signal.signal(
-                signum, raise_interrupted)
+            self._old_handlers[signum] = signal.signal(signum,
+                                                       raise_interrupted)
 
     def _create(self) -> None:
         self._add_namespace(self.switch)
         sw = ['ip', '-n', self.switch]
         self._links.append((self.switch, _BRIDGE))
         # No STP: ports forward as soon as they are up.
-        _run(sw + ['link', 'add', 'name', _BRIDGE, 'type', 'bridge',
-                   'stp_state', '0'])
+        _run(sw + [
+            'link', 'add', 'name', _BRIDGE, 'type', 'bridge', 'stp_state', '0'
+        ])
         _run(sw + ['link', 'set', _BRIDGE, 'addrgenmode', 'none'])
         _run(sw + ['link', 'set', _BRIDGE, 'up'])
         for node in self.nodes:
@@ -529,25 +542,24 @@ class EmulatedCluster:
         ip_node = ['ip', '-n', ns]
         ip_sw = ['ip', '-n', self.switch]
         self._links.append((ns, node.interface))
-        _run(ip_node + ['link', 'add', 'name', node.interface, 'type',
-                        'veth', 'peer', 'name', node.switch_port, 'netns',
-                        self.switch])
+        _run(ip_node + [
+            'link', 'add', 'name', node.interface, 'type', 'veth', 'peer',
+            'name', node.switch_port, 'netns', self.switch
+        ])
         # No IPv6 link-local address: gloo binds the first address of
         # GLOO_SOCKET_IFNAME, which must be the IPv4 one.
-        _run(ip_node + ['link', 'set', node.interface, 'addrgenmode',
-                        'none'])
-        _run(ip_sw + ['link', 'set', node.switch_port, 'addrgenmode',
-                      'none'])
+        _run(ip_node + ['link', 'set', node.interface, 'addrgenmode', 'none'])
+        _run(ip_sw + ['link', 'set', node.switch_port, 'addrgenmode', 'none'])
         _run(ip_sw + ['link', 'set', node.switch_port, 'master', _BRIDGE])
-        _run(ip_node + ['addr', 'add',
-                        f'{node.address}/{SUBNET.prefixlen}', 'dev',
-                        node.interface])
+        _run(ip_node + [
+            'addr', 'add', f'{node.address}/{SUBNET.prefixlen}', 'dev',
+            node.interface
+        ])
         if self.bandwidth_mbit is not None:
             # Upload: the node's egress. Download: the switch's egress
             # towards the node.
             shape_links([(ns, node.interface),
-                         (self.switch, node.switch_port)],
-                        self.bandwidth_mbit)
+                         (self.switch, node.switch_port)], self.bandwidth_mbit)
         _run(ip_sw + ['link', 'set', node.switch_port, 'up'])
         _run(ip_node + ['link', 'set', node.interface, 'up'])
 
@@ -555,9 +567,11 @@ class EmulatedCluster:
     def shaped_links(self) -> List[Tuple[str, str]]:
         """``(namespace, device)`` of both ends of every node's link: the
         node's upload and the switch's download towards it."""
-        return [pair for node in self.nodes
-                for pair in ((node.namespace, node.interface),
-                             (self.switch, node.switch_port))]
+        return [
+            pair for node in self.nodes
+            for pair in ((node.namespace, node.interface), (self.switch,
+                                                            node.switch_port))
+        ]
 
     def set_bandwidth(self, bandwidth_mbit: Optional[float]) -> None:
         """Shape every node's link to ``bandwidth_mbit`` (None: not
@@ -597,8 +611,9 @@ class EmulatedCluster:
             if _namespace_exists(ns):
                 done = _run(['ip', 'netns', 'del', ns], check=False)
                 if done.returncode != 0:
-                    _LOG.warning('could not delete network namespace %s: '
-                                 '%s', ns, _one_line(done.stderr))
+                    _LOG.warning(
+                        'could not delete network namespace %s: '
+                        '%s', ns, _one_line(done.stderr))
         self._namespaces.clear()
 
 
@@ -674,9 +689,12 @@ def _node_env(cluster: EmulatedCluster, node: Node, port: int,
     # Prefixed lines are only useful when they arrive as they are written.
     merged.setdefault('PYTHONUNBUFFERED', '1')
     merged.update(
-        NNODES=str(cluster.num_nodes), NODE_RANK=str(node.rank),
-        MASTER_ADDR=cluster.master_addr, PORT=str(port),
-        MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=node.interface)
+        NNODES=str(cluster.num_nodes),
+        NODE_RANK=str(node.rank),
+        MASTER_ADDR=cluster.master_addr,
+        PORT=str(port),
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME=node.interface)
     return merged
 
 
@@ -741,27 +759,31 @@ def _stop(procs: List[subprocess.Popen], cluster: EmulatedCluster,
             _LOG.warning('process %d did not exit after SIGKILL', proc.pid)
 
 
-def _start_on_node(cluster: EmulatedCluster, node, argv: List[str],
-                   port: int, env: Optional[Dict[str, str]],
-                   log_dir: Optional[str], stream: Optional[IO[str]],
-                   lock: threading.Lock):
+def _start_on_node(cluster: EmulatedCluster, node, argv: List[str], port: int,
+                   env: Optional[Dict[str, str]], log_dir: Optional[str],
+                   stream: Optional[IO[str]], lock: threading.Lock):
     """Start ``argv`` in ``node``'s namespace, in a session of its own,
     and a thread pumping its output to ``stream`` and its log."""
-    log = (open(os.path.join(log_dir, f'node{node.rank}.log'), 'wb')
-           if log_dir is not None else None)
+    log = (
+        open(os.path.join(log_dir, f'node{node.rank}.log'), 'wb')
+        if log_dir is not None else None)
     try:
         proc = subprocess.Popen(
             ['ip', 'netns', 'exec', node.namespace] + argv,
             env=_node_env(cluster, node, port, env),
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True)
     except BaseException:
         if log is not None:
             log.close()
         raise
     pump = threading.Thread(
-        target=_pump, args=(node.rank, proc.stdout, stream, log, lock),
-        name=f'node{node.rank}-output', daemon=True)
+        target=_pump,
+        args=(node.rank, proc.stdout, stream, log, lock),
+        name=f'node{node.rank}-output',
+        daemon=True)
     pump.start()
     return proc, pump
 
@@ -772,8 +794,8 @@ def _wait_for_nodes(procs: List[subprocess.Popen], start: float,
     ``start``; ``(first failed node or None, whether it timed out)``."""
     while True:
         codes = [p.poll() for p in procs]
-        failed = next((i for i, c in enumerate(codes)
-                       if c is not None and c != 0), None)
+        failed = next(
+            (i for i, c in enumerate(codes) if c is not None and c != 0), None)
         if failed is not None or all(c is not None for c in codes):
             return failed, False
         if timeout is not None and time.monotonic() - start > timeout:
@@ -835,15 +857,16 @@ def run_on_nodes(cluster: EmulatedCluster,
     if not cluster.active:
         raise RuntimeError('run_on_nodes needs an open EmulatedCluster '
                            '(inside its `with` block)')
-    if isinstance(port, bool) or not isinstance(port, int) or not (
-            1 <= port <= 65535):
+    if isinstance(
+            port,
+            bool) or not isinstance(port, int) or not (1 <= port <= 65535):
         raise ValueError(f'port should be an int from 1 to 65535, but got '
                          f'{port!r}')
     if timeout is not None and not timeout > 0:
         raise ValueError(f'timeout should be > 0 seconds or None, but got '
                          f'{timeout!r}')
-    argv = (['bash', '-c', command] if isinstance(command, str)
-            else list(command))
+    argv = (['bash', '-c', command]
+            if isinstance(command, str) else list(command))
     if not argv:
         raise ValueError('command should not be empty')
     if log_dir is not None:
@@ -865,9 +888,11 @@ def run_on_nodes(cluster: EmulatedCluster,
         _stop(procs, cluster, grace)
         for pump in pumps:
             pump.join(timeout=5)
-    return RunResult(returncodes=tuple(p.returncode for p in procs),
-                     failed_node=failed, timed_out=timed_out,
-                     elapsed=elapsed)
+    return RunResult(
+        returncodes=tuple(p.returncode for p in procs),
+        failed_node=failed,
+        timed_out=timed_out,
+        elapsed=elapsed)
 
 
 # Calibration ----------------------------------------------------------
@@ -968,27 +993,35 @@ def calibrate(cluster: EmulatedCluster,
         NodesFailed: A node failed or the run timed out; the message
             holds the last lines of the failed node's output.
     """
-    if not (isinstance(size_mib, (int, float))
-            and not isinstance(size_mib, bool) and math.isfinite(size_mib)
-            and size_mib > 0):
+    if not (isinstance(size_mib,
+                       (int, float)) and not isinstance(size_mib, bool)
+            and math.isfinite(size_mib) and size_mib > 0):
         raise ValueError(f'size_mib should be a number > 0, but got '
                          f'{size_mib!r}')
     for name, value, low in (('warmup', warmup, 0), ('iters', iters, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or (
-                value < low):
+        if isinstance(value, bool) or not isinstance(value, int) or (value
+                                                                     < low):
             raise ValueError(f'{name} should be an int >= {low}, but got '
                              f'{value!r}')
     numel = max(1, int(size_mib * 2**20) // 4)
     with tempfile.TemporaryDirectory(prefix='mmcvc-calibration-') as tmp:
         out = os.path.join(tmp, 'result.json')
         argv = [python or sys.executable] + _interpreter_flags() + [
-            os.path.abspath(__file__), _CHILD_FLAG, str(numel), str(warmup),
-            str(iters), out]
-        result = run_on_nodes(cluster, argv, port=port, timeout=timeout,
-                              log_dir=tmp, stream=stream)
+            os.path.abspath(__file__), _CHILD_FLAG,
+            str(numel),
+            str(warmup),
+            str(iters), out
+        ]
+        result = run_on_nodes(
+            cluster,
+            argv,
+            port=port,
+            timeout=timeout,
+            log_dir=tmp,
+            stream=stream)
         if result.returncode != 0:
-            node = (result.failed_node
-                    if result.failed_node is not None else 0)
+            node = (
+                result.failed_node if result.failed_node is not None else 0)
             with open(os.path.join(tmp, f'node{node}.log'), 'rb') as f:
                 tail = f.read().decode('utf-8', 'replace').splitlines()[-20:]
             raise NodesFailed(
@@ -996,13 +1029,14 @@ def calibrate(cluster: EmulatedCluster,
                 f'node{node}:\n' + '\n'.join(tail), result)
         with open(out) as f:
             times = json.load(f)['times']
-    return Calibration(nodes=cluster.num_nodes, size_bytes=numel * 4,
-                       times=tuple(times),
-                       bandwidth_mbit=cluster.bandwidth_mbit)
+    return Calibration(
+        nodes=cluster.num_nodes,
+        size_bytes=numel * 4,
+        times=tuple(times),
+        bandwidth_mbit=cluster.bandwidth_mbit)
 
 
-def _calibration_child(numel: int, warmup: int, iters: int,
-                       out: str) -> None:
+def _calibration_child(numel: int, warmup: int, iters: int, out: str) -> None:
     """One rank of :func:`calibrate`, run on each node."""
     from datetime import timedelta
 
@@ -1012,8 +1046,8 @@ def _calibration_child(numel: int, warmup: int, iters: int,
     os.environ['RANK'] = os.environ['NODE_RANK']
     os.environ['WORLD_SIZE'] = os.environ['NNODES']
     os.environ['MASTER_PORT'] = os.environ['PORT']
-    dist.init_process_group('gloo', init_method='env://',
-                            timeout=timedelta(minutes=10))
+    dist.init_process_group(
+        'gloo', init_method='env://', timeout=timedelta(minutes=10))
     try:
         tensor = torch.zeros(numel, dtype=torch.float32)
         for _ in range(warmup):
@@ -1036,8 +1070,7 @@ def _calibration_child(numel: int, warmup: int, iters: int,
 
 def _main(argv: List[str]) -> int:
     if len(argv) == 5 and argv[0] == _CHILD_FLAG:
-        _calibration_child(int(argv[1]), int(argv[2]), int(argv[3]),
-                           argv[4])
+        _calibration_child(int(argv[1]), int(argv[2]), int(argv[3]), argv[4])
         return 0
     sys.stderr.write('this module is a library; run '
                      'tools/emulated_cluster.py\n')

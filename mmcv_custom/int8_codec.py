@@ -70,13 +70,14 @@ def _check(x: torch.Tensor, block: int) -> None:
         raise ValueError(f'block should be an int >= 1, but got {block!r}')
 
 
-def quantize(x: torch.Tensor,
-             block: int,
-             prescale: float = 1.0,
-             residual: Optional[torch.Tensor] = None,
-             out: Optional[torch.Tensor] = None,
-             scales: Optional[torch.Tensor] = None
-             ) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor,
+    block: int,
+    prescale: float = 1.0,
+    residual: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    scales: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``x * prescale (+ residual)`` blockwise to int8.
 
     Args:
@@ -98,18 +99,17 @@ def quantize(x: torch.Tensor,
     if out is None:
         out = torch.empty(n, dtype=torch.int8, device=x.device)
     if scales is None:
-        scales = torch.empty(num_blocks(n, block), dtype=torch.float32,
-                             device=x.device)
+        scales = torch.empty(
+            num_blocks(n, block), dtype=torch.float32, device=x.device)
     if residual is not None:
         _check(residual, block)
         if residual.numel() != n:
             raise ValueError(f'residual has {residual.numel()} values, x '
                              f'{n}')
     if uses_c_kernel(x, block):
-        _cpu_codec.int8_encode(
-            x.data_ptr(), out.data_ptr(), scales.data_ptr(),
-            0 if residual is None else residual.data_ptr(), n, block,
-            float(prescale))
+        _cpu_codec.int8_encode(x.data_ptr(), out.data_ptr(), scales.data_ptr(),
+                               0 if residual is None else residual.data_ptr(),
+                               n, block, float(prescale))
         return out, scales
     return _quantize_torch(x, block, prescale, residual, out, scales)
 
@@ -128,12 +128,12 @@ def _quantize_torch(x, block, prescale, residual, out, scales):
     blocks = torch.nn.functional.pad(v, (0, pad)).view(-1, block)
     amax = blocks.abs().amax(dim=1)
     torch.div(amax, 127.0, out=scales)
-    q = (blocks / scales[:, None]).nan_to_num(nan=0.0, posinf=torch.inf,
-                                               neginf=-torch.inf)
+    q = (blocks / scales[:, None]).nan_to_num(
+        nan=0.0, posinf=torch.inf, neginf=-torch.inf)
     q = q.round().clamp(-127, 127)
     if residual is not None:
-        residual.copy_(_finite_or_zero(blocks - q * scales[:, None]).view(-1)
-                       [:n])
+        residual.copy_(
+            _finite_or_zero(blocks - q * scales[:, None]).view(-1)[:n])
     out.copy_(q.view(-1)[:n])
     return out, scales
 
@@ -152,8 +152,8 @@ def dequantize(q: torch.Tensor,
         out = torch.empty(n, dtype=torch.float32, device=q.device)
     _check(out, block)
     if uses_c_kernel(out, block) and q.is_contiguous():
-        _cpu_codec.int8_decode(q.data_ptr(), scales.data_ptr(),
-                               out.data_ptr(), n, block, accumulate)
+        _cpu_codec.int8_decode(q.data_ptr(), scales.data_ptr(), out.data_ptr(),
+                               n, block, accumulate)
         return out
     return _dequantize_torch(q, scales, block, out, accumulate)
 
@@ -178,9 +178,16 @@ _MODES = {None: 0, 'feed': 1, 'collect': 2}
 
 def _check_c_constants(codec) -> None:
     """Refuse a C module built for another table layout (a stale build)."""
-    ours = dict(T_SRC=_SRC, T_RES=_RES, T_LEN=_LEN, T_PAYLOAD=_PAYLOAD,
-                T_SCALE=_SCALE, T_COLS=5, INT8_NO_RESIDUAL=_MODES[None],
-                INT8_FEED=_MODES['feed'], INT8_COLLECT=_MODES['collect'])
+    ours = dict(
+        T_SRC=_SRC,
+        T_RES=_RES,
+        T_LEN=_LEN,
+        T_PAYLOAD=_PAYLOAD,
+        T_SCALE=_SCALE,
+        T_COLS=5,
+        INT8_NO_RESIDUAL=_MODES[None],
+        INT8_FEED=_MODES['feed'],
+        INT8_COLLECT=_MODES['collect'])
     theirs = {name: getattr(codec, name, None) for name in ours}
     if theirs != ours:
         raise ImportError(
@@ -246,11 +253,10 @@ class BlockTable:
             first = torch.cumsum(lengths, 0) - lengths
             pos = torch.arange(self.numel) - first[block]
             self._index[device] = tuple(
-                t.to(device) for t in (block, rows[block, _SRC] + pos,
-                                       rows[block, _RES] + pos,
-                                       rows[block, _PAYLOAD] + pos,
-                                       rows[:, _SCALE, None] +
-                                       torch.arange(4)))
+                t.to(device)
+                for t in (block, rows[block, _SRC] + pos,
+                          rows[block, _RES] + pos, rows[block, _PAYLOAD] + pos,
+                          rows[:, _SCALE, None] + torch.arange(4)))
         return self._index[device]
 
 
@@ -327,8 +333,9 @@ def _quantize_blocks_torch(x, table, dst, prescale, residual, mode):
         v = v + residual[res]
     a = v.abs()
     a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
-    amax = torch.zeros(len(table), dtype=torch.float32,
-                       device=x.device).scatter_reduce_(0, block, a, 'amax')
+    amax = torch.zeros(
+        len(table), dtype=torch.float32,
+        device=x.device).scatter_reduce_(0, block, a, 'amax')
     nan = torch.zeros_like(amax).index_add_(0, block,
                                             torch.isnan(v).float()) > 0
     scales = torch.where(nan, torch.full_like(amax, float('nan')),

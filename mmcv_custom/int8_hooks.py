@@ -48,8 +48,8 @@ _READS = (1, 2)
 
 # The torch this project pins (2.13) calls it all_gather_single and warns on
 # every call of the older name; older torches only have the older one.
-_all_gather_single = (getattr(dist, 'all_gather_single', None)
-                      or dist.all_gather_into_tensor)
+_all_gather_single = (
+    getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor)
 
 
 def _align4(nbytes: int) -> int:
@@ -93,24 +93,25 @@ class Int8BucketPlan:
             starts.append(offset + b * block)
             lengths.append((numel - b * block).clamp(max=block))
             owners.append((first + b) % world_size)
-        start, length, owner = (torch.cat(t) for t in (starts, lengths,
-                                                        owners))
+        start, length, owner = (
+            torch.cat(t) for t in (starts, lengths, owners))
         # Grouped by owner, in bucket order within each group.
         owner, order = torch.sort(owner, stable=True)
         start, length = start[order], length[order]
         counts = torch.bincount(owner, minlength=world_size)
         group_first = torch.cumsum(counts, 0) - counts
         index = torch.arange(len(owner)) - group_first[owner]
-        numels = torch.zeros(world_size, dtype=torch.int64).index_add_(
-            0, owner, length)
+        numels = torch.zeros(
+            world_size, dtype=torch.int64).index_add_(0, owner, length)
         local = torch.cumsum(length, 0) - length
         local -= (torch.cumsum(numels, 0) - numels)[owner]
         self.splits = [
             _align4(4 * int(c) + int(n)) for c, n in zip(counts, numels)
         ]
         self.padded = max(self.splits)
-        self._payload_ends = [4 * int(c) + int(n)
-                              for c, n in zip(counts, numels)]
+        self._payload_ends = [
+            4 * int(c) + int(n) for c, n in zip(counts, numels)
+        ]
         segment = torch.tensor([0] + self.splits[:-1]).cumsum(0)
         scale_at = 4 * index
         payload_at = 4 * counts[owner] + local
@@ -122,15 +123,18 @@ class Int8BucketPlan:
 
         def table(src, res, base):
             return BlockTable(
-                torch.stack([src, res, length, base + payload_at,
-                             base + scale_at], 1)[in_bucket_order])
+                torch.stack(
+                    [src, res, length, base + payload_at, base + scale_at],
+                    1)[in_bucket_order])
 
         self.send = table(start, start, segment[owner])
         self.gather = table(start, start, owner * self.padded)
         mine = owner == rank
         self.own = BlockTable(
-            torch.stack([local[mine], start[mine], length[mine],
-                         payload_at[mine], scale_at[mine]], 1))
+            torch.stack([
+                local[mine], start[mine], length[mine], payload_at[mine],
+                scale_at[mine]
+            ], 1))
 
     @property
     def send_bytes(self) -> int:
@@ -246,8 +250,7 @@ class Int8State:
         """
         return self._plan(bucket, _layout(bucket)).send_bytes
 
-    def _plan(self, bucket: dist.GradBucket,
-              layout: tuple) -> Int8BucketPlan:
+    def _plan(self, bucket: dist.GradBucket, layout: tuple) -> Int8BucketPlan:
         """The bucket's :class:`Int8BucketPlan`, built for a new layout.
 
         Parameters met for the first time are numbered in bucket order, the
@@ -292,9 +295,8 @@ class Int8State:
             # DDP laid its buckets out again: every residual goes to
             # per-parameter form once, then each new bucket takes its own.
             self._to_params()
-        residual = torch.zeros(buffer.numel(),
-                               dtype=torch.float32,
-                               device=buffer.device)
+        residual = torch.zeros(
+            buffer.numel(), dtype=torch.float32, device=buffer.device)
         if sum(numel for _, numel in layout) == buffer.numel():
             offset = 0
             for pid, numel in layout:
@@ -326,19 +328,19 @@ class Int8State:
         per_param = dict(self._pending)
         for layout, residual in self._residuals.values():
             per_param.update(_split(layout, residual))
-        return dict(version=_VERSION,
-                    world_size=_group_or_world(self.process_group).size(),
-                    block_size=self.block_size,
-                    error_feedback=self.error_feedback,
-                    params={
-                        by_id[pid]: r.detach().cpu().clone()
-                        for pid, r in per_param.items() if pid in by_id
-                    },
-                    first_blocks={
-                        by_id[pid]: first
-                        for pid, first in self._firsts.items()
-                        if pid in by_id
-                    })
+        return dict(
+            version=_VERSION,
+            world_size=_group_or_world(self.process_group).size(),
+            block_size=self.block_size,
+            error_feedback=self.error_feedback,
+            params={
+                by_id[pid]: r.detach().cpu().clone()
+                for pid, r in per_param.items() if pid in by_id
+            },
+            first_blocks={
+                by_id[pid]: first
+                for pid, first in self._firsts.items() if pid in by_id
+            })
 
     def load_state_dict(self, saved: dict, names: Dict[torch.Tensor,
                                                        str]) -> None:
@@ -372,8 +374,7 @@ class Int8State:
                 f + ceil_div(by_name[n].numel(), self.block_size)
                 for n, f in firsts.items())
 
-    def check_state_dict(self, saved, names: Dict[torch.Tensor,
-                                                  str]) -> None:
+    def check_state_dict(self, saved, names: Dict[torch.Tensor, str]) -> None:
         """Raise ``ValueError`` (see :meth:`load_state_dict`) if ``saved``
         does not fit; change nothing."""
         if not isinstance(saved, dict):
@@ -504,8 +505,8 @@ def int8_compress_hook(
             f'int8_compress_hook), but got {type(state).__name__}: {state!r}')
     # The all-gather is issued before _int8_reduce returns; its future only
     # decodes: the worker goes on to the next bucket meanwhile.
-    return run_on_comm_worker(lambda: _int8_reduce(state, bucket), bucket,
-                              wait=False)
+    return run_on_comm_worker(
+        lambda: _int8_reduce(state, bucket), bucket, wait=False)
 
 
 def _int8_reduce(state: Int8State,
@@ -522,27 +523,27 @@ def _int8_reduce(state: Int8State,
     # This rank's share (the bucket times 1 / world_size, plus the residual
     # of earlier steps), quantized into the owners' segments in one pass.
     x = buffer if buffer.dtype is torch.float32 else buffer.float()
-    residual = (state._residual(bucket, layout)
-                if state.error_feedback else None)
+    residual = (
+        state._residual(bucket, layout) if state.error_feedback else None)
     send = torch.empty(plan.send_bytes, dtype=torch.uint8, device=device)
     out = torch.empty(plan.padded, dtype=torch.uint8, device=device)
     plan.zero_padding(send, out, rank)
-    int8_codec.quantize_blocks(x, plan.send, send, 1.0 / world_size,
-                               residual)
+    int8_codec.quantize_blocks(x, plan.send, send, 1.0 / world_size, residual)
 
     mine = plan.splits[rank]
     recv = torch.empty(world_size * mine, dtype=torch.uint8, device=device)
-    dist.all_to_all_single(recv,
-                           send,
-                           output_split_sizes=[mine] * world_size,
-                           input_split_sizes=plan.splits,
-                           group=group)
+    dist.all_to_all_single(
+        recv,
+        send,
+        output_split_sizes=[mine] * world_size,
+        input_split_sizes=plan.splits,
+        group=group)
 
     # Sum this rank's blocks over the ranks, in rank order (deterministic).
     total = torch.empty(plan.own.numel, dtype=torch.float32, device=device)
     for i in range(world_size):
-        int8_codec.dequantize_blocks(recv[i * mine:(i + 1) * mine],
-                                     plan.own, total, accumulate=i > 0)
+        int8_codec.dequantize_blocks(
+            recv[i * mine:(i + 1) * mine], plan.own, total, accumulate=i > 0)
 
     if residual is None:
         int8_codec.quantize_blocks(total, plan.own, out)
@@ -561,11 +562,10 @@ def _int8_reduce(state: Int8State,
             0, plan.own.residual_index(device),
             torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)))
 
-    gathered = torch.empty(world_size * plan.padded,
-                           dtype=torch.uint8,
-                           device=device)
-    fut = _all_gather_single(gathered, out, group=group,
-                             async_op=True).get_future()
+    gathered = torch.empty(
+        world_size * plan.padded, dtype=torch.uint8, device=device)
+    fut = _all_gather_single(
+        gathered, out, group=group, async_op=True).get_future()
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         # In place into the bucket's own buffer when it is fp32: no second

@@ -38,10 +38,9 @@ from typing import Callable, Iterable, List, NamedTuple, Optional
 __all__ = [
     'DIGEST_SUFFIX', 'CheckpointDamagedError', 'Verification',
     'atomic_write_bytes', 'atomic_write_stream', 'atomic_write_text',
-    'digest_path',
-    'write_digest', 'file_sha256', 'verify_file', 'require_intact',
-    'temporary_name', 'is_temporary_name', 'remove_stale_temporaries',
-    'checkpoint_candidates'
+    'digest_path', 'write_digest', 'file_sha256', 'verify_file',
+    'require_intact', 'temporary_name', 'is_temporary_name',
+    'remove_stale_temporaries', 'checkpoint_candidates'
 ]
 
 #: What a digest file's name adds to the file it vouches for.
@@ -221,7 +220,8 @@ class _HashingWriter:
         self._file.flush()
 
 
-def atomic_write_stream(path: str, write: Callable[[object], None],
+def atomic_write_stream(path: str,
+                        write: Callable[[object], None],
                         digest: bool = True) -> None:
     """:func:`atomic_write_bytes` for bytes that a writer streams out.
 
@@ -237,8 +237,7 @@ def atomic_write_stream(path: str, write: Callable[[object], None],
         except FileNotFoundError:
             pass
         sha256 = hashlib.sha256()
-        _write_then_rename(path,
-                           lambda f: write(_HashingWriter(f, sha256)))
+        _write_then_rename(path, lambda f: write(_HashingWriter(f, sha256)))
         write_digest(path, sha256.hexdigest())
     else:
         _write_then_rename(path, write)
@@ -320,9 +319,10 @@ def verify_file(path: str) -> Verification:
     return Verification('ok', f'{path}: SHA-256 verified')
 
 
-def require_intact(path: str,
-                   alternative: Optional[Callable[[], Optional[str]]] = None
-                   ) -> Verification:
+def require_intact(
+        path: str,
+        alternative: Optional[Callable[[],
+                                       Optional[str]]] = None) -> Verification:
     """:func:`verify_file`, raising :class:`CheckpointDamagedError` when
     damaged; ``alternative`` (called only then) names the newest intact
     checkpoint to suggest."""
@@ -338,8 +338,8 @@ def require_intact(path: str,
 _STEP_RE = re.compile(r'^(?:iter|epoch)_(\d+)\.pth$')
 
 
-def checkpoint_candidates(folder: str,
-                          exclude: Iterable[str] = ()) -> List[str]:
+def checkpoint_candidates(
+    folder: str, exclude: Iterable[str] = ()) -> List[str]:
     """MMEngine's checkpoints in ``folder`` (``iter_N.pth``/``epoch_N.pth``,
     files or sharded directories), newest (highest ``N``) first."""
     skip = {osp.abspath(p) for p in exclude}

@@ -22,8 +22,7 @@ from mmengine.logging import print_log
 
 __all__ = [
     'check_cpu_strategy', 'uses_fsdp2', 'build_runner', 'run_runner',
-    'init_gloo',
-    'load_config', 'prepare_launch', 'is_launch_rank0',
+    'init_gloo', 'load_config', 'prepare_launch', 'is_launch_rank0',
     'shutdown_distributed', 'check_cpu_wrapper', 'check_writable',
     'spawn_ranks', 'write_results', 'free_port'
 ]
@@ -57,7 +56,8 @@ def load_config(path: str,
         cfg.work_dir = work_dir
     elif cfg.get('work_dir', None) is None:
         cfg.work_dir = os.path.join(
-            './work_dirs', os.path.splitext(os.path.basename(path))[0])
+            './work_dirs',
+            os.path.splitext(os.path.basename(path))[0])
     return cfg
 
 
@@ -189,8 +189,10 @@ def init_gloo(launcher: str) -> None:
     # restart fail. A prefix per attempt keeps each attempt's keys apart.
     store, rank, world_size = next(dist.rendezvous('env://'))
     dist.init_process_group(
-        backend='gloo', store=dist.PrefixStore(f'attempt{restart}', store),
-        rank=rank, world_size=world_size)
+        backend='gloo',
+        store=dist.PrefixStore(f'attempt{restart}', store),
+        rank=rank,
+        world_size=world_size)
 
 
 def _sync_bn_to_bn(node) -> int:
@@ -208,7 +210,8 @@ def _sync_bn_to_bn(node) -> int:
     return count
 
 
-def prepare_launch(cfg: Config, launcher: str,
+def prepare_launch(cfg: Config,
+                   launcher: str,
                    cuda: Optional[bool] = None) -> Config:
     """Prepare ``cfg`` and the process group for ``launcher``.
 
@@ -271,8 +274,8 @@ def prepare_launch(cfg: Config, launcher: str,
         return cfg
     wrapper_cfg = cfg.get('model_wrapper_cfg') or dict(
         type='MMDistributedDataParallel')
-    wrapper_cfg.setdefault(
-        'find_unused_parameters', cfg.get('find_unused_parameters', False))
+    wrapper_cfg.setdefault('find_unused_parameters',
+                           cfg.get('find_unused_parameters', False))
     # CPU modules take no device_ids. Without SyncBN, keep DDP's default
     # broadcast_buffers=True so every rank uses rank 0's BN statistics, as
     # the saved checkpoint will.
@@ -393,8 +396,11 @@ def spawn_ranks(worker: Callable, nproc: int, args) -> object:
     after)."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(worker, args=(nproc, folder, args), nprocs=nproc,
-                           start_method='spawn')
+        mp.start_processes(
+            worker,
+            args=(nproc, folder, args),
+            nprocs=nproc,
+            start_method='spawn')
         with open(os.path.join(folder, _RESULTS)) as f:
             return json.load(f)
 

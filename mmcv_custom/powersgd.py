@@ -54,8 +54,8 @@ def powersgd_hook(
         Future[Tensor]: Resolves to the bucket's own buffer holding the
         averaged approximation (a plain average during warm-up).
     """
-    return run_on_comm_worker(lambda: _powersgd(state, bucket), bucket,
-                              wait=False)
+    return run_on_comm_worker(
+        lambda: _powersgd(state, bucket), bucket, wait=False)
 
 
 def _own(tensor: torch.Tensor) -> torch.Tensor:
@@ -64,8 +64,7 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
     Kernels round alike for any two aligned starts; a copy of a contiguous
     tensor gets a fresh, aligned allocation.
     """
-    if (tensor.is_contiguous()
-            and tensor.data_ptr() % _ALIGNMENT == 0):
+    if (tensor.is_contiguous() and tensor.data_ptr() % _ALIGNMENT == 0):
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)
 
@@ -88,8 +87,9 @@ def _powersgd(state: powerSGD.PowerSGDState,
 
     # Vectors and matrices too small to pay: all-reduced as they are,
     # while the factors are computed.
-    flat = (torch.cat([t.reshape(-1) for t in vectors]) if vectors else
-            torch.empty(0, dtype=dtype, device=device))
+    flat = (
+        torch.cat([t.reshape(-1) for t in vectors])
+        if vectors else torch.empty(0, dtype=dtype, device=device))
     flat_work = dist.all_reduce(flat, group=group, async_op=True)
 
     groups = defaultdict(list)
@@ -101,10 +101,10 @@ def _powersgd(state: powerSGD.PowerSGDState,
 
     fresh = not state.warm_start or index not in state.p_memory_dict
     if fresh:
-        state.p_memory_dict[index] = torch.empty(p_size, dtype=dtype,
-                                                 device=device)
-        state.q_memory_dict[index] = torch.empty(q_size, dtype=dtype,
-                                                 device=device)
+        state.p_memory_dict[index] = torch.empty(
+            p_size, dtype=dtype, device=device)
+        state.q_memory_dict[index] = torch.empty(
+            q_size, dtype=dtype, device=device)
     p_memory = state.p_memory_dict[index]
     q_memory = state.q_memory_dict[index]
     ps = _views(p_memory, batches, rows=True, state=state)
@@ -156,7 +156,7 @@ def _powersgd(state: powerSGD.PowerSGDState,
 
 
 def _warm_up(state: powerSGD.PowerSGDState, bucket: dist.GradBucket,
-            group) -> torch.futures.Future:
+             group) -> torch.futures.Future:
     """A step before ``start_powerSGD_iter``: the plain mean, left in
     flight (shared with batched PowerSGD)."""
     state.maybe_increase_iter(bucket)
@@ -167,7 +167,7 @@ def _warm_up(state: powerSGD.PowerSGDState, bucket: dist.GradBucket,
 
 
 def _add_error_feedback(state: powerSGD.PowerSGDState,
-                       bucket: dist.GradBucket) -> Optional[torch.Tensor]:
+                        bucket: dist.GradBucket) -> Optional[torch.Tensor]:
     """Add the bucket's residual of the last step (zeros the first time);
     returns a copy of what is to be sent, from which the next residual is
     taken, or None without error feedback (shared with batched PowerSGD)."""

@@ -179,8 +179,8 @@ class PowerSGDRelayout(HookStateKeeper):
             entry = entries[id(p)] or {}
             error = entry.get('error')
             errors.append(
-                error.to(ref.device, ref.dtype) if error is not None else
-                torch.zeros(p.numel(), dtype=ref.dtype, device=ref.device))
+                error.to(ref.device, ref.dtype) if error is not None else torch
+                .zeros(p.numel(), dtype=ref.dtype, device=ref.device))
             if id(p) in layout.q:
                 off, numel = layout.q[id(p)]
                 saved = entry.get('q')
@@ -188,8 +188,9 @@ class PowerSGDRelayout(HookStateKeeper):
                     have_all_q = False
                 else:
                     q[off:off + numel].copy_(saved)
-        if any(entry and entry.get('error') is not None
-               for entry in entries.values()):
+        if any(
+                entry and entry.get('error') is not None
+                for entry in entries.values()):
             self.state.error_dict[index] = torch.cat(errors)
         if have_all_q and layout.q_size:
             # P is recomputed from Q before use; only its size matters (a
@@ -209,8 +210,10 @@ class PowerSGDRelayout(HookStateKeeper):
             if entry is not None:
                 per_param[self._names.get(pid, str(pid))] = entry
         cpu = {
-            name: {k: (v.cpu() if v is not None else None)
-                   for k, v in entry.items()}
+            name: {
+                k: (v.cpu() if v is not None else None)
+                for k, v in entry.items()
+            }
             for name, entry in per_param.items()
         }
         return dict(
@@ -221,7 +224,8 @@ class PowerSGDRelayout(HookStateKeeper):
             total_numel_after_compression=(
                 self.state.total_numel_after_compression),
             rng=self.state.rng.get_state(),
-            settings={k: getattr(self.state, k) for k in _SETTINGS},
+            settings={k: getattr(self.state, k)
+                      for k in _SETTINGS},
             params=cpu)
 
     def check_state_dict(self, saved) -> None:
@@ -253,8 +257,8 @@ class PowerSGDRelayout(HookStateKeeper):
                              f'model does not: {unknown[:5]}')
         for name, entry in params.items():
             error = entry.get('error') if isinstance(entry, dict) else 0
-            if not (error is None or (isinstance(error, torch.Tensor) and
-                                      error.numel() == self._numel[name])):
+            if not (error is None or (isinstance(error, torch.Tensor)
+                                      and error.numel() == self._numel[name])):
                 raise ValueError(f'the error feedback of {name} does not '
                                  'fit the parameter')
             if not (entry.get('q') is None
@@ -361,8 +365,7 @@ class BatchedPowerSGDRelayout(PowerSGDRelayout):
         super()._install(index, layout, params, buffer)
         q = self._bucket_q.pop(layout.ids, None)
         if q is not None:
-            self.state.q_memory_dict[index] = q.to(buffer.device,
-                                                   buffer.dtype)
+            self.state.q_memory_dict[index] = q.to(buffer.device, buffer.dtype)
 
     def state_dict(self) -> dict:
         out = super().state_dict()

@@ -18,8 +18,8 @@ and, for a stateful hook, a state factory registered in
 :func:`~mmcv_custom.comm.validation.with_args_check` for checking its
 values before anything is built).
 """
-from .comm.builder import (CommHookSpec, build_comm_hook,
-                           check_comm_hook_cfg, hook_record)
+from .comm.builder import (CommHookSpec, build_comm_hook, check_comm_hook_cfg,
+                           hook_record)
 from .comm.registry import COMM_HOOK_STATES, COMM_HOOKS
 from .comm.sharded import ShardedCommSpec, build_sharded_comm
 from .comm.telemetry import CommCounter

@@ -37,20 +37,23 @@ from .checkpoint import (SHARDED_META_FILE, UnsafeCheckpointError,
                          is_sharded_checkpoint, load_checkpoint_file,
                          say_unverified_once)
 from .integrity import (CheckpointDamagedError, Verification,
-                        atomic_write_text, checkpoint_candidates,
-                        file_sha256, verify_file)
+                        atomic_write_text, checkpoint_candidates, file_sha256,
+                        verify_file)
 
-__all__ = ['safe_load_planner', 'safe_dcp_load',
-           'consolidate_sharded_checkpoint', 'consolidated_file',
-           'MANIFEST_FILE', 'write_manifest', 'read_manifest',
-           'verify_sharded_checkpoint', 'newest_intact_checkpoint',
-           'damaged_message', 'require_intact_sharded']
+__all__ = [
+    'safe_load_planner', 'safe_dcp_load', 'consolidate_sharded_checkpoint',
+    'consolidated_file', 'MANIFEST_FILE', 'write_manifest', 'read_manifest',
+    'verify_sharded_checkpoint', 'newest_intact_checkpoint', 'damaged_message',
+    'require_intact_sharded'
+]
 
 #: The file of a sharded checkpoint directory that holds the SHA-256 of
 #: every other file in it, in ``sha256sum``'s format.
 MANIFEST_FILE = 'SHA256SUMS'
 _MANIFEST_LINE = re.compile(r'^([0-9a-f]{64}) [ *](\S.*)$')
 _DCP_METADATA = '.metadata'
+
+
 # Directories said once to have no manifest (INFO), by absolute path.
 def write_manifest(folder: str, digests: Dict[str, str]) -> None:
     """Write ``folder/SHA256SUMS``: ``digests`` (file name relative to
@@ -156,9 +159,8 @@ def _mismatch(path: str, name: str, actual: str, recorded: str,
             'rot)')
 
 
-def verify_sharded_checkpoint(path: str,
-                              part: Tuple[int, int] = (0, 1)
-                              ) -> Verification:
+def verify_sharded_checkpoint(
+    path: str, part: Tuple[int, int] = (0, 1)) -> Verification:
     """Check a sharded checkpoint directory against its ``SHA256SUMS``.
 
     Args:
@@ -211,14 +213,14 @@ def verify_sharded_checkpoint(path: str,
     if bad:
         name, actual = bad[0]
         more = f' (and {len(bad) - 1} more files)' if len(bad) > 1 else ''
-        return Verification(
-            'damaged', _mismatch(path, name, actual, digests[name], more))
+        return Verification('damaged',
+                            _mismatch(path, name, actual, digests[name], more))
     return Verification('ok', f'{path}: {len(names)} files, SHA-256 '
                         'verified')
 
 
-def newest_intact_checkpoint(path: str,
-                             exclude: Iterable[str] = ()) -> Optional[str]:
+def newest_intact_checkpoint(
+    path: str, exclude: Iterable[str] = ()) -> Optional[str]:
     """The newest ``iter_N.pth``/``epoch_N.pth`` beside ``path`` (in its
     folder, not ``path`` itself nor ``exclude``) that can be loaded: a
     complete sharded directory that passes
@@ -227,8 +229,7 @@ def newest_intact_checkpoint(path: str,
     count (as they load). Each candidate is read whole until one passes:
     only worth its time once a checkpoint was found damaged."""
     folder = osp.dirname(osp.abspath(path))
-    for candidate in checkpoint_candidates(folder,
-                                           exclude=[path, *exclude]):
+    for candidate in checkpoint_candidates(folder, exclude=[path, *exclude]):
         if osp.isdir(candidate):
             if (is_sharded_checkpoint(candidate)
                     and verify_sharded_checkpoint(candidate).usable):
@@ -310,12 +311,16 @@ def safe_dcp_load(state: dict, path: str, **kwargs) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     try:
-        dcp.load(state, checkpoint_id=path, planner=safe_load_planner(path),
-                 **kwargs)
+        dcp.load(
+            state,
+            checkpoint_id=path,
+            planner=safe_load_planner(path),
+            **kwargs)
     except CheckpointException as e:
         # failures: rank -> (exception, traceback) in torch 2.13.
-        found = [f[0] if isinstance(f, tuple) else f
-                 for f in e.failures.values()]
+        found = [
+            f[0] if isinstance(f, tuple) else f for f in e.failures.values()
+        ]
         unsafe = [f for f in found if isinstance(f, UnsafeCheckpointError)]
         if unsafe:
             raise unsafe[0] from None
@@ -369,7 +374,10 @@ def consolidate_sharded_checkpoint(path: str) -> dict:
     meta = load_checkpoint_file(osp.join(path, SHARDED_META_FILE))
     return {
         'meta': meta.get('meta', {}),
-        'state_dict': {k[len(prefix):]: v for k, v in state.items()},
+        'state_dict': {
+            k[len(prefix):]: v
+            for k, v in state.items()
+        },
     }
 
 

@@ -48,8 +48,10 @@ try:  # The base class set_custom_reduce_scatter documents (torch >= 2.6).
 except ImportError:  # pragma: no cover - older torch
     ReduceScatter = object
 
-__all__ = ['AveragingReduceScatter', 'Int8ReduceScatter',
-           'install_reduce_scatter', 'fsdp_modules']
+__all__ = [
+    'AveragingReduceScatter', 'Int8ReduceScatter', 'install_reduce_scatter',
+    'fsdp_modules'
+]
 
 
 class _SummingReduceScatter(ReduceScatter):
@@ -87,7 +89,8 @@ class AveragingReduceScatter(_SummingReduceScatter):
     in place when the wire dtype is the gradients' own.
     """
 
-    def __init__(self, wire_dtype: Optional[torch.dtype] = None,
+    def __init__(self,
+                 wire_dtype: Optional[torch.dtype] = None,
                  counter=None) -> None:
         if wire_dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError('wire_dtype should be torch.float16, '
@@ -103,8 +106,9 @@ class AveragingReduceScatter(_SummingReduceScatter):
                  async_op: bool = False):
         self._check_op(op)
         world = group.size()
-        wire = (input_tensor.dtype if self.wire_dtype is None else
-                _wire_dtype(self.wire_dtype, input_tensor))
+        wire = (
+            input_tensor.dtype if self.wire_dtype is None else _wire_dtype(
+                self.wire_dtype, input_tensor))
         _require_dtype_support(wire, group, input_tensor.device)
         if self.counter is not None:
             numel = input_tensor.numel()
@@ -112,12 +116,12 @@ class AveragingReduceScatter(_SummingReduceScatter):
             self.counter.wire_bytes += numel * torch.finfo(wire).bits // 8
         if wire is input_tensor.dtype:
             input_tensor.mul_(1.0 / world)
-            return dist.reduce_scatter_single(output_tensor, input_tensor,
-                                              group=group, async_op=async_op)
+            return dist.reduce_scatter_single(
+                output_tensor, input_tensor, group=group, async_op=async_op)
         # Divide in the gradients' precision, then round once to the wire.
         sent = _compress(input_tensor, world, wire)
-        received = torch.empty(output_tensor.numel(), dtype=wire,
-                               device=output_tensor.device)
+        received = torch.empty(
+            output_tensor.numel(), dtype=wire, device=output_tensor.device)
         dist.reduce_scatter_single(received, sent, group=group)
         _decompress(received, output_tensor.view(-1))
         return None
@@ -174,7 +178,9 @@ class Int8ReduceScatter(_SummingReduceScatter):
             at = j * size
             send[at + 4 * blocks + chunk:at + size].zero_()  # alignment
             int8_codec.quantize(
-                x[j * chunk:(j + 1) * chunk], self.block_size, 1.0 / world,
+                x[j * chunk:(j + 1) * chunk],
+                self.block_size,
+                1.0 / world,
                 out=send[at + 4 * blocks:at + 4 * blocks + chunk].view(
                     torch.int8),
                 scales=send[at:at + 4 * blocks].view(torch.float32))
@@ -184,10 +190,11 @@ class Int8ReduceScatter(_SummingReduceScatter):
         for i in range(world):
             at = i * size
             int8_codec.dequantize(
-                recv[at + 4 * blocks:at + 4 * blocks + chunk].view(
-                    torch.int8),
+                recv[at + 4 * blocks:at + 4 * blocks + chunk].view(torch.int8),
                 recv[at:at + 4 * blocks].view(torch.float32),
-                self.block_size, total, accumulate=i > 0)
+                self.block_size,
+                total,
+                accumulate=i > 0)
         output_tensor.view(-1).copy_(total)
         if self.counter is not None:
             self.counter.baseline_bytes += numel * input_tensor.element_size()
@@ -217,9 +224,9 @@ def install_reduce_scatter(model: nn.Module,
         int: How many sharded modules were set (0: ``model`` is not
         sharded with FSDP2).
     """
-    comm = (AveragingReduceScatter(wire_dtype, counter)
-            if int8_block_size is None else Int8ReduceScatter(
-                int8_block_size, counter))
+    comm = (
+        AveragingReduceScatter(wire_dtype, counter) if int8_block_size is None
+        else Int8ReduceScatter(int8_block_size, counter))
     modules = fsdp_modules(model)
     for module in modules:
         module.set_custom_reduce_scatter(comm)

@@ -1,10 +1,11 @@
 """Keep the pytest process free of OpenMP thread teams.
 
-tests/dist_utils.py forks the pytest process to start gloo ranks. A process
-that forks after its OpenMP runtime started a thread team (any multi-threaded
-torch op in a test, e.g. building a large model) leaves the children hanging
-in their first parallel region. One OpenMP thread means no team is ever
-started. It is set through the environment, before torch is imported:
+mmcv_custom.testing.run_ranks forks the pytest process to start gloo ranks.
+A process that forks after its OpenMP runtime started a thread team (any
+multi-threaded torch op in a test, e.g. building a large model) leaves the
+children hanging in their first parallel region. One OpenMP thread means no
+team is ever started. It is set through the environment, before torch is
+imported:
 ``torch.set_num_threads`` would instead make every new thread of a forked
 child (gloo's, which run the hooks' callbacks) re-apply the setting to a
 thread pool that does not survive the fork, and abort ("Invalid thread

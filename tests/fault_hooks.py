@@ -25,7 +25,10 @@ class KillOnceHook(Hook):
     def __init__(self, at_iter: int, rank: int, marker: str):
         self.at_iter, self.rank, self.marker = at_iter, rank, marker
 
-    def after_train_iter(self, runner, batch_idx, data_batch=None,
+    def after_train_iter(self,
+                         runner,
+                         batch_idx,
+                         data_batch=None,
                          outputs=None):
         if (runner.iter + 1 == self.at_iter and get_rank() == self.rank
                 and not osp.exists(self.marker)):
@@ -58,7 +61,10 @@ class KillAtRandomHook(Hook):
 
     priority = 'VERY_HIGH'
 
-    def __init__(self, moments, seed: int, record: str,
+    def __init__(self,
+                 moments,
+                 seed: int,
+                 record: str,
                  max_delay: float = 0.6):
         self.moments, self.seed, self.record = tuple(moments), seed, record
         self.max_delay = max_delay
@@ -113,6 +119,7 @@ class KillAtRandomHook(Hook):
 
             integrity._write_then_rename = half_written
         else:
+
             def renamed(path, hexdigest=None):
                 self._die(f': {osp.basename(path)} without its digest')
 

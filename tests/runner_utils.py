@@ -37,8 +37,8 @@ def build_runner(work_dir,
     """A Runner training ``MLPRegressor`` (or ``model``) with the comm-hook
     runner hook; ``wrapper`` is the ``model_wrapper_cfg`` (CPU DDP by
     default). Returns the runner and a :class:`Records` of its log."""
-    dataset = dataset or dict(type='SyntheticRegressionDataset',
-                              num_samples=64)
+    dataset = dataset or dict(
+        type='SyntheticRegressionDataset', num_samples=64)
     loader = dict(
         dataset=dataset,
         sampler=dict(type='DefaultSampler', shuffle=False),
@@ -57,8 +57,8 @@ def build_runner(work_dir,
         val_evaluator=dict(type='RegressionMSE'),
         test_dataloader=loader,
         test_evaluator=dict(type='RegressionMSE'),
-        optim_wrapper=optim_wrapper or dict(
-            optimizer=dict(type='SGD', lr=0.1)),
+        optim_wrapper=optim_wrapper
+        or dict(optimizer=dict(type='SGD', lr=0.1)),
         train_cfg=dict(by_epoch=False, max_iters=max_iters, val_interval=100),
         val_cfg=dict(),
         test_cfg=dict(),
@@ -66,8 +66,7 @@ def build_runner(work_dir,
         env_cfg=dict(dist_cfg=dict(backend='gloo')),
         default_hooks=dict(
             logger=dict(type='LoggerHook', interval=1),
-            checkpoint=checkpoint or dict(type='CheckpointHook',
-                                          interval=-1)),
+            checkpoint=checkpoint or dict(type='CheckpointHook', interval=-1)),
         resume=resume,
         load_from=load_from,
         custom_hooks=[
@@ -87,8 +86,8 @@ def train_and_gather(runner, records, world_size):
     runs and ranks bit for bit) and this rank's INFO and WARNING lines about
     the hook state."""
     runner.train()
-    flat = torch.cat([p.detach().flatten()
-                      for p in runner.model.module.parameters()])
+    flat = torch.cat(
+        [p.detach().flatten() for p in runner.model.module.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
     return gathered, [(lvl, m) for lvl, m in records.lines

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Stands in for Slurm's ``srun`` on a machine without Slurm, for
-``tests/test_restart.py``: it starts ``--ntasks`` copies of the command on
-this machine with the variables a Slurm task sees (``SLURM_PROCID``,
-``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_JOB_NODELIST``) and, as
-``--kill-on-bad-exit=1`` does, kills the others when one fails and exits
-with its code. Every other option is accepted and ignored. Only the
-launching is stood in for: the tasks are real training processes.
+``tests/test_engine/test_restart.py``: it starts ``--ntasks`` copies of
+the command on this machine with the variables a Slurm task sees
+(``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``,
+``SLURM_JOB_NODELIST``) and, as ``--kill-on-bad-exit=1`` does, kills the
+others when one fails and exits with its code. Every other option is
+accepted and ignored. Only the launching is stood in for: the tasks are
+real training processes.
 """
 import os
 import signal
@@ -28,11 +29,15 @@ def main(argv):
     command = argv[i:]
     tasks = []
     for rank in range(ntasks):
-        env = dict(os.environ, SLURM_PROCID=str(rank),
-                   SLURM_NTASKS=str(ntasks), SLURM_LOCALID=str(rank),
-                   SLURM_NODEID='0', SLURM_JOB_NODELIST='localhost')
-        tasks.append(subprocess.Popen(command, env=env,
-                                      start_new_session=True))
+        env = dict(
+            os.environ,
+            SLURM_PROCID=str(rank),
+            SLURM_NTASKS=str(ntasks),
+            SLURM_LOCALID=str(rank),
+            SLURM_NODEID='0',
+            SLURM_JOB_NODELIST='localhost')
+        tasks.append(
+            subprocess.Popen(command, env=env, start_new_session=True))
     while True:
         codes = [t.poll() for t in tasks]
         failed = [c for c in codes if c not in (None, 0)]

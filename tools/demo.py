@@ -38,7 +38,9 @@ def parse_args():
     parser.add_argument(
         '--no-eval', action='store_true', help='skip tools/test.py')
     parser.add_argument(
-        '--cfg-options', nargs='+', default=[],
+        '--cfg-options',
+        nargs='+',
+        default=[],
         help='passed on to tools/train.py and tools/test.py')
     args = parser.parse_args()
     if args.work_dir is None:
@@ -100,8 +102,10 @@ def summarize(train_dir: str, eval_dir: str, wall: float) -> str:
     elif [s for s in scalars if 'loss' not in s]:
         metrics = [s for s in scalars if 'loss' not in s][-1]
     # Four significant digits: mIoU percentages and small MSEs alike.
-    shown = {k: float(f'{v:.4g}') for k, v in metrics.items()
-             if k not in ('step', 'time', 'data_time')}
+    shown = {
+        k: float(f'{v:.4g}')
+        for k, v in metrics.items() if k not in ('step', 'time', 'data_time')
+    }
     lines = ['', '=' * 72, 'Demo summary']
     lines.append('  comm hook : ' +
                  (registered[0] if registered else 'none registered'))
@@ -122,14 +126,20 @@ def main():
     args = parse_args()
     options = ['--cfg-options', *args.cfg_options] if args.cfg_options else []
     start = time.time()
-    _run(['bash', osp.join(HERE, 'dist_train.sh'), args.config,
-          str(args.nproc), '--work-dir', args.work_dir, *options], 'training')
+    _run([
+        'bash',
+        osp.join(HERE, 'dist_train.sh'), args.config,
+        str(args.nproc), '--work-dir', args.work_dir, *options
+    ], 'training')
     eval_dir = None
     if not args.no_eval:
         eval_dir = osp.join(args.work_dir, 'eval')
-        _run(['bash', osp.join(HERE, 'dist_test.sh'), args.config,
-              _last_checkpoint(args.work_dir), str(args.nproc),
-              '--work-dir', eval_dir, *options], 'evaluation')
+        _run([
+            'bash',
+            osp.join(HERE, 'dist_test.sh'), args.config,
+            _last_checkpoint(args.work_dir),
+            str(args.nproc), '--work-dir', eval_dir, *options
+        ], 'evaluation')
     print(summarize(args.work_dir, eval_dir, time.time() - start))
 
 

@@ -69,36 +69,57 @@ def _build_parser() -> argparse.ArgumentParser:
         "`bash -c '...'` for one). Only the link rate is emulated; "
         'propagation delay, jitter and loss are not.')
     parser.add_argument(
-        '--nodes', type=int, default=2,
+        '--nodes',
+        type=int,
+        default=2,
         help=f'emulated nodes, 2 to {MAX_NODES} (default: 2)')
     parser.add_argument(
-        '--bandwidth', type=_bandwidth, default=None, metavar='MBIT',
+        '--bandwidth',
+        type=_bandwidth,
+        default=None,
+        metavar='MBIT',
         help='each node\'s link rate in Mbit/s, each direction; 0 or '
         '"unshaped" (the default) for links that are not shaped')
     parser.add_argument(
-        '--port', type=int, default=DEFAULT_PORT,
+        '--port',
+        type=int,
+        default=DEFAULT_PORT,
         help=f'PORT on every node (default: {DEFAULT_PORT}; each node has '
         'its own ports, so it clashes with nothing on this host)')
     parser.add_argument(
-        '--timeout', type=float, default=None, metavar='SEC',
+        '--timeout',
+        type=float,
+        default=None,
+        metavar='SEC',
         help=f'stop every node and exit {TIMEOUT_EXIT_CODE} after SEC '
         'seconds (calibration included)')
     parser.add_argument(
-        '--grace', type=float, default=5.0, metavar='SEC',
+        '--grace',
+        type=float,
+        default=5.0,
+        metavar='SEC',
         help='seconds between SIGTERM and SIGKILL when stopping nodes '
         '(default: 5)')
     parser.add_argument(
-        '--log-dir', metavar='DIR',
+        '--log-dir',
+        metavar='DIR',
         help='also write node i\'s output to DIR/node<i>.log')
     parser.add_argument(
-        '--calibrate', action='store_true',
+        '--calibrate',
+        action='store_true',
         help='first measure a gloo all_reduce across the nodes (one rank '
         'each) and print its bus bandwidth against --bandwidth')
     parser.add_argument(
-        '--calibrate-mib', type=float, default=16.0, metavar='MIB',
+        '--calibrate-mib',
+        type=float,
+        default=16.0,
+        metavar='MIB',
         help='fp32 tensor size for --calibrate (default: 16)')
     parser.add_argument(
-        '--calibrate-iters', type=int, default=5, metavar='N',
+        '--calibrate-iters',
+        type=int,
+        default=5,
+        metavar='N',
         help='timed all_reduces for --calibrate, after 2 untimed ones; the '
         'median is reported (default: 5)')
     return parser
@@ -131,8 +152,7 @@ def parse_args(args=None) -> argparse.Namespace:
     if not parsed.grace >= 0:
         parser.error(f'--grace should be >= 0 seconds, but got '
                      f'{parsed.grace:g}')
-    if not (math.isfinite(parsed.calibrate_mib)
-            and parsed.calibrate_mib > 0):
+    if not (math.isfinite(parsed.calibrate_mib) and parsed.calibrate_mib > 0):
         parser.error(f'--calibrate-mib should be > 0, but got '
                      f'{parsed.calibrate_mib:g}')
     if parsed.calibrate_iters < 1:
@@ -167,15 +187,23 @@ def _run(args: argparse.Namespace) -> int:
     with EmulatedCluster(args.nodes, args.bandwidth) as cluster:
         print('\n'.join(cluster.describe(args.port)), flush=True)
         if args.calibrate:
-            result = calibrate(cluster, size_mib=args.calibrate_mib,
-                               iters=args.calibrate_iters, port=args.port,
-                               timeout=remaining())
+            result = calibrate(
+                cluster,
+                size_mib=args.calibrate_mib,
+                iters=args.calibrate_iters,
+                port=args.port,
+                timeout=remaining())
             print(f'  {result.describe()}', flush=True)
         if not args.command:
             return 0
-        result = run_on_nodes(cluster, args.command, port=args.port,
-                              timeout=remaining(), log_dir=args.log_dir,
-                              stream=sys.stdout, grace=args.grace)
+        result = run_on_nodes(
+            cluster,
+            args.command,
+            port=args.port,
+            timeout=remaining(),
+            log_dir=args.log_dir,
+            stream=sys.stdout,
+            grace=args.grace)
     if result.returncode:
         _fail(f'{result.describe()}; removed the cluster')
     else:

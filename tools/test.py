@@ -26,14 +26,13 @@ from mmengine.logging import print_log
 import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
 from mmcv_custom.checkpoint import check_checkpoint_file, is_sharded_checkpoint
 from mmcv_custom.integrity import CheckpointDamagedError
-from mmcv_custom.launcher import (is_launch_rank0, load_config,
-                                  prepare_launch, run_runner, uses_fsdp2)
+from mmcv_custom.launcher import (is_launch_rank0, load_config, prepare_launch,
+                                  run_runner, uses_fsdp2)
 from mmcv_custom.sharded_checkpoint import consolidated_file
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(
-        description='Test (and eval) a model')
+    parser = argparse.ArgumentParser(description='Test (and eval) a model')
     parser.add_argument('config', help='test config file path')
     parser.add_argument(
         'checkpoint',
@@ -99,8 +98,10 @@ def main():
 
     check_checkpoint_file(args.checkpoint, 'checkpoint')
     cfg.load_from = args.checkpoint
-    missing = [key for key in ('test_dataloader', 'test_cfg', 'test_evaluator')
-               if cfg.get(key) is None]
+    missing = [
+        key for key in ('test_dataloader', 'test_cfg', 'test_evaluator')
+        if cfg.get(key) is None
+    ]
     if missing:
         raise ValueError(
             f'{args.config} sets no {", ".join(missing)}, which this tool '
@@ -131,9 +132,10 @@ def main():
             cfg.load_from = stack.enter_context(
                 consolidated_file(args.checkpoint))
             if is_launch_rank0():
-                print_log(f'{args.checkpoint} is a sharded checkpoint: '
-                          'evaluating its consolidated weights.',
-                          logger='current')
+                print_log(
+                    f'{args.checkpoint} is a sharded checkpoint: '
+                    'evaluating its consolidated weights.',
+                    logger='current')
         run_runner(cfg, 'test')
 
 

@@ -31,7 +31,8 @@ Same arguments as MMSegmentation 1.x's ``tools/train.py``. Additionally:
 
 Examples:
     python tools/train.py CONFIG
-    bash tools/dist_train.sh CONFIG 8 --cfg-options comm_hook.type=fp16_compress
+    bash tools/dist_train.sh CONFIG 8 \
+        --cfg-options comm_hook.type=fp16_compress
 """
 import argparse
 import contextlib
@@ -48,9 +49,8 @@ from mmcv_custom.checkpoint import (check_checkpoint_file,
                                     choose_resume_checkpoint,
                                     is_sharded_checkpoint)
 from mmcv_custom.integrity import CheckpointDamagedError
-from mmcv_custom.launcher import (is_launch_rank0, load_config,
-                                  prepare_launch, restart_count, run_runner,
-                                  uses_fsdp2)
+from mmcv_custom.launcher import (is_launch_rank0, load_config, prepare_launch,
+                                  restart_count, run_runner, uses_fsdp2)
 from mmcv_custom.sharded_checkpoint import consolidated_file
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
@@ -97,9 +97,9 @@ def add_random_state_hook(cfg: Config) -> None:
     """Keep every rank's random generators with the checkpoints (see
     :mod:`mmcv_custom.engine.random_state`), unless the config has it."""
     hooks = cfg.get('custom_hooks') or []
-    if not any(h.get('type') in ('RandomStateHook',
-                                 'mmcv_custom.RandomStateHook')
-               for h in hooks):
+    if not any(
+            h.get('type') in ('RandomStateHook', 'mmcv_custom.RandomStateHook')
+            for h in hooks):
         cfg.custom_hooks = list(hooks) + [dict(type='RandomStateHook')]
 
 
@@ -108,8 +108,9 @@ def add_comm_hook_runner_hook(cfg: Config) -> None:
     if cfg.get('comm_hook') is None:
         return
     hooks = cfg.get('custom_hooks') or []
-    if any(h.get('type') in (RUNNER_HOOK, f'mmcv_custom.{RUNNER_HOOK}')
-           for h in hooks):
+    if any(
+            h.get('type') in (RUNNER_HOOK, f'mmcv_custom.{RUNNER_HOOK}')
+            for h in hooks):
         return
     cfg.custom_hooks = list(hooks) + [dict(type=RUNNER_HOOK)]
     if is_launch_rank0():
@@ -127,8 +128,10 @@ def main():
     if args.amp:
         optim_wrapper = cfg.optim_wrapper.get('type', 'OptimWrapper')
         if optim_wrapper == 'AmpOptimWrapper':
-            print_log('AMP training is already enabled in your config.',
-                      logger='current', level=logging.WARNING)
+            print_log(
+                'AMP training is already enabled in your config.',
+                logger='current',
+                level=logging.WARNING)
         else:
             if optim_wrapper != 'OptimWrapper':
                 raise ValueError('--amp is only supported with '
@@ -161,8 +164,9 @@ def main():
         # intact one); none: a fresh start, said as a warning.
         checkpoint, notes = choose_resume_checkpoint(cfg.work_dir)
         if restart:
-            notes.insert(0, f'restart {restart} after a failure: resuming '
-                         'from the newest intact checkpoint')
+            notes.insert(
+                0, f'restart {restart} after a failure: resuming '
+                'from the newest intact checkpoint')
         if checkpoint:
             check_checkpoint_file(checkpoint, 'the checkpoint to resume from')
             cfg.load_from = checkpoint  # what MMEngine resumes from
@@ -173,8 +177,9 @@ def main():
     add_comm_hook_runner_hook(cfg)
     add_random_state_hook(cfg)
     prepare_launch(cfg, args.launcher)
-    sharded = (checkpoint and is_sharded_checkpoint(checkpoint)
-               and not uses_fsdp2(cfg))
+    sharded = (
+        checkpoint and is_sharded_checkpoint(checkpoint)
+        and not uses_fsdp2(cfg))
     if sharded and args.resume:
         raise ValueError(
             f'{checkpoint} is a sharded checkpoint of FSDP2Strategy: it '
@@ -184,11 +189,12 @@ def main():
     with contextlib.ExitStack() as stack:
         if sharded:
             # Fine-tuning an ordinary config from a sharded run.
-            cfg.load_from = stack.enter_context(
-                consolidated_file(checkpoint))
+            cfg.load_from = stack.enter_context(consolidated_file(checkpoint))
             if is_launch_rank0():
-                print_log(f'{checkpoint} is a sharded checkpoint: loading '
-                          'its consolidated weights.', logger='current')
+                print_log(
+                    f'{checkpoint} is a sharded checkpoint: loading '
+                    'its consolidated weights.',
+                    logger='current')
         run_runner(cfg, 'train', notes)
 
 

@@ -27,8 +27,7 @@ model = dict(
         # Trained from scratch: PyTorch's init of the pyramid did better
         # here than InternVL's He-normal (mIoU 73 against 64 at 200 iters).
         init_cfg=None),
-    decode_head=dict(in_channels=[64, 64, 64, 64], channels=64,
-                     num_classes=4),
+    decode_head=dict(in_channels=[64, 64, 64, 64], channels=64, num_classes=4),
     auxiliary_head=dict(in_channels=64, channels=32, num_classes=4),
     test_cfg=dict(mode='whole'))
 resize = dict(type='Resize', scale=crop_size, keep_ratio=False)
@@ -52,7 +51,12 @@ optim_wrapper = dict(
     paramwise_cfg=dict(num_layers=4, layer_decay_rate=0.9))
 train_cfg = dict(max_iters=200, val_interval=200)
 param_scheduler = [
-    dict(type='PolyLR', eta_min=1e-5, power=0.9, begin=0, end=200,
-         by_epoch=False)
+    dict(
+        type='PolyLR',
+        eta_min=1e-5,
+        power=0.9,
+        begin=0,
+        end=200,
+        by_epoch=False)
 ]
 randomness = dict(seed=0)

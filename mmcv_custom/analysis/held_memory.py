@@ -33,9 +33,10 @@ def held_bytes(params, optimizer) -> dict:
     params = list(params)
     out = dict(
         param_bytes=sum(_local_bytes(p) for p in params),
-        grad_bytes=sum(_local_bytes(p.grad) for p in params
-                       if p.grad is not None),
-        optim_bytes=0, optim_step_bytes=0)
+        grad_bytes=sum(
+            _local_bytes(p.grad) for p in params if p.grad is not None),
+        optim_bytes=0,
+        optim_step_bytes=0)
     for state in optimizer.state.values():
         for key, value in state.items():
             if torch.is_tensor(value):
@@ -66,6 +67,7 @@ class GatheredPeak:
         peak = self
 
         class _Mode(TorchDispatchMode):
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 peak.sample()
                 return func(*args, **(kwargs or {}))

@@ -88,11 +88,16 @@ def fsdp2_units(model, shard_modules=None) -> list:
     deepest_first = select_units(model, shard_modules)
     units = []
     for name, module, own in unit_parameters(model, deepest_first):
-        ancestors = [n for n, _ in deepest_first
-                     if n != name and name.startswith(n + '.')]
-        units.append(dict(name=name, type=type(module).__name__,
-                          params=[p for _, p in own],
-                          ancestors=ancestors[::-1] + [''] if name else []))
+        ancestors = [
+            n for n, _ in deepest_first
+            if n != name and name.startswith(n + '.')
+        ]
+        units.append(
+            dict(
+                name=name,
+                type=type(module).__name__,
+                params=[p for _, p in own],
+                ancestors=ancestors[::-1] + [''] if name else []))
     return units
 
 
@@ -113,8 +118,11 @@ def _gathered_bytes(units, size) -> tuple:
     return best[0], -best[1]
 
 
-def fsdp2_memory(model, world_size: int, shard_modules=None,
-                 param_dtype=None, all_fp32: bool = False) -> dict:
+def fsdp2_memory(model,
+                 world_size: int,
+                 shard_modules=None,
+                 param_dtype=None,
+                 all_fp32: bool = False) -> dict:
     """Bytes on the fullest GPU (rank 0) when FSDP2 shards ``model`` over
     ``world_size`` GPUs with AdamW, activations aside.
 
@@ -135,24 +143,27 @@ def fsdp2_memory(model, world_size: int, shard_modules=None,
         module's docstring), ``prefetch_bytes`` (the part of it that is the
         unit being prefetched) and ``total_bytes``.
     """
+
     def element(p):
         return 4 if all_fp32 else p.element_size()
 
     params = list(model.parameters())
-    shard = {id(p): shard_numel(p.shape, world_size) * element(p)
-             for p in params}
+    shard = {
+        id(p): shard_numel(p.shape, world_size) * element(p)
+        for p in params
+    }
     out = dict(
         param_bytes=sum(shard[id(p)] for p in params),
         grad_bytes=sum(shard[id(p)] for p in params if p.requires_grad))
     out['optim_bytes'] = 2 * out['grad_bytes']
-    gathered = (torch.empty((), dtype=param_dtype).element_size()
-                if param_dtype is not None else None)
+    gathered = (
+        torch.empty((), dtype=param_dtype).element_size()
+        if param_dtype is not None else None)
     out['gathered_bytes'], out['prefetch_bytes'] = _gathered_bytes(
-        fsdp2_units(model, shard_modules),
-        lambda p: p.numel() * (gathered or element(p)))
+        fsdp2_units(model, shard_modules), lambda p: p.numel() *
+        (gathered or element(p)))
     out['total_bytes'] = sum(out[k] for k in ('param_bytes', 'grad_bytes',
-                                              'optim_bytes',
-                                              'gathered_bytes'))
+                                              'optim_bytes', 'gathered_bytes'))
     return out
 
 
@@ -253,9 +264,15 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
             unit['type'], 0) + 1
     for key, all_fp32 in (('fsdp2', False), ('fsdp2_fp32', True)):
         out[key] = {
-            n: fsdp2_memory(model, n, shard_modules,
-                            strategy.get('param_dtype'), all_fp32=all_fp32)
-            for n in gpus}
+            n:
+            fsdp2_memory(
+                model,
+                n,
+                shard_modules,
+                strategy.get('param_dtype'),
+                all_fp32=all_fp32)
+            for n in gpus
+        }
     hook = cfg.get('comm_hook')
     if hook is None:
         out['hook'], out['hook_bytes'] = 'none (plain all-reduce)', out[
@@ -265,8 +282,8 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
     record = hook_record(checked['type'])
     half = bool(checked['wrapper'] or record.half_precision)
     # None where the traffic depends on DDP's buckets.
-    out['hook_bytes'] = (None if record.model_bytes is None else
-                         record.model_bytes(trainable,
-                                            checked['state_kwargs'], half))
+    out['hook_bytes'] = (None
+                         if record.model_bytes is None else record.model_bytes(
+                             trainable, checked['state_kwargs'], half))
     out['hook'] = ', '.join(f'{k}={v!r}' for k, v in hook.items())
     return out

@@ -37,5 +37,5 @@ def filter_tool_warnings() -> None:
     starts (a spawned process begins with Python's default filters).
     """
     for message, category, module, _ in TOOL_NOISE:
-        warnings.filterwarnings('ignore', message=message,
-                                category=category, module=module)
+        warnings.filterwarnings(
+            'ignore', message=message, category=category, module=module)

@@ -49,8 +49,7 @@ _HOME = {
 def __getattr__(name: str):
     home = _HOME.get(name)
     if home is None:
-        raise AttributeError(
-            f'module {__name__!r} has no attribute {name!r}')
+        raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
     value = getattr(importlib.import_module(f'.{home}', __name__), name)
     globals()[name] = value
     return value

@@ -91,10 +91,10 @@ class CommHookSpec:
         if isinstance(self.state, (CompressState, Int8State)):
             parts.append(f'state: {self.state!r}')
         elif self.state_kwargs:
-            args = ', '.join(
-                f'{k}={v!r}' + (' (default set by mmcv_custom)'
-                                if k in self.defaults_set else '')
-                for k, v in self.state_kwargs.items())
+            args = ', '.join(f'{k}={v!r}' +
+                             (' (default set by mmcv_custom)' if k in
+                              self.defaults_set else '')
+                             for k, v in self.state_kwargs.items())
             parts.append(f'state: {type(self.state).__name__}({args})')
         if self.on_worker:
             parts.append('CPU buckets communicated in order on a worker '
@@ -150,8 +150,8 @@ def _factory_args(factory: Callable, state_kwargs: dict) -> dict:
     args = {}
     for name, param in inspect.signature(factory).parameters.items():
         if (name != 'process_group' and param.default is not param.empty
-                and param.kind in (param.POSITIONAL_OR_KEYWORD,
-                                   param.KEYWORD_ONLY)):
+                and param.kind
+                in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)):
             args[name] = param.default
     args.update(state_kwargs)
     return args
@@ -170,8 +170,7 @@ def _run_args_check(factory: Callable, hook_type: str,
         raise ValueError(f'comm_hook {hook_type}: {e}') from e
 
 
-def _check_wrapper(hook_type: Any, wrapper: Any,
-                   record: HookRecord) -> None:
+def _check_wrapper(hook_type: Any, wrapper: Any, record: HookRecord) -> None:
     """A known wrapper, and none around a hook that already rounds."""
     if wrapper is not None and wrapper not in _WRAPPERS:
         raise ValueError(
@@ -184,10 +183,9 @@ def _check_wrapper(hook_type: Any, wrapper: Any,
             "round twice. Use type='allreduce' with the wrapper, or drop "
             'the wrapper.')
     if wrapper is not None and record.quantizes:
-        raise ValueError(
-            f"comm_hook type {hook_type!r} already quantizes to "
-            f'{record.wire}, so wrapper={wrapper!r} would '
-            'round twice. Drop the wrapper.')
+        raise ValueError(f"comm_hook type {hook_type!r} already quantizes to "
+                         f'{record.wire}, so wrapper={wrapper!r} would '
+                         'round twice. Drop the wrapper.')
 
 
 def _check_state_keys(hook_type: Any, wrapper: Optional[str],
@@ -205,9 +203,11 @@ def _check_state_keys(hook_type: Any, wrapper: Optional[str],
                 'for a stateful hook.')
         return ()
     params = inspect.signature(factory).parameters
-    valid = [n for n, p in params.items()
-             if n != 'process_group' and p.kind in (
-                 p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    valid = [
+        n for n, p in params.items()
+        if n != 'process_group' and p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                               p.KEYWORD_ONLY)
+    ]
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     unknown = sorted(k for k in state_kwargs if k not in valid)
     if 'process_group' in state_kwargs or (unknown and not takes_any):
@@ -270,12 +270,15 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
     record = record_of(_lookup_hook(hook_type))
     _check_wrapper(hook_type, wrapper, record)
     defaults_set = _check_state_keys(hook_type, wrapper, record, cfg)
-    return dict(type=hook_type, wrapper=wrapper, state_kwargs=cfg,
-                defaults_set=defaults_set)
+    return dict(
+        type=hook_type,
+        wrapper=wrapper,
+        state_kwargs=cfg,
+        defaults_set=defaults_set)
 
 
 def describe_sent_as_they_are(checked: dict, base_hook: Callable,
-                      param_names: dict) -> Optional[str]:
+                              param_names: dict) -> Optional[str]:
     """Say which parameters a half-precision hook or wrapper sends in their
     own 2-byte dtype instead of its own (see ``ddp_hooks._wire_dtype``),
     e.g. a bf16 backbone under ``fp16_compress``: a user who asked for fp16
@@ -286,20 +289,21 @@ def describe_sent_as_they_are(checked: dict, base_hook: Callable,
         return None
     other = 'bf16' if wire == 'fp16' else 'fp16'
     dtype = torch.bfloat16 if other == 'bf16' else torch.float16
-    names = [name for param, name in param_names.items()
-             if param.requires_grad and param.dtype is dtype]
+    names = [
+        name for param, name in param_names.items()
+        if param.requires_grad and param.dtype is dtype
+    ]
     if not names:
         return None
-    shown = ', '.join(names[:3]) + (f', ... ({len(names)} in all)'
-                                    if len(names) > 3 else '')
+    shown = ', '.join(
+        names[:3]) + (f', ... ({len(names)} in all)' if len(names) > 3 else '')
     what = (f"type={checked['type']!r}" +
             (f', wrapper={wrapper!r}' if wrapper is not None else ''))
-    instead = (f"wrapper='{other}'" if wrapper is not None else
-               f"type='{other}_compress'")
+    instead = (f"wrapper='{other}'"
+               if wrapper is not None else f"type='{other}_compress'")
     why = ('fp16 has far less range than bf16: it would overflow above '
-           '65504 and flush values below about 6e-8 to zero'
-           if other == 'bf16' else
-           'bf16 keeps 3 fewer significant bits than fp16')
+           '65504 and flush values below about 6e-8 to zero' if other == 'bf16'
+           else 'bf16 keeps 3 fewer significant bits than fp16')
     return (f'comm_hook {what}: the {other} parameters ({shown}) are sent '
             f'as {other}, as they are, not cast to {wire} ({why}); the '
             f'bytes are the same. Only fp32 buckets are cast to {wire}. '
@@ -341,8 +345,9 @@ def build_comm_hook(cfg: dict,
     base_hook = _lookup_hook(hook_type)
     factory = _lookup_state_factory(hook_type)
     state_kwargs = checked['state_kwargs']
-    state = (process_group if factory is None else factory(
-        process_group, **state_kwargs))
+    state = (
+        process_group
+        if factory is None else factory(process_group, **state_kwargs))
 
     record = record_of(base_hook)
     if wrapper == 'bf16' or record.wire == 'bf16':

@@ -134,8 +134,9 @@ def _powersgd_wire(hook, state, bucket):
 
 def _whole_bytes(params, state_kwargs: dict, half: bool) -> int:
     # Half precision halves fp32 gradients; bf16 ones go as they are.
-    return sum(p.numel() * (min(p.element_size(), 2) if half else
-                            p.element_size()) for p in params)
+    return sum(p.numel() *
+               (min(p.element_size(), 2) if half else p.element_size())
+               for p in params)
 
 
 def powersgd_numel(params, rank: int, min_rate: float) -> int:
@@ -177,42 +178,59 @@ def _slow_int8_blocks(state_kwargs: dict,
 # epsilon avoids it; fp16 needs one above its smallest subnormal (6e-8), or
 # the addition rounds back to zero.
 _POWERSGD_DEFAULTS = {
-    wrapper: {'orthogonalization_epsilon': epsilon}
+    wrapper: {
+        'orthogonalization_epsilon': epsilon
+    }
     for wrapper, epsilon in ((None, 1e-8), ('bf16', 1e-8), ('fp16', 1e-6))
 }
 
 #: Hook function -> its record, for the built-in hooks.
 HOOK_RECORDS = {
-    allreduce_hook: HookRecord(count_wire=_sends_bucket(),
-                               model_bytes=_whole_bytes,
-                               sharded='reduce_scatter'),
-    fp16_compress_hook: HookRecord(wire='fp16',
-                                   count_wire=_sends_bucket(2),
-                                   model_bytes=_whole_bytes,
-                                   sharded='reduce_scatter'),
-    bf16_compress_hook: HookRecord(wire='bf16',
-                                   count_wire=_sends_bucket(2),
-                                   model_bytes=_whole_bytes,
-                                   sharded='reduce_scatter'),
+    allreduce_hook:
+    HookRecord(
+        count_wire=_sends_bucket(),
+        model_bytes=_whole_bytes,
+        sharded='reduce_scatter'),
+    fp16_compress_hook:
+    HookRecord(
+        wire='fp16',
+        count_wire=_sends_bucket(2),
+        model_bytes=_whole_bytes,
+        sharded='reduce_scatter'),
+    bf16_compress_hook:
+    HookRecord(
+        wire='bf16',
+        count_wire=_sends_bucket(2),
+        model_bytes=_whole_bytes,
+        sharded='reduce_scatter'),
     # Both PowerSGD hooks and int8 wait between their collectives (PyTorch's
     # own PowerSGD hook would start collectives from future callbacks,
     # unsafe on gloo with several buckets in flight: pytorch/pytorch#48478);
     # each has issued all of them when it returns.
-    powersgd_hook: HookRecord(worker_waits=False, powersgd_state=True,
-                              state_keeper=PowerSGDRelayout,
-                              defaults=_POWERSGD_DEFAULTS,
-                              count_wire=_powersgd_wire,
-                              model_bytes=_powersgd_bytes),
-    batched_powersgd_hook: HookRecord(worker_waits=False,
-                                      powersgd_state=True,
-                                      state_keeper=BatchedPowerSGDRelayout,
-                                      defaults=_POWERSGD_DEFAULTS,
-                                      count_wire=_powersgd_wire),
-    int8_compress_hook: HookRecord(wire='int8', quantizes=True,
-                                   worker_waits=False,
-                                   state_keeper=Int8StateKeeper,
-                                   notes=_slow_int8_blocks,
-                                   count_wire=_int8_wire, sharded='int8'),
+    powersgd_hook:
+    HookRecord(
+        worker_waits=False,
+        powersgd_state=True,
+        state_keeper=PowerSGDRelayout,
+        defaults=_POWERSGD_DEFAULTS,
+        count_wire=_powersgd_wire,
+        model_bytes=_powersgd_bytes),
+    batched_powersgd_hook:
+    HookRecord(
+        worker_waits=False,
+        powersgd_state=True,
+        state_keeper=BatchedPowerSGDRelayout,
+        defaults=_POWERSGD_DEFAULTS,
+        count_wire=_powersgd_wire),
+    int8_compress_hook:
+    HookRecord(
+        wire='int8',
+        quantizes=True,
+        worker_waits=False,
+        state_keeper=Int8StateKeeper,
+        notes=_slow_int8_blocks,
+        count_wire=_int8_wire,
+        sharded='int8'),
 }
 
 _UNKNOWN = HookRecord()

@@ -15,8 +15,8 @@ from ..powersgd import powersgd_hook
 __all__ = ['COMM_HOOKS', 'COMM_HOOK_STATES']
 
 COMM_HOOKS = Registry('DDP communication hook', scope='mmcv_custom')
-COMM_HOOK_STATES = Registry('DDP communication hook state',
-                            scope='mmcv_custom')
+COMM_HOOK_STATES = Registry(
+    'DDP communication hook state', scope='mmcv_custom')
 
 COMM_HOOKS.register_module(name='allreduce', module=allreduce_hook)
 COMM_HOOKS.register_module(name='fp16_compress', module=fp16_compress_hook)

@@ -55,8 +55,7 @@ class ShardedCommSpec:
 
 
 def build_sharded_comm(cfg: dict,
-                       param_names: Optional[dict] = None
-                       ) -> ShardedCommSpec:
+                       param_names: Optional[dict] = None) -> ShardedCommSpec:
     """The sharded (FSDP2) form of a ``comm_hook`` config.
 
     Args:
@@ -80,8 +79,10 @@ def build_sharded_comm(cfg: dict,
     if record.sharded == 'int8':
         return _sharded_int8(checked, what)
     if record.sharded != 'reduce_scatter':
-        forms = [name for name, hook in COMM_HOOKS.module_dict.items()
-                 if record_of(hook).sharded == 'reduce_scatter']
+        forms = [
+            name for name, hook in COMM_HOOKS.module_dict.items()
+            if record_of(hook).sharded == 'reduce_scatter'
+        ]
         raise ValueError(
             f'{what} has no sharded form: under FSDP2 (FSDP2Strategy) '
             'gradients are reduce-scattered, not all-reduced through DDP '
@@ -93,9 +94,11 @@ def build_sharded_comm(cfg: dict,
             f"{what}, wrapper={checked['wrapper']!r}: wrappers have no "
             f"sharded form under FSDP2; use type='{checked['wrapper']}"
             "_compress' instead.")
-    given = {k: v for k, v in checked['state_kwargs'].items()
-             if k not in checked['defaults_set']
-             and v is not None and v is not False}
+    given = {
+        k: v
+        for k, v in checked['state_kwargs'].items() if
+        k not in checked['defaults_set'] and v is not None and v is not False
+    }
     if given:
         raise ValueError(
             f'{what}: {", ".join(f"{k}={v!r}" for k, v in given.items())} '
@@ -106,10 +109,10 @@ def build_sharded_comm(cfg: dict,
     notes = ()
     if param_names is not None:
         note = describe_sent_as_they_are(checked, _lookup_hook(hook_type),
-                                 param_names)
+                                         param_names)
         notes = (note, ) if note else ()
-    return ShardedCommSpec(type=hook_type, wire_dtype=record.wire_dtype,
-                           notes=notes)
+    return ShardedCommSpec(
+        type=hook_type, wire_dtype=record.wire_dtype, notes=notes)
 
 
 def _sharded_int8(checked: dict, what: str) -> ShardedCommSpec:
@@ -132,5 +135,7 @@ def _sharded_int8(checked: dict, what: str) -> ShardedCommSpec:
             'FSDP2 is there to save. Set error_feedback=False (e.g. '
             '--cfg-options comm_hook.error_feedback=False) to reduce-scatter '
             "in int8 without it, or use type='bf16_compress'.")
-    return ShardedCommSpec(type='int8_compress', wire_dtype=None,
-                           int8_block_size=kwargs.get('block_size', 256))
+    return ShardedCommSpec(
+        type='int8_compress',
+        wire_dtype=None,
+        int8_block_size=kwargs.get('block_size', 256))

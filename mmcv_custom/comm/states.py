@@ -65,31 +65,34 @@ def _check_powersgd_args(args: dict) -> None:
     and a stats frequency below 1 is quietly raised to 1. A key a later
     torch adds is left to PyTorch."""
     checks = {
-        'matrix_approximation_rank': lambda v: require_int(
-            'matrix_approximation_rank', v, minimum=1),
-        'start_powerSGD_iter': lambda v: require_int(
-            'start_powerSGD_iter', v, minimum=1),
-        'min_compression_rate': lambda v: require_real(
+        'matrix_approximation_rank':
+        lambda v: require_int('matrix_approximation_rank', v, minimum=1),
+        'start_powerSGD_iter':
+        lambda v: require_int('start_powerSGD_iter', v, minimum=1),
+        'min_compression_rate':
+        lambda v: require_real(
             'min_compression_rate', v, minimum=0, inclusive=False),
-        'use_error_feedback': lambda v: require_bool('use_error_feedback',
-                                                     v),
-        'warm_start': lambda v: require_bool('warm_start', v),
-        'orthogonalization_epsilon': lambda v: require_real(
-            'orthogonalization_epsilon', v, minimum=0),
-        'random_seed': lambda v: require_int(
-            'random_seed', v, minimum=0, maximum=_MAX_SEED),
-        'compression_stats_logging_frequency': lambda v: require_int(
+        'use_error_feedback':
+        lambda v: require_bool('use_error_feedback', v),
+        'warm_start':
+        lambda v: require_bool('warm_start', v),
+        'orthogonalization_epsilon':
+        lambda v: require_real('orthogonalization_epsilon', v, minimum=0),
+        'random_seed':
+        lambda v: require_int('random_seed', v, minimum=0, maximum=_MAX_SEED),
+        'compression_stats_logging_frequency':
+        lambda v: require_int(
             'compression_stats_logging_frequency', v, minimum=1),
-        'batch_tensors_with_same_shape': lambda v: require_bool(
-            'batch_tensors_with_same_shape', v),
+        'batch_tensors_with_same_shape':
+        lambda v: require_bool('batch_tensors_with_same_shape', v),
     }
     for key, check in checks.items():
         if key in args:
             check(args[key])
     # PowerSGDState.__init__'s own rule, checked before anything is built.
     start = args.get('start_powerSGD_iter', 1)
-    if (args.get('use_error_feedback') or args.get('warm_start')) and (
-            start <= 1):
+    if (args.get('use_error_feedback') or args.get('warm_start')) and (start
+                                                                       <= 1):
         raise ValueError(
             'start_powerSGD_iter should be > 1 when use_error_feedback or '
             'warm_start is True (both are by default), because PowerSGD '
@@ -126,5 +129,3 @@ def _int8_state(process_group: Optional[dist.ProcessGroup],
     """Blockwise int8 with one fp32 scale per ``block_size`` elements, and
     error feedback of what the rounding drops (see :class:`Int8State`)."""
     return Int8State(process_group, block_size, error_feedback)
-
-

@@ -118,8 +118,9 @@ def require_real(name: str,
             return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f'{name} should be {rule}, but got {_got(value)}')
-    if not math.isfinite(value) or (minimum is not None and (
-            value < minimum or (not inclusive and value == minimum))):
+    if not math.isfinite(value) or (minimum is not None and
+                                    (value < minimum or
+                                     (not inclusive and value == minimum))):
         raise ValueError(f'{name} should be {rule}, but got {value!r}')
 
 

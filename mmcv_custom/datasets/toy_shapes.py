@@ -76,16 +76,20 @@ def generate_toy_shapes(root: str,
     Returns:
         str: ``root``.
     """
-    spec = dict(version=_VERSION, num_train=num_train, num_val=num_val,
-                size=size, seed=seed)
+    spec = dict(
+        version=_VERSION,
+        num_train=num_train,
+        num_val=num_val,
+        size=size,
+        seed=seed)
     if _generated_with(root) == spec:
         return root
     parent = osp.dirname(osp.abspath(root)) or '.'
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix='.toy_shapes-', dir=parent)
     try:
-        for split, count, offset in (('train', num_train, 0),
-                                     ('val', num_val, 1)):
+        for split, count, offset in (('train', num_train, 0), ('val', num_val,
+                                                               1)):
             rng = np.random.RandomState(seed * 2 + offset)
             img_dir = osp.join(tmp, 'img_dir', split)
             ann_dir = osp.join(tmp, 'ann_dir', split)

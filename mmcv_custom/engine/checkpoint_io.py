@@ -22,16 +22,19 @@ import os
 import os.path as osp
 
 import torch
-from mmengine.fileio import LocalBackend, register_backend
+from mmengine.fileio import LocalBackend
 from mmengine.fileio import io as _fileio
+from mmengine.fileio import register_backend
 from mmengine.runner import CheckpointLoader
 
 from ..checkpoint import newest_intact, say_unverified_once
 from ..integrity import (DIGEST_SUFFIX, atomic_write_bytes, atomic_write_text,
                          require_intact)
 
-__all__ = ['AtomicLocalBackend', 'load_verified',
-           'install_checkpoint_integrity']
+__all__ = [
+    'AtomicLocalBackend', 'load_verified', 'install_checkpoint_integrity'
+]
+
 
 class AtomicLocalBackend(LocalBackend):
     """MMEngine's local backend, whose writes are all-or-nothing.
@@ -84,8 +87,10 @@ def install_checkpoint_integrity() -> None:
     """
     register_backend('local', AtomicLocalBackend, force=True, prefixes='')
     # Backends are cached per prefix: drop any plain local one made before.
-    for key in [k for k, v in _fileio.backend_instances.items()
-                if type(v) is LocalBackend]:
+    for key in [
+            k for k, v in _fileio.backend_instances.items()
+            if type(v) is LocalBackend
+    ]:
         del _fileio.backend_instances[key]
-    CheckpointLoader.register_scheme(prefixes='', loader=load_verified,
-                                     force=True)
+    CheckpointLoader.register_scheme(
+        prefixes='', loader=load_verified, force=True)

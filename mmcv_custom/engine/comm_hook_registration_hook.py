@@ -9,11 +9,11 @@ from mmengine.registry import HOOKS
 from mmengine.runner import find_latest_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 
-from ..ddp_hooks import CompressState, cpu_codec
 from ..comm.builder import build_comm_hook, check_comm_hook_cfg
 from ..comm.sharded import build_sharded_comm
 from ..comm.telemetry import CommCounter
 from ..comm.validation import require_int
+from ..ddp_hooks import CompressState, cpu_codec
 from ..sharded_comm import fsdp_modules, install_reduce_scatter
 from .hook_state_files import HookStateFiles
 
@@ -28,7 +28,6 @@ _NONFINITE_ADVICE_BF16 = (
     'bf16 has the range of fp32, so the gradients were not finite before '
     'the all-reduce: check the loss and the learning rate (with AMP, the '
     'loss scaler skips such steps).')
-
 
 # fp16 already divides everything before the all-reduce: only the mean
 # itself can be out of range.
@@ -139,8 +138,7 @@ class CommHookRegistrationHook(Hook):
             raise TypeError('telemetry should be True or False, but got '
                             f'{telemetry!r}')
         if max_nonfinite_iters is not None:
-            require_int('max_nonfinite_iters', max_nonfinite_iters,
-                        minimum=1)
+            require_int('max_nonfinite_iters', max_nonfinite_iters, minimum=1)
         self._hook_arg = comm_hook
         self._telemetry = telemetry
         self._max_nonfinite_iters = max_nonfinite_iters
@@ -239,9 +237,9 @@ class CommHookRegistrationHook(Hook):
             spec = self._installed[0][1]
             casts = ''
             # ``device``: the parameters' device, from the loop above.
-            if (device is not None and device.type == 'cpu'
-                    and (spec.wrapper or isinstance(spec.state,
-                                                    CompressState))):
+            on_cpu = device is not None and device.type == 'cpu'
+            if on_cpu and (spec.wrapper
+                           or isinstance(spec.state, CompressState)):
                 casts = f'; CPU casts: {cpu_codec()}'
             runner.logger.info(
                 f'Registered DDP communication hook on {where}: '
@@ -250,8 +248,7 @@ class CommHookRegistrationHook(Hook):
                 f'{casts}.')
             for name, installed, *_ in self._installed:
                 for note in installed.notes:
-                    runner.logger.warning(
-                        f'{name}: {note}' if name else note)
+                    runner.logger.warning(f'{name}: {note}' if name else note)
 
         if keepers:
             self._state_files = HookStateFiles(keepers, self._cfg)
@@ -269,8 +266,10 @@ class CommHookRegistrationHook(Hook):
         counter = CommCounter() if self._telemetry else None
         units = install_reduce_scatter(model, spec.wire_dtype, counter,
                                        spec.int8_block_size)
-        self._installed.append(
-            ('', spec, counter, {id(p): n for p, n in names.items()}))
+        self._installed.append(('', spec, counter, {
+            id(p): n
+            for p, n in names.items()
+        }))
         if is_main_process():
             group = torch.distributed.group.WORLD
             runner.logger.info(
@@ -356,12 +355,10 @@ class CommHookRegistrationHook(Hook):
             self._nonfinite_streak = 0
             return
         self._nonfinite_streak += 1
-        broken = [
-            (name + '.' if name else '') + n
-            for name, ddp in self._ddp_modules(runner.model)
-            for n, p in ddp.module.named_parameters()
-            if not bool(torch.isfinite(p.detach()).all())
-        ]
+        broken = [(name + '.' if name else '') + n
+                  for name, ddp in self._ddp_modules(runner.model)
+                  for n, p in ddp.module.named_parameters()
+                  if not bool(torch.isfinite(p.detach()).all())]
         if broken:
             self._stop(
                 runner, advice, f'Iteration {runner.iter + 1}: the '

@@ -38,9 +38,9 @@ from typing import Callable, Dict, Optional, Sequence, Union
 import mmengine
 import torch
 import torch.distributed as dist
+from mmengine._strategy import DDPStrategy
 from mmengine.dist import is_distributed
 from mmengine.registry import STRATEGIES
-from mmengine._strategy import DDPStrategy
 from torch import nn
 
 from ..checkpoint import (SHARDED_META_FILE, is_sharded_checkpoint,
@@ -54,8 +54,11 @@ from ..sharded_checkpoint import (MANIFEST_FILE, damaged_message,
 
 __all__ = ['FSDP2Strategy', 'select_units', 'unit_parameters']
 
-_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16,
-           'float16': torch.float16}
+_DTYPES = {
+    'float32': torch.float32,
+    'bfloat16': torch.bfloat16,
+    'float16': torch.float16
+}
 _DEFAULT_SHARD_MODULES = ('InternViTBlock', 'InternViT')
 # Entry points besides forward() that gather a unit's parameters (the
 # methods of MMSegmentation's decode heads the segmentor calls).
@@ -102,9 +105,9 @@ def _parse_mp_policy(mp_policy: Optional[dict]):
     return MixedPrecisionPolicy(**kwargs)
 
 
-def select_units(model: nn.Module,
-                 shard_modules: Optional[Sequence[Union[str, type]]] = None
-                 ) -> list:
+def select_units(
+        model: nn.Module,
+        shard_modules: Optional[Sequence[Union[str, type]]] = None) -> list:
     """The modules :class:`FSDP2Strategy` shards as units of their own.
 
     Every module of ``model`` (not the model itself) whose class is in
@@ -139,8 +142,10 @@ def select_units(model: nn.Module,
                 found[spec] += 1
                 units.append((name, module))
                 break
-    missing = [s if isinstance(s, str) else s.__name__
-               for s, n in found.items() if n == 0]
+    missing = [
+        s if isinstance(s, str) else s.__name__ for s, n in found.items()
+        if n == 0
+    ]
     if explicit and missing:
         present = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(
@@ -179,8 +184,8 @@ def _broadcast_buffers(module: nn.Module, *args) -> None:
     for buffers in by_dtype.values():
         flat = torch.cat([b.reshape(-1) for b in buffers])
         dist.broadcast(flat, src=0)
-        for buffer, value in zip(buffers, flat.split(
-                [b.numel() for b in buffers])):
+        for buffer, value in zip(buffers,
+                                 flat.split([b.numel() for b in buffers])):
             buffer.copy_(value.view_as(buffer))
 
 
@@ -279,8 +284,10 @@ class FSDP2Strategy(DDPStrategy):
         self.mp_policy = _parse_mp_policy(mp_policy)
 
     # -- process group -----------------------------------------------------
-    def _setup_distributed(self, launcher: str = 'pytorch',
-                           backend: str = 'nccl', **kwargs) -> None:
+    def _setup_distributed(self,
+                           launcher: str = 'pytorch',
+                           backend: str = 'nccl',
+                           **kwargs) -> None:
         if is_distributed():
             return
         if not torch.cuda.is_available():
@@ -316,8 +323,10 @@ class FSDP2Strategy(DDPStrategy):
             counts[name] = counts.get(name, 0) + 1
         root = type(model).__name__
         for _, module in units:
-            fully_shard(module, mp_policy=self.mp_policy,
-                        reshard_after_forward=self.reshard_after_forward)
+            fully_shard(
+                module,
+                mp_policy=self.mp_policy,
+                reshard_after_forward=self.reshard_after_forward)
             # MMSegmentation's segmentor calls its heads' loss() and
             # predict(), which call self.forward() directly: FSDP2's hooks
             # on __call__ would not gather the head's parameters.
@@ -327,8 +336,8 @@ class FSDP2Strategy(DDPStrategy):
         # The root's forward spans the whole model and its backward starts
         # at once: resharding it after forward would only gather the heads
         # a second time.
-        fully_shard(model, mp_policy=self.mp_policy,
-                    reshard_after_forward=False)
+        fully_shard(
+            model, mp_policy=self.mp_policy, reshard_after_forward=False)
         if self.broadcast_buffers and any(True for _ in model.buffers()):
             model.register_forward_pre_hook(_broadcast_buffers)
         shown = ''.join(f'{n} {k}, ' for k, n in counts.items())
@@ -377,8 +386,10 @@ class FSDP2Strategy(DDPStrategy):
         if wrapper is None or hasattr(wrapper, 'optim_wrappers'):
             return {}
         state = wrapper.state_dict()
-        return {k: v for k, v in state.items()
-                if k not in ('state', 'param_groups')}
+        return {
+            k: v
+            for k, v in state.items() if k not in ('state', 'param_groups')
+        }
 
     def save_checkpoint(self,
                         filename: str,
@@ -469,8 +480,8 @@ class FSDP2Strategy(DDPStrategy):
         buffer = io.BytesIO()
         torch.save(extra, buffer)
         with buffer.getbuffer() as data:
-            atomic_write_bytes(osp.join(tmp, SHARDED_META_FILE), data,
-                               digest=False)
+            atomic_write_bytes(
+                osp.join(tmp, SHARDED_META_FILE), data, digest=False)
             digests = {SHARDED_META_FILE: hashlib.sha256(data).hexdigest()}
         for own, _ in everyone:
             digests.update(own)
@@ -547,14 +558,14 @@ class FSDP2Strategy(DDPStrategy):
         collective. A directory without a manifest loads, said once."""
         if not osp.isdir(filename):
             return
-        part = ((self.rank, self.world_size) if self._distributed_now()
-                else (0, 1))
+        part = ((self.rank, self.world_size) if self._distributed_now() else
+                (0, 1))
         results = self._gather(verify_sharded_checkpoint(filename, part))
         damaged = [r for r in results if r.status == 'damaged']
         if damaged:
             message = self._from_rank0(
-                damaged_message(damaged[0], filename)
-                if self.rank == 0 else None)
+                damaged_message(damaged[0], filename) if self.rank ==
+                0 else None)
             raise CheckpointDamagedError(message)
         if results[0].status == 'no_digest':
             self.logger.info(results[0].message)
@@ -568,9 +579,11 @@ class FSDP2Strategy(DDPStrategy):
         if optimizers:
             state['optimizer'] = optim_sd
         safe_dcp_load(state, filename)
-        set_state_dict(self.model, optimizers,
-                       model_state_dict=state['model'],
-                       optim_state_dict=state.get('optimizer', {}))
+        set_state_dict(
+            self.model,
+            optimizers,
+            model_state_dict=state['model'],
+            optim_state_dict=state.get('optimizer', {}))
 
     def load_checkpoint(self,
                         filename: str,
@@ -603,19 +616,23 @@ class FSDP2Strategy(DDPStrategy):
         if callback is not None:
             callback(checkpoint)
         state_dict = checkpoint.pop('state_dict', checkpoint)
-        self.load_model_state_dict(state_dict, strict=strict,
-                                   revise_keys=revise_keys)
+        self.load_model_state_dict(
+            state_dict, strict=strict, revise_keys=revise_keys)
         return checkpoint
 
-    def load_model_state_dict(self, state_dict: dict, *, strict: bool = False,
-                              revise_keys: list = [(r'^module.', '')]
-                              ) -> None:
+    def load_model_state_dict(self,
+                              state_dict: dict,
+                              *,
+                              strict: bool = False,
+                              revise_keys: list = [(r'^module.', '')]) -> None:
         """Load a full (unsharded) state dict into the sharded model."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, set_model_state_dict)
         for pattern, replacement in revise_keys:
-            state_dict = {re.sub(pattern, replacement, k): v
-                          for k, v in state_dict.items()}
+            state_dict = {
+                re.sub(pattern, replacement, k): v
+                for k, v in state_dict.items()
+            }
         own = self.model.state_dict()
         missing = sorted(set(own) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(own))
@@ -629,7 +646,8 @@ class FSDP2Strategy(DDPStrategy):
                 f'{unexpected}')
         state_dict = {k: v for k, v in state_dict.items() if k in own}
         set_model_state_dict(
-            self.model, state_dict,
+            self.model,
+            state_dict,
             options=StateDictOptions(full_state_dict=True, strict=False))
 
     def resume(self,

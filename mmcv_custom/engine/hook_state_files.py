@@ -41,8 +41,7 @@ from mmengine.hooks import CheckpointHook
 
 from ..checkpoint import UnsafeCheckpointError, load_checkpoint_file
 from ..hook_state import HookStateKeeper
-from ..integrity import (CheckpointDamagedError, atomic_write_bytes,
-                         digest_path)
+from ..integrity import CheckpointDamagedError, atomic_write_bytes, digest_path
 
 __all__ = ['HookStateFiles', 'state_file_path']
 
@@ -78,8 +77,7 @@ class HookStateFiles:
             match for saved state to be used).
     """
 
-    def __init__(self, keepers: Dict[str, HookStateKeeper],
-                 cfg: dict) -> None:
+    def __init__(self, keepers: Dict[str, HookStateKeeper], cfg: dict) -> None:
         self.keepers = keepers
         self.cfg = cfg
         self.run_id: Optional[str] = None
@@ -156,18 +154,20 @@ class HookStateFiles:
     def _checkpoint_due(runner, by_epoch: bool):
         """``(CheckpointHook, path, step)`` when that hook saves now."""
         for hook in runner.hooks:
-            if not isinstance(hook, CheckpointHook) or (
-                    hook.by_epoch != by_epoch):
+            if not isinstance(hook, CheckpointHook) or (hook.by_epoch
+                                                        != by_epoch):
                 continue
             if by_epoch:
                 due = hook.every_n_epochs(
-                    runner, hook.interval, hook.save_begin) or (
-                        hook.save_last and hook.is_last_train_epoch(runner))
+                    runner, hook.interval,
+                    hook.save_begin) or (hook.save_last
+                                         and hook.is_last_train_epoch(runner))
                 step = runner.epoch + 1
             else:
                 due = hook.every_n_train_iters(
-                    runner, hook.interval, hook.save_begin) or (
-                        hook.save_last and hook.is_last_train_iter(runner))
+                    runner, hook.interval,
+                    hook.save_begin) or (hook.save_last
+                                         and hook.is_last_train_iter(runner))
                 step = runner.iter + 1
             if due:
                 return hook, osp.join(hook.out_dir,
@@ -238,8 +238,8 @@ class HookStateFiles:
         for r, why in enumerate(reasons):
             if why:
                 by_reason.setdefault(why, []).append(r)
-        if len(by_reason) == 1 and len(next(iter(by_reason.values()))) == (
-                world_size) and world_size > 1:
+        if len(by_reason) == 1 and len(next(iter(
+                by_reason.values()))) == (world_size) and world_size > 1:
             why = '; '.join(by_reason)
             whys = f'all ranks: {why}'
         else:
@@ -269,10 +269,9 @@ class HookStateFiles:
                 f"type={self.cfg.get('type')!r}, "
                 f"wrapper={self.cfg.get('wrapper')!r}")
         if record.get('world_size') != world_size:
-            raise _Refused(
-                f"the resumed checkpoint holds the state of "
-                f"{record.get('world_size')} ranks, this run has "
-                f'{world_size}')
+            raise _Refused(f"the resumed checkpoint holds the state of "
+                           f"{record.get('world_size')} ranks, this run has "
+                           f'{world_size}')
         if not checkpoint:
             raise _Refused('the resumed checkpoint file is not known, so '
                            'its state files cannot be found')

@@ -38,8 +38,10 @@ class LayerDecayOptimWrapperConstructor(DefaultOptimWrapperConstructor):
 
     def __init__(self, optim_wrapper_cfg: dict, paramwise_cfg=None):
         paramwise_cfg = dict(paramwise_cfg or {})
-        missing = [k for k in ('num_layers', 'layer_decay_rate')
-                   if k not in paramwise_cfg]
+        missing = [
+            k for k in ('num_layers', 'layer_decay_rate')
+            if k not in paramwise_cfg
+        ]
         if missing:
             raise KeyError(f'paramwise_cfg needs {missing} for layer-wise '
                            f'decay, but got {paramwise_cfg}')
@@ -68,13 +70,17 @@ class LayerDecayOptimWrapperConstructor(DefaultOptimWrapperConstructor):
             if not param.requires_grad:
                 continue
             layer = self.layer_id(name)
-            no_decay = (param.ndim == 1 or name.endswith('.bias')
-                        or name.split('.')[-1] in _NO_DECAY_NAMES)
+            no_decay = (
+                param.ndim == 1 or name.endswith('.bias')
+                or name.split('.')[-1] in _NO_DECAY_NAMES)
             key = (layer, no_decay)
             if key not in groups:
                 scale = self.decay_rate**(self.num_layers + 1 - layer)
-                group = dict(params=[], lr=self.base_lr * scale,
-                             layer_id=layer, lr_scale=scale)
+                group = dict(
+                    params=[],
+                    lr=self.base_lr * scale,
+                    layer_id=layer,
+                    lr_scale=scale)
                 if self.base_wd is not None:
                     group['weight_decay'] = 0. if no_decay else self.base_wd
                 groups[key] = group

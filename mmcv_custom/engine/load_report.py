@@ -16,8 +16,10 @@ from typing import Dict, List
 
 import torch
 
-__all__ = ['DEFAULT_MIN_MATCH', 'LoadMismatchError', 'load_from_min_match',
-           'report_load_from']
+__all__ = [
+    'DEFAULT_MIN_MATCH', 'LoadMismatchError', 'load_from_min_match',
+    'report_load_from'
+]
 
 #: The share of the model's tensors ``load_from`` must fill by default.
 DEFAULT_MIN_MATCH = 0.5
@@ -42,14 +44,16 @@ def load_from_min_match(cfg) -> float:
 
 def _state_dict(path: str) -> Dict[str, torch.Tensor]:
     try:
-        ckpt = torch.load(path, map_location='cpu', mmap=True,
-                          weights_only=True)
+        ckpt = torch.load(
+            path, map_location='cpu', mmap=True, weights_only=True)
     except RuntimeError:  # not a zip file: mmap cannot read it
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     state = ckpt.get('state_dict', ckpt) if isinstance(ckpt, dict) else {}
     # MMEngine's default revise_keys: a DDP-saved 'module.' prefix.
-    return {re.sub(r'^module\.', '', k): v for k, v in state.items()
-            if isinstance(v, torch.Tensor)}
+    return {
+        re.sub(r'^module\.', '', k): v
+        for k, v in state.items() if isinstance(v, torch.Tensor)
+    }
 
 
 def _names(keys: List[str]) -> str:

@@ -42,8 +42,10 @@ _KEY = 'random_states'
 
 
 def _capture() -> dict:
-    state = dict(python=random.getstate(), numpy=np.random.get_state(),
-                 torch=torch.get_rng_state())
+    state = dict(
+        python=random.getstate(),
+        numpy=np.random.get_state(),
+        torch=torch.get_rng_state())
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state['cuda'] = torch.cuda.get_rng_state_all()
     return state
@@ -116,10 +118,15 @@ class RandomStateHook(Hook):
             states = [None] * get_world_size()
             dist.all_gather_object(states, _capture())
         if is_main_process():
-            self._pending = dict(world_size=len(states), ranks=states,
-                                 num_workers=_num_workers(runner))
+            self._pending = dict(
+                world_size=len(states),
+                ranks=states,
+                num_workers=_num_workers(runner))
 
-    def after_train_iter(self, runner, batch_idx, data_batch=None,
+    def after_train_iter(self,
+                         runner,
+                         batch_idx,
+                         data_batch=None,
                          outputs=None) -> None:
         self._gather_if_due(runner, by_epoch=False)
 
@@ -177,7 +184,7 @@ class RandomStateHook(Hook):
 
         loop = runner.train_loop
         if isinstance(loop, IterBasedTrainLoop) and runner.iter > 0:
-            loop.dataloader_iterator = _RestoreAfter(
-                loop.dataloader_iterator, runner.iter, restore)
+            loop.dataloader_iterator = _RestoreAfter(loop.dataloader_iterator,
+                                                     runner.iter, restore)
         else:
             restore()

@@ -25,12 +25,12 @@ _KEPT: list = []
 def _entry(rank: int, world_size: int, folder: str, fn: Callable,
            args: tuple) -> None:
     # MMEngine reads these (Runner.wrap_model and get_dist_info).
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.manual_seed(1234 + rank)
     store = dist.FileStore(os.path.join(folder, 'store'), world_size)
-    dist.init_process_group('gloo', store=store, rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(
+        'gloo', store=store, rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(folder, f'rank{rank}.pt'))
@@ -123,6 +123,7 @@ def run_ranks(fn: Callable,
                     f'{world_size} ranks within {timeout} s (a hung '
                     'collective?)')
         return [
-            torch.load(os.path.join(folder, f'rank{r}.pt'),
-                       weights_only=False) for r in range(world_size)
+            torch.load(
+                os.path.join(folder, f'rank{r}.pt'), weights_only=False)
+            for r in range(world_size)
         ]

@@ -97,11 +97,9 @@ HOOKS = {
     'torch.allreduce_hook': (default_hooks.allreduce_hook, None),
     'ours.allreduce_hook': (ddp_hooks.allreduce_hook, None),
     'torch.fp16_compress_hook': (default_hooks.fp16_compress_hook, None),
-    'ours.fp16_compress_hook': (ddp_hooks.fp16_compress_hook,
-                                _compress_state),
+    'ours.fp16_compress_hook': (ddp_hooks.fp16_compress_hook, _compress_state),
     'torch.bf16_compress_hook': (_torch_bf16_compress_hook, None),
-    'ours.bf16_compress_hook': (ddp_hooks.bf16_compress_hook,
-                                _compress_state),
+    'ours.bf16_compress_hook': (ddp_hooks.bf16_compress_hook, _compress_state),
     'ours.int8_compress_hook': (int8_hooks.int8_compress_hook, _int8_state),
 }
 
@@ -120,8 +118,9 @@ class _OneBucket(nn.Module):
 
 def _planted(rank, numel):
     gen = torch.Generator().manual_seed(1000 + rank)
-    return torch.randn(numel, generator=gen) * 10**torch.randint(
-        -3, 3, (numel, ), generator=gen).float()
+    return torch.randn(
+        numel, generator=gen) * 10**torch.randint(
+            -3, 3, (numel, ), generator=gen).float()
 
 
 # The collectives whose bytes are counted, by the start of the name the
@@ -157,9 +156,11 @@ def _wire_bytes(step):
     # The int8 hook issues its collectives on mmcv_custom.comm_worker's
     # thread, started before the profiler: recorded only when all threads
     # are.
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
-                 experimental_config=_ExperimentalConfig(
-                     profile_all_threads=True)) as p:
+    with profile(
+            activities=[ProfilerActivity.CPU],
+            record_shapes=True,
+            experimental_config=_ExperimentalConfig(
+                profile_all_threads=True)) as p:
         step()
     totals = dict.fromkeys(_COLLECTIVES, 0)
     for event in p.profiler.kineto_results.events():
@@ -175,9 +176,17 @@ def _wire_bytes(step):
 
 
 _DTYPE_SIZES = {
-    'float': 4, 'c10::Half': 2, 'c10::BFloat16': 2, 'double': 8,
-    'Half': 2, 'BFloat16': 2, 'Float': 4,
-    'unsigned char': 1, 'signed char': 1, 'Byte': 1, 'Char': 1,
+    'float': 4,
+    'c10::Half': 2,
+    'c10::BFloat16': 2,
+    'double': 8,
+    'Half': 2,
+    'BFloat16': 2,
+    'Float': 4,
+    'unsigned char': 1,
+    'signed char': 1,
+    'Byte': 1,
+    'Char': 1,
 }
 
 
@@ -214,8 +223,8 @@ def _time_codecs(numel, world_size, device, repeat):
         # its share (plus the residual) into the owners' segments, then
         # dequantize in place (the owner's sum and re-quantization of its
         # 1 / world_size of the bucket are left out).
-        int8_codec.quantize_blocks(buffer, plan.send, packed,
-                                   1.0 / world_size, residual)
+        int8_codec.quantize_blocks(buffer, plan.send, packed, 1.0 / world_size,
+                                   residual)
         int8_codec.dequantize_blocks(packed, plan.send, buffer)
 
     methods = {
@@ -262,8 +271,9 @@ def _worker(rank, world_size, folder, args):
     for size_mb in args.sizes_mb:
         numel = int(size_mb * MB) // 4
         x = _planted(rank, numel).to(device)
-        exact = torch.stack([_planted(r, numel).double()
-                             for r in range(world_size)]).mean(0).to(device)
+        exact = torch.stack([
+            _planted(r, numel).double() for r in range(world_size)
+        ]).mean(0).to(device)
         models = {}
         for name, (hook, make_state) in HOOKS.items():
             model = nn.parallel.DistributedDataParallel(
@@ -291,7 +301,8 @@ def _worker(rank, world_size, folder, args):
             # The int8 hook's segments may differ in size between ranks:
             # the most any rank hands over is reported.
             counted = torch.tensor([counted[c] for c in _COLLECTIVES],
-                                   dtype=torch.int64, device=device)
+                                   dtype=torch.int64,
+                                   device=device)
             dist.all_reduce(counted, op=dist.ReduceOp.MAX)
             by_collective = dict(zip(_COLLECTIVES, counted.tolist()))
             entry['hooks'][name] = dict(
@@ -321,8 +332,7 @@ def _worker(rank, world_size, folder, args):
             data['step_s'] = statistics.median(data['times'])
             data['hook_s'] = max(data['step_s'] - noop, 0.0)
         dist.barrier()
-        entry['codec_s'] = _time_codecs(numel, world_size, device,
-                                        args.repeat)
+        entry['codec_s'] = _time_codecs(numel, world_size, device, args.repeat)
         # Asked in the rank, whose thread count decides it.
         entry['int8_c_kernel'] = int8_codec.uses_c_kernel(
             torch.empty(1, device=device), _INT8_BLOCK)
@@ -344,8 +354,7 @@ def _ms(seconds):
 
 def _table(header, rows):
     """A Markdown table, as docs/en/notes/benchmarks.md shows the results."""
-    lines = ['| ' + ' | '.join(header) + ' |',
-             '|' + '---|' * len(header)]
+    lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
     lines += ['| ' + ' | '.join(row) + ' |' for row in rows]
     return lines
 
@@ -371,15 +380,14 @@ def _pairs():
     for name, (hook, _) in HOOKS.items():
         if name.startswith('ours.'):
             record = hook_record(hook)
-            out.append((record.wire or 'allreduce', name,
-                        _pytorch_twin(name), record))
+            out.append((record.wire
+                        or 'allreduce', name, _pytorch_twin(name), record))
     return out
 
 
 _PAIRS = _pairs()
 # Columns of the codec table, after the fp32 copy.
-_CODECS = ('ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16',
-           'ours.int8')
+_CODECS = ('ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16', 'ours.int8')
 # Quantize with error feedback reads the bucket and the residual (4 + 4
 # bytes an element), writes the residual and the int8 value (4 + 1); the
 # dequantize reads 1 and writes 4: 18 bytes against the copy's 8.
@@ -401,8 +409,10 @@ def report(results, world_size, backend, repeat=None):
     """The results as the two tables of docs/en/notes/benchmarks.md, then
     the verdict on the targets, as text."""
     rounds = '' if repeat is None else f', {repeat} rounds'
-    lines = [f'{world_size} ranks, backend {backend}, torch '
-             f'{torch.__version__}{rounds}']
+    lines = [
+        f'{world_size} ranks, backend {backend}, torch '
+        f'{torch.__version__}{rounds}'
+    ]
     if backend == 'gloo':
         lines.append(f'CPU casts: {ddp_hooks.cpu_codec()}')
     lines.append(f'int8 codec (block {_INT8_BLOCK}): '
@@ -420,8 +430,9 @@ def report(results, world_size, backend, repeat=None):
         for family, ours, theirs, record in _PAIRS:
             data = hooks[ours]
             theirs_s = hooks[theirs]['hook_s'] if theirs else math.nan
-            r = (_ratio(data['step_s'], hooks[theirs]['step_s'])
-                 if theirs else math.nan)
+            r = (
+                _ratio(data['step_s'], hooks[theirs]['step_s'])
+                if theirs else math.nan)
             if theirs:
                 ratios[family].append(r)
             wire = data['wire_bytes']
@@ -432,13 +443,15 @@ def report(results, world_size, backend, repeat=None):
                 int8_phases.append(
                     (entry['size_mb'], by['all_to_all'] / fp32_bytes,
                      by['all_gather'] * world_size / fp32_bytes))
-                int8_vs_bf16.append(_ratio(
-                    data['step_s'], hooks['ours.bf16_compress_hook']
-                    ['step_s']))
+                int8_vs_bf16.append(
+                    _ratio(data['step_s'],
+                           hooks['ours.bf16_compress_hook']['step_s']))
             step_rows.append([
-                bucket, f'`{ours[len("ours."):]}`', _ms(data['hook_s']),
-                _dash_or(theirs_s, _ms), _dash_or(r, '{:.2f}'.format),
-                f'{wire / MB:.4g}', f'{data["rel_error"]:.1e}'
+                bucket, f'`{ours[len("ours."):]}`',
+                _ms(data['hook_s']),
+                _dash_or(theirs_s, _ms),
+                _dash_or(r, '{:.2f}'.format), f'{wire / MB:.4g}',
+                f'{data["rel_error"]:.1e}'
             ])
         codec = entry['codec_s']
         cells = [bucket, _ms(codec['copy_fp32'])]
@@ -447,9 +460,8 @@ def report(results, world_size, backend, repeat=None):
             if name in ('ours.fp16', 'ours.bf16'):
                 worst = max(worst, (r, name, entry['size_mb']))
             cells.append(f'{r:.2f}x')
-        int8_cost.append(
-            (_ratio(codec['ours.int8'], codec['copy_fp32']),
-             _ratio(codec['ours.int8'], codec['ours.bf16'])))
+        int8_cost.append((_ratio(codec['ours.int8'], codec['copy_fp32']),
+                          _ratio(codec['ours.int8'], codec['ours.bf16'])))
         codec_rows.append(cells)
     lines += [
         '', 'Time per bucket: `ours` and `PyTorch` are the hook\'s own time '
@@ -468,9 +480,11 @@ def report(results, world_size, backend, repeat=None):
         'bucket', 'hook', 'ours', 'PyTorch', 'ours / PyTorch',
         'wire MB (ours)', 'rel. error'
     ], step_rows)
-    lines += ['', 'Compress + decompress on every rank at once, as a '
-              'multiple of a plain copy of the fp32 bucket (int8: quantize '
-              'with error feedback, then dequantize):', '']
+    lines += [
+        '', 'Compress + decompress on every rank at once, as a '
+        'multiple of a plain copy of the fp32 bucket (int8: quantize '
+        'with error feedback, then dequantize):', ''
+    ]
     lines += _table([
         'bucket', 'fp32 copy', 'ours fp16', 'PyTorch fp16', 'ours bf16',
         'PyTorch bf16', 'ours int8'
@@ -526,21 +540,32 @@ def plot(results, path):
         if name == 'noop':
             continue
         style = '-' if name.startswith('ours.') else '--'
-        ax1.plot(sizes, [e['hooks'][name]['hook_s'] * 1e3 for e in results],
-                 style, marker='o', label=name)
-    ax1.set(xscale='log', yscale='log', xlabel='bucket size (MB of fp32)',
-            ylabel='ms per bucket (hook only)',
-            title='Time per bucket')
+        ax1.plot(
+            sizes, [e['hooks'][name]['hook_s'] * 1e3 for e in results],
+            style,
+            marker='o',
+            label=name)
+    ax1.set(
+        xscale='log',
+        yscale='log',
+        xlabel='bucket size (MB of fp32)',
+        ylabel='ms per bucket (hook only)',
+        title='Time per bucket')
     ax1.legend(fontsize=7)
     for name in _CODECS:
         style = '-' if name.startswith('ours.') else '--'
-        ax2.plot(sizes, [
-            e['codec_s'][name] / e['codec_s']['copy_fp32'] for e in results
-        ], style, marker='o', label=name)
+        ax2.plot(
+            sizes,
+            [e['codec_s'][name] / e['codec_s']['copy_fp32'] for e in results],
+            style,
+            marker='o',
+            label=name)
     ax2.axhline(1.5, color='grey', lw=0.8, ls=':', label='target 1.5x')
-    ax2.set(xscale='log', xlabel='bucket size (MB of fp32)',
-            ylabel='x time of a plain fp32 copy',
-            title='Compress + decompress cost')
+    ax2.set(
+        xscale='log',
+        xlabel='bucket size (MB of fp32)',
+        ylabel='x time of a plain fp32 copy',
+        title='Compress + decompress cost')
     ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -551,20 +576,28 @@ def parse_args(argv=None):
     parser.add_argument(
         '--nproc', type=int, default=2, help='ranks (processes) to start')
     parser.add_argument(
-        '--sizes-mb', type=float, nargs='+', default=[1, 4, 16, 64, 100],
+        '--sizes-mb',
+        type=float,
+        nargs='+',
+        default=[1, 4, 16, 64, 100],
         help='bucket sizes in MB of fp32 gradients')
     parser.add_argument(
-        '--repeat', type=int, default=10,
+        '--repeat',
+        type=int,
+        default=10,
         help='timed rounds per bucket size (every hook once per round)')
     parser.add_argument(
-        '--warmup', type=int, default=2,
+        '--warmup',
+        type=int,
+        default=2,
         help='untimed steps per hook before the rounds')
     parser.add_argument(
-        '--backend', choices=['auto', 'gloo', 'nccl'], default='auto',
+        '--backend',
+        choices=['auto', 'gloo', 'nccl'],
+        default='auto',
         help='auto: NCCL when every rank has a GPU, else gloo')
     parser.add_argument('--json', help='write the results here')
-    parser.add_argument(
-        '--plot', help='draw a PNG here (needs matplotlib)')
+    parser.add_argument('--plot', help='draw a PNG here (needs matplotlib)')
     args = parser.parse_args(argv)
     # Everything is checked before a rank starts: a bad value fails in a
     # second, not after the measurement.
@@ -608,9 +641,14 @@ def main():
     print(report(results, args.nproc, args.backend, args.repeat))
     if args.json:
         with open(args.json, 'w') as f:
-            json.dump(dict(world_size=args.nproc, backend=args.backend,
-                           torch=torch.__version__, results=results), f,
-                      indent=1)
+            json.dump(
+                dict(
+                    world_size=args.nproc,
+                    backend=args.backend,
+                    torch=torch.__version__,
+                    results=results),
+                f,
+                indent=1)
     if args.plot:
         plot(results, args.plot)
 

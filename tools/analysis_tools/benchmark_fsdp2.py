@@ -68,8 +68,7 @@ MiB = 2**20
 KINDS = ('ddp', 'fsdp2')
 # Rows of the table: (key, label).
 _ROWS = (('param_bytes', 'parameters'), ('grad_bytes', 'gradients'),
-         ('optim_bytes', 'optimizer state'),
-         ('total_bytes', 'all three'))
+         ('optim_bytes', 'optimizer state'), ('total_bytes', 'all three'))
 
 
 def _build(kind, cfg, work_dir):
@@ -84,8 +83,7 @@ def _build(kind, cfg, work_dir):
         # Made first: its set-up seeds the random generators.
         strategy = FSDP2Strategy(
             work_dir=work_dir,
-            env_kwargs=dict(launcher='pytorch',
-                            dist_cfg=dict(backend='gloo')),
+            env_kwargs=dict(launcher='pytorch', dist_cfg=dict(backend='gloo')),
             log_kwargs=dict(log_level='WARNING'))
     torch.manual_seed(0)
     model = MODELS.build(cfg.model)
@@ -94,26 +92,27 @@ def _build(kind, cfg, work_dir):
         # the sharded parameters, as FlexibleRunner does.
         return strategy.prepare(model, optim_wrapper=cfg.optim_wrapper)
     model.init_weights()
-    model = MODEL_WRAPPERS.build(cfg.model_wrapper_cfg,
-                                 default_args=dict(module=model))
+    model = MODEL_WRAPPERS.build(
+        cfg.model_wrapper_cfg, default_args=dict(module=model))
     return model, build_optim_wrapper(model, cfg.optim_wrapper)
 
 
 def _worker(rank, world_size, folder, args):
     filter_tool_warnings()  # a spawned rank starts with Python's filters
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     os.chdir(ROOT)  # the config's data_root is relative to it
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     store = dist.FileStore(osp.join(folder, 'store'), world_size)
-    dist.init_process_group('gloo', store=store, rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(
+        'gloo', store=store, rank=rank, world_size=world_size)
     from mmengine.logging import MMLogger
     from mmengine.registry import init_default_scope
     from mmengine.runner import Runner
     from mmengine.utils import import_modules_from_strings
 
     from mmcv_custom.launcher import load_config, prepare_launch
+
     # Before any logger exists: the tool prints its table, not INFO lines.
     MMLogger.get_current_instance().setLevel(logging.WARNING)
     cfg = load_config(args.config)
@@ -126,14 +125,12 @@ def _worker(rank, world_size, folder, args):
     loader = Runner.build_dataloader(cfg.train_dataloader, seed=0)
     batches = list(itertools.islice(iter(loader), steps))
 
-    built = {kind: _build(kind, cfg, osp.join(folder, kind))
-             for kind in KINDS}
+    built = {kind: _build(kind, cfg, osp.join(folder, kind)) for kind in KINDS}
     grads = {kind: 0 for kind in KINDS}
     for kind, (model, optim_wrapper) in built.items():
         params = list(model.parameters())
 
-        def before_step(optimizer, args_, kwargs_, kind=kind,
-                        params=params):
+        def before_step(optimizer, args_, kwargs_, kind=kind, params=params):
             # MMEngine zeroes the gradients right after the step.
             grads[kind] = held_bytes(params, optimizer)['grad_bytes']
 
@@ -164,18 +161,29 @@ def _worker(rank, world_size, folder, args):
         module = built['ddp'][0].module
         predicted = fsdp2_memory(module, world_size)
         results = dict(
-            world_size=world_size, backend='gloo', torch=torch.__version__,
-            config=args.config, iters=args.iters, warmup=args.warmup,
+            world_size=world_size,
+            backend='gloo',
+            torch=torch.__version__,
+            config=args.config,
+            iters=args.iters,
+            warmup=args.warmup,
             trainable_tensors=sum(p.requires_grad
                                   for p in module.parameters()),
             predicted_fsdp2_rank0={
                 k: predicted[k]
                 for k in ('param_bytes', 'grad_bytes', 'optim_bytes',
-                          'gathered_bytes', 'prefetch_bytes')},
-            step_s={k: statistics.median(v[args.warmup:])
-                    for k, v in times.items()},
-            times=times, losses=losses,
-            ranks=[{kind: r[kind] for kind in KINDS} for r in gathered])
+                          'gathered_bytes', 'prefetch_bytes')
+            },
+            step_s={
+                k: statistics.median(v[args.warmup:])
+                for k, v in times.items()
+            },
+            times=times,
+            losses=losses,
+            ranks=[{
+                kind: r[kind]
+                for kind in KINDS
+            } for r in gathered])
         write_results(folder, results)
     dist.barrier()
     dist.destroy_process_group()
@@ -208,25 +216,22 @@ def report(results) -> str:
         'warm-up, DDP and FSDP2 alternately on the same batches; no comm_hook '
         '(fp32 reductions)', '',
         '| per rank | DDP | FSDP2 (rank 0) | FSDP2 / DDP | 1/N | '
-        'model_stats (rank 0) |',
-        '|' + '---|' * 6]
+        'model_stats (rank 0) |', '|' + '---|' * 6
+    ]
     for key, label in _ROWS:
-        lines.append(
-            f'| {label} | {_mib(ddp[key])} | {_mib(fsdp2[key])} | '
-            f'{fsdp2[key] / ddp[key]:.3f} | {1 / n:.3f} | '
-            f'{_mib(predicted[key])} |')
+        lines.append(f'| {label} | {_mib(ddp[key])} | {_mib(fsdp2[key])} | '
+                     f'{fsdp2[key] / ddp[key]:.3f} | {1 / n:.3f} | '
+                     f'{_mib(predicted[key])} |')
     # The prefetched unit's all-gather output is registered as its
     # parameters only when it starts: the sampling does not see it.
     in_use = predicted['gathered_bytes'] - predicted['prefetch_bytes']
-    lines.append(
-        f'| gathered at once (FSDP2) | | '
-        f'{_mib(fsdp2["gathered_peak_bytes"])} | | | {_mib(in_use)} '
-        f'(+ {_mib(predicted["prefetch_bytes"])} prefetched) |')
+    lines.append(f'| gathered at once (FSDP2) | | '
+                 f'{_mib(fsdp2["gathered_peak_bytes"])} | | | {_mib(in_use)} '
+                 f'(+ {_mib(predicted["prefetch_bytes"])} prefetched) |')
     step = results['step_s']
-    lines.append(
-        f'| step time (median) | {step["ddp"] * 1e3:.1f} ms | '
-        f'{step["fsdp2"] * 1e3:.1f} ms | '
-        f'{step["fsdp2"] / step["ddp"]:.2f} | | |')
+    lines.append(f'| step time (median) | {step["ddp"] * 1e3:.1f} ms | '
+                 f'{step["fsdp2"] * 1e3:.1f} ms | '
+                 f'{step["fsdp2"] / step["ddp"]:.2f} | | |')
     summed = sum(r['fsdp2']['param_bytes'] for r in ranks)
     lines += [
         '',
@@ -246,13 +251,18 @@ def parse_args(argv=None):
     parser.add_argument(
         '--nproc', type=int, default=2, help='ranks (processes) to start')
     parser.add_argument(
-        '--iters', type=int, default=10,
+        '--iters',
+        type=int,
+        default=10,
         help='timed training steps of each model after the warm-up')
     parser.add_argument(
-        '--warmup', type=int, default=2,
+        '--warmup',
+        type=int,
+        default=2,
         help='untimed training steps of each model first')
     parser.add_argument(
-        '--config', default=CONFIG,
+        '--config',
+        default=CONFIG,
         help='a DDP config of a small model (default: the tiny InternViT '
         'UperNet on the toy dataset); relative to the repository')
     parser.add_argument('--json', help='write the results here')

@@ -62,16 +62,23 @@ _DEFAULT_CONFIG = osp.join(
 
 #: Hook name -> its ``comm_hook`` config (None: sends nothing).
 HOOKS = {
-    'noop': None,
-    'allreduce': dict(type='allreduce'),
-    'fp16_compress': dict(type='fp16_compress'),
-    'bf16_compress': dict(type='bf16_compress'),
-    'int8_compress': dict(type='int8_compress'),
-    'powerSGD': dict(type='powerSGD', matrix_approximation_rank=4,
-                     start_powerSGD_iter=2),
-    'batched_powerSGD': dict(type='batched_powerSGD',
-                             matrix_approximation_rank=4,
-                             start_powerSGD_iter=2),
+    'noop':
+    None,
+    'allreduce':
+    dict(type='allreduce'),
+    'fp16_compress':
+    dict(type='fp16_compress'),
+    'bf16_compress':
+    dict(type='bf16_compress'),
+    'int8_compress':
+    dict(type='int8_compress'),
+    'powerSGD':
+    dict(type='powerSGD', matrix_approximation_rank=4, start_powerSGD_iter=2),
+    'batched_powerSGD':
+    dict(
+        type='batched_powerSGD',
+        matrix_approximation_rank=4,
+        start_powerSGD_iter=2),
 }
 
 #: Marks the node workers' progress lines, the only ones shown on the
@@ -107,8 +114,10 @@ class _Clock:
         buffer = bucket.buffer()
         self.bytes[bucket.index()] = buffer.numel() * buffer.element_size()
         self.params[bucket.index()] = [
-            dict(shape=list(p.shape), dtype=str(p.dtype).split('.')[-1],
-                 index=self.positions[id(p)]) for p in bucket.parameters()
+            dict(
+                shape=list(p.shape),
+                dtype=str(p.dtype).split('.')[-1],
+                index=self.positions[id(p)]) for p in bucket.parameters()
         ]
         return _noop_hook(state, bucket)
 
@@ -146,20 +155,20 @@ def _ddp_models(model, cfg, spec, group):
     out = {}
     for name in spec['hooks']:
         module = copy.deepcopy(model)
-        ddp = DDP(module, process_group=group,
-                  bucket_cap_mb=spec['bucket_cap_mb'])
+        ddp = DDP(
+            module, process_group=group, bucket_cap_mb=spec['bucket_cap_mb'])
         counter = CommCounter()
         clock = None
         if HOOKS[name] is None:
             clock = _Clock({
                 id(p): i
-                for i, p in enumerate(p for p in ddp.module.parameters()
-                                      if p.requires_grad)
+                for i, p in enumerate(
+                    p for p in ddp.module.parameters() if p.requires_grad)
             })
             ddp.register_comm_hook(None, clock.hook)
         else:
-            built = build_comm_hook(dict(HOOKS[name]), process_group=group,
-                                    counter=counter)
+            built = build_comm_hook(
+                dict(HOOKS[name]), process_group=group, counter=counter)
             ddp.register_comm_hook(built.state, built.hook)
         optim = build_optim_wrapper(ddp.module,
                                     copy.deepcopy(cfg.optim_wrapper))
@@ -223,7 +232,8 @@ def _codec_times(model, cfg, spec, data, rank, world_size):
             times[name].append(_step(entry, data)[0])
     noop = statistics.median(times['noop'])
     return {
-        name: max(0.0, statistics.median(t) - noop)
+        name: max(0.0,
+                  statistics.median(t) - noop)
         for name, t in times.items()
     }
 
@@ -236,8 +246,11 @@ def _node_worker(spec_path):
         spec = json.load(f)
     rank = int(os.environ['NODE_RANK'])
     world_size = int(os.environ['NNODES'])
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK='0', MASTER_PORT=os.environ['PORT'])
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK='0',
+        MASTER_PORT=os.environ['PORT'])
     torch.set_num_threads(spec['threads'])
     dist.init_process_group('gloo', init_method='env://')
     from mmcv_custom.launcher import load_config
@@ -276,22 +289,28 @@ def _node_worker(spec_path):
                     if name == 'noop':
                         backward.append(back)
             if rank == 0:
-                print(f'{_PROGRESS}round {round_ + 1}/{spec["rounds"]}, '
-                      f'{label}: ' +
-                      ', '.join(
-                          f'{n} {statistics.median(t[-spec["steps"]:]):.3f}s'
-                          for n, t in steps[label].items()),
-                      flush=True)
+                print(
+                    f'{_PROGRESS}round {round_ + 1}/{spec["rounds"]}, '
+                    f'{label}: ' + ', '.join(
+                        f'{n} {statistics.median(t[-spec["steps"]:]):.3f}s'
+                        for n, t in steps[label].items()),
+                    flush=True)
     if rank == 0:
         _set_rate(spec, None)
     dist.barrier()
     codec = _codec_times(model, cfg, spec, data, rank, world_size)
-    result = dict(rank=rank, steps=steps,
-                  bucket_cap_mb=spec['bucket_cap_mb'],
-                  wire_bytes={n: max(w) if w else 0 for n, w in wire.items()},
-                  backward_s=statistics.median(backward),
-                  buckets=_bucket_records(clock), codec_s=codec,
-                  grad_bytes=grad_bytes)
+    result = dict(
+        rank=rank,
+        steps=steps,
+        bucket_cap_mb=spec['bucket_cap_mb'],
+        wire_bytes={
+            n: max(w) if w else 0
+            for n, w in wire.items()
+        },
+        backward_s=statistics.median(backward),
+        buckets=_bucket_records(clock),
+        codec_s=codec,
+        grad_bytes=grad_bytes)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -306,10 +325,11 @@ def _bucket_records(clock):
     """Each bucket's bytes, median ready time and parameters, in DDP's
     order."""
     return [
-        dict(index=index, bytes=clock.bytes[index],
-             ready_s=statistics.median(clock.ready[index]),
-             params=clock.params[index])
-        for index in sorted(clock.ready)
+        dict(
+            index=index,
+            bytes=clock.bytes[index],
+            ready_s=statistics.median(clock.ready[index]),
+            params=clock.params[index]) for index in sorted(clock.ready)
     ]
 
 
@@ -318,7 +338,10 @@ def _label(mbit):
     return 'unshaped' if mbit is None else f'{mbit:g} Mbit/s'
 
 
-def overlap_bound(buckets, backward_s, fraction, rate_bytes_per_s,
+def overlap_bound(buckets,
+                  backward_s,
+                  fraction,
+                  rate_bytes_per_s,
                   codec_s=0.0):
     """The least exposed time a link of ``rate_bytes_per_s`` allows.
 
@@ -398,13 +421,17 @@ def summarize(results, rates, hooks, world_size, rounds=1):
     total = sum(b['bytes'] for b in buckets)
     rows = []
     median = {
-        label: {n: statistics.median(t)
-                for n, t in rank0['steps'][label].items()}
+        label: {
+            n: statistics.median(t)
+            for n, t in rank0['steps'][label].items()
+        }
         for label in rank0['steps']
     }
     error = {
-        label: {n: median_error(t)
-                for n, t in rank0['steps'][label].items()}
+        label: {
+            n: median_error(t)
+            for n, t in rank0['steps'][label].items()
+        }
         for label in rank0['steps']
     }
     unshaped = median.get(_label(None), {})
@@ -412,30 +439,33 @@ def summarize(results, rates, hooks, world_size, rounds=1):
         label = _label(mbit)
         for name in hooks:
             wire_bytes = max(r['wire_bytes'].get(name, 0) for r in results)
-            row = dict(rate=label, mbit=mbit, hook=name,
-                       step_s=median[label][name],
-                       compute_s=median[label]['noop'],
-                       codec_s=_codec(results, name),
-                       sent_bytes=ring * wire_bytes)
+            row = dict(
+                rate=label,
+                mbit=mbit,
+                hook=name,
+                step_s=median[label][name],
+                compute_s=median[label]['noop'],
+                codec_s=_codec(results, name),
+                sent_bytes=ring * wire_bytes)
             if mbit is not None and name in unshaped:
                 rate = mbit * 1e6 / 8
                 row['exposed_s'] = row['step_s'] - unshaped[name]
                 # The standard error of that difference of two medians.
                 row['noise_s'] = max(
-                    math.hypot(error[label][name],
-                               error[_label(None)][name]),
+                    math.hypot(error[label][name], error[_label(None)][name]),
                     round_error(rank0['steps'][label][name],
                                 rank0['steps'][_label(None)][name], rounds))
                 row['wire_s'] = row['sent_bytes'] / rate
                 fraction = (row['sent_bytes'] / total) if total else 0.0
                 row['bound_s'] = overlap_bound(buckets, rank0['backward_s'],
                                                fraction, rate)
-                row['codec_bound_s'] = overlap_bound(
-                    buckets, rank0['backward_s'], fraction, rate,
-                    row['codec_s'])
+                row['codec_bound_s'] = overlap_bound(buckets,
+                                                     rank0['backward_s'],
+                                                     fraction, rate,
+                                                     row['codec_s'])
             if 'allreduce' in median[label]:
-                row['vs_allreduce'] = (row['step_s'] /
-                                       median[label]['allreduce'])
+                row['vs_allreduce'] = (
+                    row['step_s'] / median[label]['allreduce'])
             rows.append(row)
     return rows
 
@@ -466,8 +496,10 @@ def report(summary, meta):
     ]
     for row in summary:
         wire = row.get('wire_s')
-        share = [_fmt(_pct(row.get(key), wire), '{:.0f}%')
-                 for key in ('exposed_s', 'bound_s', 'codec_bound_s')]
+        share = [
+            _fmt(_pct(row.get(key), wire), '{:.0f}%')
+            for key in ('exposed_s', 'bound_s', 'codec_bound_s')
+        ]
         lines.append(
             f"| {row['rate']} | {row['hook']} | {_fmt(row['step_s'])} | "
             f"{_fmt(row.get('vs_allreduce'), '{:.2f}')} | "
@@ -488,6 +520,7 @@ def verdict(summary, slack=0.15, comm_bound=1.1):
     ``within noise``: the measurement cannot tell. Small wire times (a
     PowerSGD's few kB) are often that.
     """
+
     def judge(exposed, limit, noise):
         if exposed <= limit:
             return 'PASS'
@@ -522,18 +555,24 @@ def plot(summary, path):
     for name in dict.fromkeys(r['hook'] for r in summary):
         rows = {r['mbit']: r for r in summary if r['hook'] == name}
         xs = [m for m in shaped if m in rows]
-        line, = ax.plot(xs, [rows[m]['step_s'] for m in xs], marker='o',
-                        label=name)
+        line, = ax.plot(
+            xs, [rows[m]['step_s'] for m in xs], marker='o', label=name)
         if None in rows and name != 'noop':
             base = rows[None]['step_s']
-            ax.plot(xs, [base + max(rows[m]['bound_s'],
-                                    rows[m]['codec_bound_s']) for m in xs],
-                    linestyle=':', color=line.get_color())
+            ax.plot(
+                xs, [
+                    base + max(rows[m]['bound_s'], rows[m]['codec_bound_s'])
+                    for m in xs
+                ],
+                linestyle=':',
+                color=line.get_color())
     ax.set_xscale('log')
     ax.set_xlabel('link rate per node and direction (Mbit/s)')
     ax.set_ylabel('median training step (s)')
-    ax.set_title('Step time on emulated nodes (dotted: unshaped step + '
-                 'overlap bound, codec in each chain)', fontsize=9)
+    ax.set_title(
+        'Step time on emulated nodes (dotted: unshaped step + '
+        'overlap bound, codec in each chain)',
+        fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(True, which='both', alpha=0.3)
     fig.tight_layout()
@@ -552,9 +591,10 @@ def _collectives(buckets, hooks, world_size, counted):
     from mmcv_custom import comm_cost
     layout = [
         comm_cost.Bucket(
-            tuple(comm_cost.ParamSpec(tuple(p['shape']), p['dtype'])
-                  for p in b['params']),
-            tuple(p['index'] for p in b['params'])) for b in buckets
+            tuple(
+                comm_cost.ParamSpec(tuple(p['shape']), p['dtype'])
+                for p in b['params']), tuple(p['index'] for p in b['params']))
+        for b in buckets
     ]
     costs = comm_cost.hook_costs(
         powersgd_rank=HOOKS['powerSGD']['matrix_approximation_rank'])
@@ -580,20 +620,28 @@ def _collectives(buckets, hooks, world_size, counted):
 def bench_json(results, summary, meta, hooks, rates, world_size):
     """What ``comm_cost_model.py --fit`` reads (format version 1)."""
     rank0 = results[0]
-    counted = {n: max(r['wire_bytes'].get(n, 0) for r in results)
-               for n in hooks}
-    collectives, mismatched = _collectives(rank0['buckets'], hooks,
-                                           world_size, counted)
+    counted = {
+        n: max(r['wire_bytes'].get(n, 0) for r in results)
+        for n in hooks
+    }
+    collectives, mismatched = _collectives(rank0['buckets'], hooks, world_size,
+                                           counted)
     return dict(
-        version=1, config=meta['config'], nodes=world_size,
-        ranks_per_node=1, world_size=world_size, backend='gloo',
-        bucket_cap_mb=meta['bucket_cap_mb'], grad_bytes=meta['grad_bytes'],
-        buckets=rank0['buckets'], backward_s=rank0['backward_s'],
-        compute_step_s=statistics.median(
-            rank0['steps'][_label(None)]['noop'])
+        version=1,
+        config=meta['config'],
+        nodes=world_size,
+        ranks_per_node=1,
+        world_size=world_size,
+        backend='gloo',
+        bucket_cap_mb=meta['bucket_cap_mb'],
+        grad_bytes=meta['grad_bytes'],
+        buckets=rank0['buckets'],
+        backward_s=rank0['backward_s'],
+        compute_step_s=statistics.median(rank0['steps'][_label(None)]['noop'])
         if _label(None) in rank0['steps'] else None,
         hooks={
-            name: dict(
+            name:
+            dict(
                 wire_bytes=counted[name],
                 codec_s=_codec(results, name),
                 collectives=collectives.get(name))
@@ -601,12 +649,13 @@ def bench_json(results, summary, meta, hooks, rates, world_size):
         },
         collectives_mismatched=mismatched,
         rates=[
-            dict(mbit=mbit, calibrated_mbit=meta['calibrated'].get(
-                _label(mbit)),
-                 median_step_s={
-                     row['hook']: row['step_s']
-                     for row in summary if row['mbit'] == mbit
-                 }) for mbit in rates
+            dict(
+                mbit=mbit,
+                calibrated_mbit=meta['calibrated'].get(_label(mbit)),
+                median_step_s={
+                    row['hook']: row['step_s']
+                    for row in summary if row['mbit'] == mbit
+                }) for mbit in rates
         ],
         rows=summary,
         steps=rank0['steps'])
@@ -615,6 +664,7 @@ def bench_json(results, summary, meta, hooks, rates, world_size):
 # -- the command line --------------------------------------------------------
 def _checked(convert, ok, rule):
     """An argparse type: ``convert(text)``, refused unless ``ok``."""
+
     def parse(text):
         try:
             value = convert(text)
@@ -646,40 +696,72 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description='Step time per comm hook on emulated nodes, side by '
         'side in one run (needs root or an unprivileged user namespace).')
-    parser.add_argument('config', nargs='?', default=_DEFAULT_CONFIG,
-                        help=f'training config (default: {_DEFAULT_CONFIG})')
-    parser.add_argument('--nodes', type=_positive_int, default=2,
-                        help='emulated nodes, one rank each (default: 2)')
-    parser.add_argument('--rates', type=_rate, nargs='+',
-                        default=[50.0, 200.0, 1000.0, None],
-                        help="link rates in Mbit/s, and 'unshaped' "
-                        '(default: 50 200 1000 unshaped)')
-    parser.add_argument('--hooks', nargs='+', default=list(HOOKS),
-                        choices=list(HOOKS), metavar='HOOK',
-                        help=f'hooks to compare (default: all of '
-                        f'{", ".join(HOOKS)})')
-    parser.add_argument('--bucket-cap-mb', type=_positive_float,
-                        default=None,
-                        help="DDP's bucket_cap_mb (default: a sixth of the "
-                        'gradients, so at least 4 buckets)')
-    parser.add_argument('--steps', type=_positive_int, default=4,
-                        help='timed steps per (round, rate, hook)')
-    parser.add_argument('--rounds', type=_positive_int, default=3,
-                        help='rounds over every (rate, hook)')
-    parser.add_argument('--threads', type=_positive_int, default=None,
-                        help='torch threads per node (default: cores / '
-                        'nodes, at least 1)')
-    parser.add_argument('--calibrate', action='store_true',
-                        help='measure a plain all-reduce at each rate too')
-    parser.add_argument('--cfg-options', nargs='+', default=None,
-                        metavar='KEY=VALUE',
-                        help='override config keys, as in tools/train.py')
-    parser.add_argument('--work-dir', default='work_dirs/step_time',
-                        help="the nodes' logs go to WORK_DIR/node<i>.log "
-                        '(default: work_dirs/step_time)')
+    parser.add_argument(
+        'config',
+        nargs='?',
+        default=_DEFAULT_CONFIG,
+        help=f'training config (default: {_DEFAULT_CONFIG})')
+    parser.add_argument(
+        '--nodes',
+        type=_positive_int,
+        default=2,
+        help='emulated nodes, one rank each (default: 2)')
+    parser.add_argument(
+        '--rates',
+        type=_rate,
+        nargs='+',
+        default=[50.0, 200.0, 1000.0, None],
+        help="link rates in Mbit/s, and 'unshaped' "
+        '(default: 50 200 1000 unshaped)')
+    parser.add_argument(
+        '--hooks',
+        nargs='+',
+        default=list(HOOKS),
+        choices=list(HOOKS),
+        metavar='HOOK',
+        help=f'hooks to compare (default: all of '
+        f'{", ".join(HOOKS)})')
+    parser.add_argument(
+        '--bucket-cap-mb',
+        type=_positive_float,
+        default=None,
+        help="DDP's bucket_cap_mb (default: a sixth of the "
+        'gradients, so at least 4 buckets)')
+    parser.add_argument(
+        '--steps',
+        type=_positive_int,
+        default=4,
+        help='timed steps per (round, rate, hook)')
+    parser.add_argument(
+        '--rounds',
+        type=_positive_int,
+        default=3,
+        help='rounds over every (rate, hook)')
+    parser.add_argument(
+        '--threads',
+        type=_positive_int,
+        default=None,
+        help='torch threads per node (default: cores / '
+        'nodes, at least 1)')
+    parser.add_argument(
+        '--calibrate',
+        action='store_true',
+        help='measure a plain all-reduce at each rate too')
+    parser.add_argument(
+        '--cfg-options',
+        nargs='+',
+        default=None,
+        metavar='KEY=VALUE',
+        help='override config keys, as in tools/train.py')
+    parser.add_argument(
+        '--work-dir',
+        default='work_dirs/step_time',
+        help="the nodes' logs go to WORK_DIR/node<i>.log "
+        '(default: work_dirs/step_time)')
     parser.add_argument('--json', help='write the results here')
-    parser.add_argument('--plot', help='write a PNG of step time against '
-                        'link rate here')
+    parser.add_argument(
+        '--plot', help='write a PNG of step time against '
+        'link rate here')
     parser.add_argument('--node-worker', help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.node_worker:
@@ -720,8 +802,9 @@ def main(argv=None):
     from mmcv_custom import emulated_cluster as ec
     reason = ec.check_available()
     if reason is not None:
-        print(f'benchmark_step_time: cannot emulate nodes here: {reason}',
-              file=sys.stderr)
+        print(
+            f'benchmark_step_time: cannot emulate nodes here: {reason}',
+            file=sys.stderr)
         return 1
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
     calibrated = {}
@@ -736,37 +819,50 @@ def main(argv=None):
                 calibrated[_label(mbit)] = cal.busbw_mbit
                 print(cal.describe(), flush=True)
             cluster.set_bandwidth(None)
-        spec = dict(config=osp.abspath(args.config),
-                    cfg_options=args.cfg_options, hooks=args.hooks,
-                    rates=args.rates, bucket_cap_mb=args.bucket_cap_mb,
-                    steps=args.steps, rounds=args.rounds, threads=threads,
-                    links=[list(link) for link in cluster.shaped_links],
-                    out=osp.join(folder, 'results.json'))
+        spec = dict(
+            config=osp.abspath(args.config),
+            cfg_options=args.cfg_options,
+            hooks=args.hooks,
+            rates=args.rates,
+            bucket_cap_mb=args.bucket_cap_mb,
+            steps=args.steps,
+            rounds=args.rounds,
+            threads=threads,
+            links=[list(link) for link in cluster.shaped_links],
+            out=osp.join(folder, 'results.json'))
         spec_path = osp.join(folder, 'spec.json')
         with open(spec_path, 'w') as f:
             json.dump(spec, f)
-        command = [sys.executable, osp.abspath(__file__), '--node-worker',
-                   spec_path]
+        command = [
+            sys.executable,
+            osp.abspath(__file__), '--node-worker', spec_path
+        ]
         print(f"Nodes' logs: {args.work_dir}/node<i>.log", flush=True)
-        result = ec.run_on_nodes(cluster, command, log_dir=args.work_dir,
-                                 stream=_ProgressOnly())
+        result = ec.run_on_nodes(
+            cluster, command, log_dir=args.work_dir, stream=_ProgressOnly())
         if result.returncode != 0:
             failed = result.failed_node or 0
             log = osp.join(args.work_dir, f'node{failed}.log')
             with open(log, errors='replace') as f:
                 tail = f.readlines()[-15:]
-            print(f'benchmark_step_time: {result.describe()}; the end of '
-                  f'{log}:\n' + ''.join(tail), file=sys.stderr)
+            print(
+                f'benchmark_step_time: {result.describe()}; the end of '
+                f'{log}:\n' + ''.join(tail),
+                file=sys.stderr)
             return result.returncode
         with open(spec['out']) as f:
             results = json.load(f)
     rank0 = results[0]
-    meta = dict(nodes=args.nodes, config=args.config,
-                bucket_cap_mb=rank0['bucket_cap_mb'],
-                buckets=len(rank0['buckets']),
-                grad_bytes=rank0['grad_bytes'],
-                backward_s=rank0['backward_s'], rounds=args.rounds,
-                steps=args.steps, calibrated=calibrated)
+    meta = dict(
+        nodes=args.nodes,
+        config=args.config,
+        bucket_cap_mb=rank0['bucket_cap_mb'],
+        buckets=len(rank0['buckets']),
+        grad_bytes=rank0['grad_bytes'],
+        backward_s=rank0['backward_s'],
+        rounds=args.rounds,
+        steps=args.steps,
+        calibrated=calibrated)
     summary = summarize(results, args.rates, args.hooks, args.nodes,
                         args.rounds)
     print(report(summary, meta))

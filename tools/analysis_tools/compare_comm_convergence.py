@@ -111,9 +111,8 @@ def _runs(work_dir: str) -> List[str]:
     """Run folders (``YYYYmmdd_HHMMSS``) under ``work_dir`` that hold a
     ``vis_data/scalars.json``, oldest first."""
     return sorted(
-        osp.dirname(osp.dirname(p))
-        for p in glob.glob(osp.join(work_dir, '2*_*', 'vis_data',
-                                    'scalars.json')))
+        osp.dirname(osp.dirname(p)) for p in glob.glob(
+            osp.join(work_dir, '2*_*', 'vis_data', 'scalars.json')))
 
 
 def read_scalars(path: str) -> dict:
@@ -143,8 +142,12 @@ def read_scalars(path: str) -> dict:
                 comm_mb = entry.get('comm_MB', comm_mb)
             elif 'mIoU' in entry:
                 val.append(entry)
-    return dict(iters=iters, loss=losses, val=val, comm_ratio=comm_ratio,
-                comm_MB=comm_mb)
+    return dict(
+        iters=iters,
+        loss=losses,
+        val=val,
+        comm_ratio=comm_ratio,
+        comm_MB=comm_mb)
 
 
 def read_comm_hook(run: str) -> Optional[dict]:
@@ -169,8 +172,10 @@ def read_comm_hook(run: str) -> Optional[dict]:
                 if (isinstance(value, ast.Call)
                         and isinstance(value.func, ast.Name)
                         and value.func.id == 'dict' and not value.args):
-                    return {k.arg: ast.literal_eval(k.value)
-                            for k in value.keywords}
+                    return {
+                        k.arg: ast.literal_eval(k.value)
+                        for k in value.keywords
+                    }
                 return ast.literal_eval(value)
             except ValueError:
                 return None
@@ -221,8 +226,13 @@ def summarize(runs: Dict[str, dict], smooth: float) -> List[dict]:
     base_miou = base['val'][-1]['mIoU'] if base and base['val'] else None
     rows = []
     for variant, run in runs.items():
-        row = dict(variant=variant, mIoU=None, delta_mIoU=None,
-                   comm_ratio=None, final_loss=None, final_iter=None)
+        row = dict(
+            variant=variant,
+            mIoU=None,
+            delta_mIoU=None,
+            comm_ratio=None,
+            final_loss=None,
+            final_iter=None)
         if run is not None:
             if run['val']:
                 row['mIoU'] = run['val'][-1]['mIoU']
@@ -247,11 +257,10 @@ def format_table(rows: List[dict]) -> str:
         'final loss (smoothed) |', '|---|---|---|---|---|'
     ]
     for row in rows:
-        lines.append(
-            f"| `{row['variant']}` | {_fmt(row['mIoU'], '.2f')} | "
-            f"{_fmt(row['delta_mIoU'], '+.2f')} | "
-            f"{_fmt(row['comm_ratio'], '.3f')} | "
-            f"{_fmt(row['final_loss'], '.4f')} |")
+        lines.append(f"| `{row['variant']}` | {_fmt(row['mIoU'], '.2f')} | "
+                     f"{_fmt(row['delta_mIoU'], '+.2f')} | "
+                     f"{_fmt(row['comm_ratio'], '.3f')} | "
+                     f"{_fmt(row['final_loss'], '.4f')} |")
     return '\n'.join(lines)
 
 
@@ -264,27 +273,30 @@ def verdict(rows: List[dict], tolerance: float) -> Optional[str]:
     ef = by.get('int8_ef')
     if ef and BASELINE in by:
         if ef['delta_mIoU'] is None:
-            lines.append('int8_ef within {:g} mIoU point(s) of fp32 '
-                         'all-reduce: FAIL (no mIoU to compare)'
-                         .format(tolerance))
+            lines.append(
+                'int8_ef within {:g} mIoU point(s) of fp32 '
+                'all-reduce: FAIL (no mIoU to compare)'.format(tolerance))
         else:
             ok = abs(ef['delta_mIoU']) <= tolerance
-            lines.append(
-                f'int8_ef within {tolerance:g} mIoU point(s) of fp32 '
-                f"all-reduce: {'PASS' if ok else 'FAIL'} "
-                f"({ef['delta_mIoU']:+.2f})")
+            lines.append(f'int8_ef within {tolerance:g} mIoU point(s) of fp32 '
+                         f"all-reduce: {'PASS' if ok else 'FAIL'} "
+                         f"({ef['delta_mIoU']:+.2f})")
     noef = by.get('int8_noef')
     if noef and noef['delta_mIoU'] is not None:
         lines.append(f"int8_noef vs fp32 all-reduce: "
-                     f"{noef['delta_mIoU']:+.2f} mIoU points"
-                     + (f" (int8_noef - int8_ef: "
-                        f"{noef['delta_mIoU'] - ef['delta_mIoU']:+.2f})"
-                        if ef and ef['delta_mIoU'] is not None else ''))
+                     f"{noef['delta_mIoU']:+.2f} mIoU points" +
+                     (f" (int8_noef - int8_ef: "
+                      f"{noef['delta_mIoU'] - ef['delta_mIoU']:+.2f})"
+                      if ef and ef['delta_mIoU'] is not None else ''))
     return '\n'.join(lines) or None
 
 
-def plot(runs: Dict[str, dict], rows: List[dict], path: str, title: str,
-         smooth: float, tolerance: float = 1.0) -> None:
+def plot(runs: Dict[str, dict],
+         rows: List[dict],
+         path: str,
+         title: str,
+         smooth: float,
+         tolerance: float = 1.0) -> None:
     """Three panels: loss curves (smoothed, raw faint), smoothed loss
     relative to fp32's, final mIoU per variant."""
     import matplotlib
@@ -307,32 +319,48 @@ def plot(runs: Dict[str, dict], rows: List[dict], path: str, title: str,
                      for i, s in zip(run['iters'], smoothed)
                      if i in base_smooth]
             ax2.plot([p[0] for p in pairs], [p[1] for p in pairs],
-                     color=color, lw=1.8, label=label)
-    ax1.set(yscale='log', xlabel='iteration', ylabel='training loss',
-            title=f'Loss (EMA {smooth:.2f}; raw faint)')
+                     color=color,
+                     lw=1.8,
+                     label=label)
+    ax1.set(
+        yscale='log',
+        xlabel='iteration',
+        ylabel='training loss',
+        title=f'Loss (EMA {smooth:.2f}; raw faint)')
     ax1.legend(fontsize=8)
     ax2.axhline(0.0, color='black', lw=0.8)
-    ax2.set(xlabel='iteration',
-            ylabel='smoothed loss vs fp32 all-reduce (%)',
-            title='Loss relative to fp32 all-reduce')
+    ax2.set(
+        xlabel='iteration',
+        ylabel='smoothed loss vs fp32 all-reduce (%)',
+        title='Loss relative to fp32 all-reduce')
     if base_smooth and len(done) > 1:
         ax2.legend(fontsize=8)
     scored = [r for r in rows if r['mIoU'] is not None]
     names = [_LABELS.get(r['variant'], r['variant']) for r in scored]
     values = [r['mIoU'] for r in scored]
-    bars = ax3.bar(range(len(scored)), values,
-                   color=[_COLORS.get(r['variant']) for r in scored],
-                   alpha=0.85)
+    bars = ax3.bar(
+        range(len(scored)),
+        values,
+        color=[_COLORS.get(r['variant']) for r in scored],
+        alpha=0.85)
     for bar, value in zip(bars, values):
-        ax3.text(bar.get_x() + bar.get_width() / 2, value, f'{value:.2f}',
-                 ha='center', va='bottom', fontsize=8)
+        ax3.text(
+            bar.get_x() + bar.get_width() / 2,
+            value,
+            f'{value:.2f}',
+            ha='center',
+            va='bottom',
+            fontsize=8)
     base_row = next((r for r in scored if r['variant'] == BASELINE), None)
     if base_row:
         # Lines, not a shaded band: a band would hide behind the bars.
         for edge in (-tolerance, tolerance):
-            ax3.axhline(base_row['mIoU'] + edge, color='grey', ls='--',
-                        lw=1, label=f'fp32 +/- {tolerance:g} point'
-                        if edge < 0 else None)
+            ax3.axhline(
+                base_row['mIoU'] + edge,
+                color='grey',
+                ls='--',
+                lw=1,
+                label=f'fp32 +/- {tolerance:g} point' if edge < 0 else None)
         ax3.legend(fontsize=8, loc='lower right')
     if values:
         low = min(values +
@@ -381,12 +409,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog='\n'.join(__doc__.splitlines()[2:]))
     parser.add_argument('config', help='the config to train')
     parser.add_argument(
-        '--variants', nargs='+', default=DEFAULT_VARIANTS,
-        choices=list(VARIANTS), metavar='VARIANT',
+        '--variants',
+        nargs='+',
+        default=DEFAULT_VARIANTS,
+        choices=list(VARIANTS),
+        metavar='VARIANT',
         help=f"hooks to compare, from: {', '.join(VARIANTS)} "
         f"(default: {' '.join(DEFAULT_VARIANTS)})")
     parser.add_argument(
-        '--block-size', type=int, default=256,
+        '--block-size',
+        type=int,
+        default=256,
         help='int8 elements per fp32 scale (default: 256)')
     parser.add_argument('--nproc', type=int, default=2, help='ranks per run')
     parser.add_argument(
@@ -394,27 +427,38 @@ def parse_args(argv=None) -> argparse.Namespace:
         help='runs go to <work-dir>/<variant> (default: '
         'work_dirs/compare_comm_convergence/<config name>)')
     parser.add_argument(
-        '--seed', type=int,
+        '--seed',
+        type=int,
         help='randomness.seed for every run (default: the config\'s)')
     parser.add_argument(
-        '--log-interval', type=int, default=10,
+        '--log-interval',
+        type=int,
+        default=10,
         help='iterations per logged loss (default: 10; the configs log '
         'every 50, too coarse for a curve)')
     parser.add_argument(
-        '--cfg-options', nargs='+', default=[], metavar='KEY=VALUE',
+        '--cfg-options',
+        nargs='+',
+        default=[],
+        metavar='KEY=VALUE',
         help='passed on to tools/train.py for every run (comm_hook.* is '
         'set by the tool)')
     parser.add_argument(
-        '--from-work-dirs', nargs='*', metavar='VARIANT=DIR',
+        '--from-work-dirs',
+        nargs='*',
+        metavar='VARIANT=DIR',
         help='do not train: read existing runs, under <work-dir>/<variant> '
         'for --variants, or the given VARIANT=DIR pairs (then --variants '
         'is not used); the latest run in each folder counts')
     parser.add_argument(
-        '--smooth', type=float,
+        '--smooth',
+        type=float,
         help='EMA weight for the smoothed curves, in [0, 1) (default: '
         'from the number of logged points, lagging about 3%% of the run)')
     parser.add_argument(
-        '--tolerance', type=float, default=1.0,
+        '--tolerance',
+        type=float,
+        default=1.0,
         help='mIoU points int8_ef may differ from fp32 (default: 1)')
     parser.add_argument(
         '--plot', help='PNG path (default: <work-dir>/convergence.png)')
@@ -451,9 +495,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f'--cfg-options expects KEY=VALUE, but got '
                          f'{option!r}')
     if args.work_dir is None:
-        args.work_dir = osp.join(
-            'work_dirs', 'compare_comm_convergence',
-            osp.splitext(osp.basename(args.config))[0])
+        args.work_dir = osp.join('work_dirs', 'compare_comm_convergence',
+                                 osp.splitext(osp.basename(args.config))[0])
     if args.from_work_dirs is not None:
         args.run_dirs = _parse_from(parser, args)
         args.variants = list(args.run_dirs)
@@ -487,8 +530,10 @@ def _train(args, variant: str) -> Optional[str]:
     try:
         os.makedirs(work_dir, exist_ok=True)
     except OSError as e:
-        print(f'[{variant}] FAILED: cannot create {work_dir} '
-              f'({e.strerror})', flush=True)
+        print(
+            f'[{variant}] FAILED: cannot create {work_dir} '
+            f'({e.strerror})',
+            flush=True)
         return None
     before = set(_runs(work_dir))
     options = _hook_options(variant, args.block_size)
@@ -496,23 +541,30 @@ def _train(args, variant: str) -> Optional[str]:
     if args.seed is not None:
         options.append(f'randomness.seed={args.seed}')
     options += args.cfg_options
-    cmd = ['bash', DIST_TRAIN, args.config, str(args.nproc), '--work-dir',
-           work_dir, '--cfg-options', *options]
+    cmd = [
+        'bash', DIST_TRAIN, args.config,
+        str(args.nproc), '--work-dir', work_dir, '--cfg-options', *options
+    ]
     port = free_port()
     log = osp.join(work_dir, 'dist_train.log')
     print(f'[{variant}] PORT={port} {" ".join(cmd[1:])}', flush=True)
     start = time.time()
     with open(log, 'w') as f:
         code = subprocess.call(
-            cmd, stdout=f, stderr=subprocess.STDOUT,
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
             env=dict(os.environ, PORT=port))
     new = [r for r in _runs(work_dir) if r not in before]
     if code != 0 or not new:
-        print(f'[{variant}] FAILED (exit code {code}) after '
-              f'{time.time() - start:.0f} s; log: {log}', flush=True)
+        print(
+            f'[{variant}] FAILED (exit code {code}) after '
+            f'{time.time() - start:.0f} s; log: {log}',
+            flush=True)
         return None
-    print(f'[{variant}] done in {time.time() - start:.0f} s: {new[-1]}',
-          flush=True)
+    print(
+        f'[{variant}] done in {time.time() - start:.0f} s: {new[-1]}',
+        flush=True)
     return new[-1]
 
 
@@ -538,11 +590,13 @@ def main(argv=None) -> int:
     if args.smooth is None:
         args.smooth = _auto_smooth(runs)
     rows = summarize(runs, args.smooth)
-    blocks = sorted({h.get('block_size', 256) for v, h in hooks.items()
-                     if isinstance(h, dict) and VARIANTS[v][1]})
+    blocks = sorted({
+        h.get('block_size', 256)
+        for v, h in hooks.items() if isinstance(h, dict) and VARIANTS[v][1]
+    })
     title = args.title or (
-        osp.splitext(osp.basename(args.config))[0]
-        + (f": int8 block {', '.join(map(str, blocks))}" if blocks else ''))
+        osp.splitext(osp.basename(args.config))[0] +
+        (f": int8 block {', '.join(map(str, blocks))}" if blocks else ''))
     print()
     print(format_table(rows))
     said = verdict(rows, args.tolerance)
@@ -551,26 +605,38 @@ def main(argv=None) -> int:
         print(said)
     plot(runs, rows, args.plot, title, args.smooth, args.tolerance)
     summary = dict(
-        config=args.config, nproc=args.nproc, block_size=args.block_size,
-        seed=args.seed, cfg_options=args.cfg_options, smooth=args.smooth,
-        tolerance=args.tolerance, verdict=said, rows=rows,
-        runs={v: dict(folder=folders.get(v), comm_hook=hooks.get(v),
-                      **(runs[v] or {}))
-              for v in args.variants},
+        config=args.config,
+        nproc=args.nproc,
+        block_size=args.block_size,
+        seed=args.seed,
+        cfg_options=args.cfg_options,
+        smooth=args.smooth,
+        tolerance=args.tolerance,
+        verdict=said,
+        rows=rows,
+        runs={
+            v:
+            dict(
+                folder=folders.get(v),
+                comm_hook=hooks.get(v),
+                **(runs[v] or {}))
+            for v in args.variants
+        },
         failed=failed)
     if args.from_work_dirs is not None:
         # Read, not trained here: the block size and options are the runs'
         # own (see runs.*.comm_hook), which this tool did not set.
-        summary.update(block_size=None, cfg_options=None, seed=None,
-                       nproc=None)
+        summary.update(
+            block_size=None, cfg_options=None, seed=None, nproc=None)
     with open(args.json, 'w') as f:
         json.dump(summary, f, indent=1)
     print(f'\nplot: {args.plot}\nsummary: {args.json}')
     if failed:
         for variant in failed:
-            print(f'{variant}: training failed; log: '
-                  f"{osp.join(args.run_dirs[variant], 'dist_train.log')}",
-                  file=sys.stderr)
+            print(
+                f'{variant}: training failed; log: '
+                f"{osp.join(args.run_dirs[variant], 'dist_train.log')}",
+                file=sys.stderr)
         return 1
     return 0
 

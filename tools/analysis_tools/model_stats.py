@@ -89,8 +89,8 @@ def main():
     kind = (f'{s["bf16_trainable"]:,} of them in bf16'
             if s['bf16_trainable'] else 'fp32')
     print(f'gradients         : {_size(s["grad_bytes"])} per step ({kind})')
-    hook_bytes = ('depends on the DDP buckets' if s['hook_bytes'] is None
-                  else f'{_size(s["hook_bytes"])} per step')
+    hook_bytes = ('depends on the DDP buckets' if s['hook_bytes'] is None else
+                  f'{_size(s["hook_bytes"])} per step')
     print(f'with comm_hook    : {hook_bytes} ({s["hook"]})')
     total = s['param_bytes'] + s['grad_bytes'] + s['optim_bytes']
     print(f'memory per GPU    : {_size(total)} under DDP (parameters '
@@ -111,8 +111,7 @@ def _print_fsdp2(s: dict) -> None:
     else:
         print(f'FSDP2 units       : {units} (the last: the root, with what '
               f'the others leave); shard_modules={shard_modules}')
-    built = ('bf16 and fp32 as built' if s['bf16_params'] else
-             'fp32 as built')
+    built = ('bf16 and fp32 as built' if s['bf16_params'] else 'fp32 as built')
     for key, kind in (('fsdp2', built), ('fsdp2_fp32', 'all fp32')):
         print(f'FSDP2 per GPU     : parameters {kind}; rank 0\'s shards '
               'plus the units gathered at once (a block, the units around '

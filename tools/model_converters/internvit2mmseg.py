@@ -85,9 +85,10 @@ def convert(src: str, dst: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('src',
-                        help='released checkpoint (.pth, .bin, '
-                        '.safetensors, *.index.json)')
+    parser.add_argument(
+        'src',
+        help='released checkpoint (.pth, .bin, '
+        '.safetensors, *.index.json)')
     parser.add_argument('dst', help='output .pth')
     args = parser.parse_args(argv)
     try:

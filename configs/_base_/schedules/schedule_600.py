@@ -2,8 +2,13 @@
 optimizer = dict(type='AdamW', lr=3e-3, weight_decay=1e-4)
 optim_wrapper = dict(type='OptimWrapper', optimizer=optimizer, clip_grad=None)
 param_scheduler = [
-    dict(type='PolyLR', eta_min=1e-5, power=0.9, begin=0, end=600,
-         by_epoch=False)
+    dict(
+        type='PolyLR',
+        eta_min=1e-5,
+        power=0.9,
+        begin=0,
+        end=600,
+        by_epoch=False)
 ]
 train_cfg = dict(type='IterBasedTrainLoop', max_iters=600, val_interval=600)
 val_cfg = dict(type='ValLoop')

@@ -11,10 +11,15 @@ optim_wrapper = dict(
 # schedulers multiply). Starting the decay at 1500 would train up to 1.9%
 # above InternVL's rate.
 param_scheduler = [
-    dict(type='LinearLR', start_factor=1e-6, by_epoch=False, begin=0,
-         end=1500),
-    dict(type='PolyLR', eta_min=0.0, power=1.0, begin=0, end=80000,
-         by_epoch=False)
+    dict(
+        type='LinearLR', start_factor=1e-6, by_epoch=False, begin=0, end=1500),
+    dict(
+        type='PolyLR',
+        eta_min=0.0,
+        power=1.0,
+        begin=0,
+        end=80000,
+        by_epoch=False)
 ]
 train_cfg = dict(type='IterBasedTrainLoop', max_iters=80000, val_interval=8000)
 val_cfg = dict(type='ValLoop')
@@ -23,7 +28,8 @@ default_hooks = dict(
     timer=dict(type='IterTimerHook'),
     logger=dict(type='LoggerHook', interval=50, log_metric_by_epoch=False),
     param_scheduler=dict(type='ParamSchedulerHook'),
-    checkpoint=dict(type='CheckpointHook', by_epoch=False, interval=8000,
-                    max_keep_ckpts=2),
+    checkpoint=dict(
+        type='CheckpointHook', by_epoch=False, interval=8000,
+        max_keep_ckpts=2),
     sampler_seed=dict(type='DistSamplerSeedHook'),
     visualization=dict(type='SegVisualizationHook'))

@@ -22,8 +22,9 @@ from torch import nn
 from .intern_vit_checkpoint import (convert_checkpoint,
                                     load_internvit_checkpoint)
 
-__all__ = ['InternViT', 'InternViTBlock', 'resize_patch_kernel',
-           'resize_pos_embed']
+__all__ = [
+    'InternViT', 'InternViTBlock', 'resize_patch_kernel', 'resize_pos_embed'
+]
 
 # What ``InternViT(dtype=...)`` accepts; fp16 is left out on purpose: its
 # range (65504) is too small for un-scaled training.
@@ -55,9 +56,11 @@ def resize_pos_embed(pos_embed: torch.Tensor, new_grid: int) -> torch.Tensor:
     grid_pos = grid_pos.reshape(1, old_grid, old_grid, dim).permute(0, 3, 1, 2)
     grid_pos = F.interpolate(
         grid_pos.to(_compute_dtype(grid_pos.dtype)),
-        size=(new_grid, new_grid), mode='bicubic',
+        size=(new_grid, new_grid),
+        mode='bicubic',
         align_corners=False).to(pos_embed.dtype)
-    grid_pos = grid_pos.permute(0, 2, 3, 1).reshape(1, new_grid * new_grid, dim)
+    grid_pos = grid_pos.permute(0, 2, 3, 1).reshape(1, new_grid * new_grid,
+                                                    dim)
     return torch.cat([cls_pos, grid_pos], dim=1)
 
 
@@ -93,8 +96,7 @@ class _ChannelNorm(nn.Module):
         return out.permute(0, 3, 1, 2).to(x.dtype)
 
 
-def resize_patch_kernel(weight: torch.Tensor,
-                        patch_size: int) -> torch.Tensor:
+def resize_patch_kernel(weight: torch.Tensor, patch_size: int) -> torch.Tensor:
     """Resize a ``(C, 3, k, k)`` patch-embedding kernel bicubically.
 
     InternVL loads a 16 x 16 kernel into a patch-14 model this way.
@@ -103,7 +105,8 @@ def resize_patch_kernel(weight: torch.Tensor,
         return weight
     return F.interpolate(
         weight.to(_compute_dtype(weight.dtype)),
-        size=(patch_size, patch_size), mode='bicubic',
+        size=(patch_size, patch_size),
+        mode='bicubic',
         align_corners=False).to(weight.dtype)
 
 
@@ -152,8 +155,9 @@ class _Attention(nn.Module):
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.reshape(b, n, self.num_heads, -1).transpose(1, 2)
-                   for t in (q, k, v))
+        q, k, v = (
+            t.reshape(b, n, self.num_heads, -1).transpose(1, 2)
+            for t in (q, k, v))
         x = F.scaled_dot_product_attention(q, k, v)
         return self.proj(x.transpose(1, 2).reshape(b, n, c))
 
@@ -336,8 +340,9 @@ class InternViT(BaseModule):
         rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         hidden = int(embed_dims * mlp_ratio)
         self.blocks = nn.ModuleList(
-            InternViTBlock(embed_dims, num_heads, hidden, qkv_bias, qk_norm, norm,
-                   norm_eps, init_values, rate) for rate in rates)
+            InternViTBlock(embed_dims, num_heads, hidden, qkv_bias, qk_norm,
+                           norm, norm_eps, init_values, rate)
+            for rate in rates)
 
         self.with_fpn = with_fpn
         if with_fpn:
@@ -398,13 +403,14 @@ class InternViT(BaseModule):
         if self.pretrained is None:
             return
         converted = load_internvit_checkpoint(self.pretrained)
-        print_log(f'InternViT: {self.pretrained}: {converted.summary()}',
-                  logger='current')
+        print_log(
+            f'InternViT: {self.pretrained}: {converted.summary()}',
+            logger='current')
         self._load_converted(converted, source=self.pretrained)
 
-    def load_public_state_dict(self, checkpoint: dict,
-                               allow_partial: Optional[bool] = None
-                               ) -> tuple:
+    def load_public_state_dict(self,
+                               checkpoint: dict,
+                               allow_partial: Optional[bool] = None) -> tuple:
         """Load a checkpoint (any layout of :mod:`.intern_vit_checkpoint`).
 
         Position embeddings of another grid and patch kernels of another
@@ -425,10 +431,13 @@ class InternViT(BaseModule):
                 other shapes, and ``allow_partial`` is False.
         """
         return self._load_converted(
-            convert_checkpoint(checkpoint), source='checkpoint',
+            convert_checkpoint(checkpoint),
+            source='checkpoint',
             allow_partial=allow_partial)
 
-    def _load_converted(self, converted, source: str,
+    def _load_converted(self,
+                        converted,
+                        source: str,
                         allow_partial: Optional[bool] = None) -> tuple:
         if allow_partial is None:
             allow_partial = self.allow_partial
@@ -445,7 +454,8 @@ class InternViT(BaseModule):
             for k, v in state.items() if k in own and v.shape != own[k].shape
         ]
         state = {
-            k: v for k, v in state.items()
+            k: v
+            for k, v in state.items()
             if k not in own or v.shape == own[k].shape
         }
         result = self.load_state_dict(state, strict=False)
@@ -466,14 +476,18 @@ class InternViT(BaseModule):
                     f'InternViT: {report}; training would start from random '
                     'weights. Check the checkpoint and the architecture, or '
                     'pass allow_partial=True to load it anyway.')
-            print_log(f'InternViT: partial load (allow_partial=True): '
-                      f'{report}', logger='current', level=logging.WARNING)
+            print_log(
+                f'InternViT: partial load (allow_partial=True): '
+                f'{report}',
+                logger='current',
+                level=logging.WARNING)
         else:
             pyramid = len(missing) - len(missing_vit)
             print_log(
                 f'InternViT: {report}' +
-                (f'; the pyramid ({pyramid} tensors) is new' if pyramid
-                 else ''), logger='current')
+                (f'; the pyramid ({pyramid} tensors) is new'
+                 if pyramid else ''),
+                logger='current')
         return missing, unexpected
 
     def train(self, mode: bool = True):
@@ -522,8 +536,8 @@ class InternViT(BaseModule):
         ]
         if self.with_fpn:
             maps = [
-                op(m) for op, m in zip(
-                    (self.up1, self.up2, self.up3, self.up4), maps)
+                op(m) for op, m in zip((self.up1, self.up2, self.up3,
+                                        self.up4), maps)
             ]
         # The heads are fp32 (float64 after ``.double()``): bf16 / fp16
         # features are widened for them, float64 ones left as they are.

@@ -208,8 +208,9 @@ def detect_layout(state: dict) -> str:
         return 'segmentor'
     if any(k.startswith(_HF_PREFIXES) for k in keys):
         return 'hf'
-    if any(k in _BACKBONE_ROOTS or k.startswith(_BACKBONE_PREFIXES)
-           for k in keys):
+    if any(
+            k in _BACKBONE_ROOTS or k.startswith(_BACKBONE_PREFIXES)
+            for k in keys):
         return 'backbone'
     raise UnknownCheckpointLayoutError(
         'unknown checkpoint layout: expected one of '
@@ -277,8 +278,9 @@ _QKV = re.compile(r'^blocks\.\d+\.attn\.qkv\.weight$')
 _OTHER_BACKBONES = (
     ('ResNet-like', re.compile(r'(^|\.)layer\d+\.\d+\.(conv|bn)\d')),
     ('Swin-like', re.compile(r'\.w_msa\.')),
-    ('ConvNeXt-like', re.compile(r'(^|\.)(downsample_layers|stages)\.\d+'
-                                 r'\..*(depthwise_conv|dwconv)')),
+    ('ConvNeXt-like',
+     re.compile(r'(^|\.)(downsample_layers|stages)\.\d+'
+                r'\..*(depthwise_conv|dwconv)')),
     ('MMSegmentation VisionTransformer-like',
      re.compile(r'(^|\.)layers\.\d+\.attn\.attn\.in_proj_weight$')),
     ('Hugging Face ViT-like',
@@ -293,8 +295,9 @@ def _looks_internvit(backbone: Dict[str, torch.Tensor]) -> bool:
     width = patch.shape[0]
     qkv = [v for k, v in backbone.items() if _QKV.match(k)]
     return bool(qkv) and all(
-        getattr(v, 'dim', lambda: 0)() == 2 and tuple(v.shape) == (
-            3 * width, width) for v in qkv)
+        getattr(v, 'dim', lambda: 0)() == 2 and tuple(v.shape) == (3 * width,
+                                                                   width)
+        for v in qkv)
 
 
 def check_internvit(converted: ConvertedCheckpoint, source: str) -> None:
@@ -327,8 +330,8 @@ def check_internvit(converted: ConvertedCheckpoint, source: str) -> None:
             break
     if example is None:
         example = next(iter(backbone), None)
-    keys = (f'keys like {prefix}{example}' if example is not None else
-            'no backbone tensors')
+    keys = (f'keys like {prefix}{example}'
+            if example is not None else 'no backbone tensors')
     raise NotInternViTError(
         f'{source} holds {what} ({keys}), not an InternViT (which has a '
         '4-D patch_embed.proj.weight and blocks.N.attn.qkv.weight of '

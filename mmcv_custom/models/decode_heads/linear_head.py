@@ -47,8 +47,8 @@ class LinearHead(BaseDecodeHead):
                  in_channels: int,
                  channels: Optional[int] = None,
                  with_norm: bool = True,
-                 norm_cfg: Optional[dict] = dict(type='BN',
-                                                 requires_grad=True),
+                 norm_cfg: Optional[dict] = dict(
+                     type='BN', requires_grad=True),
                  **kwargs) -> None:
         if not isinstance(in_channels, int):
             raise TypeError('LinearHead reads one backbone output: '
@@ -62,8 +62,7 @@ class LinearHead(BaseDecodeHead):
         if with_norm and norm_cfg is None:
             raise ValueError('LinearHead(with_norm=True) needs a norm_cfg, '
                              'e.g. dict(type=\'SyncBN\', requires_grad=True)')
-        super().__init__(
-            in_channels, in_channels, norm_cfg=norm_cfg, **kwargs)
+        super().__init__(in_channels, in_channels, norm_cfg=norm_cfg, **kwargs)
         self.with_norm = with_norm
         if with_norm:
             _, self.norm = build_norm_layer(norm_cfg, in_channels)

@@ -1,1 +1,0 @@
-from mmcv_custom.testing import run_ranks  # noqa: F401

@@ -1,0 +1,1 @@
+"""The command-line tools, the cost model, emulated nodes and the docs."""

@@ -1,0 +1,196 @@
+"""tools/analysis_tools/benchmark_comm_hooks.py end to end, in a small
+configuration, and its argument checks (usage errors before any rank
+starts)."""
+import json
+import os.path as osp
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.tool_utils import load_script, usage_errors
+
+ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'benchmark_comm_hooks.py')
+STEP_HEADER = ('| bucket | hook | ours | PyTorch | ours / PyTorch | '
+               'wire MB (ours) | rel. error |')
+CODEC_HEADER = ('| bucket | fp32 copy | ours fp16 | PyTorch fp16 | '
+                'ours bf16 | PyTorch bf16 | ours int8 |')
+_MS = r'[\d.]+ ms'
+# A row of each table: bucket, hook, times (PyTorch's, and the ratio, a
+# dash where PyTorch has no such hook), MiB, error / bucket; copy time,
+# five multiples of it.
+STEP_ROW = (r'\| (?P<size>[\d.]+) MB \| `(?P<hook>\w+)` \| ' + _MS +
+            r' \| (?P<theirs>' + _MS + r'|—) \| (?P<ratio>\d+\.\d\d|—) \| '
+            r'(?P<wire>[\d.]+) \| \d\.\de-\d\d \|')
+CODEC_ROW = r'\| (?P<size>[\d.]+) MB \| ' + _MS + r'( \| \d+\.\d\dx){5} \|'
+HOOK_ROWS = ('allreduce_hook', 'fp16_compress_hook', 'bf16_compress_hook',
+             'int8_compress_hook')
+
+
+def _table(lines, header):
+    """The rows under ``header`` in ``lines``, after checking the
+    separator line."""
+    start = lines.index(header)
+    assert lines[start + 1] == '|' + '---|' * (header.count('|') - 1)
+    rows = lines[start + 2:]
+    return rows[:rows.index('')] if '' in rows else rows
+
+
+def _bench(*args, python=(sys.executable, TOOL)):
+    return subprocess.run([*python, *args],
+                          capture_output=True,
+                          text=True,
+                          timeout=300,
+                          cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_benchmark_runs_and_measures_the_bytes(tmp_path):
+    out = _bench('--nproc', '2', '--sizes-mb', '0.25', '1', '--repeat', '2',
+                 '--warmup', '1', '--json', str(tmp_path / 'b.json'), '--plot',
+                 str(tmp_path / 'b.png'))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert 'wire bytes fp16/bf16 = 0.5 x fp32: PASS' in out.stdout
+    assert re.search(
+        r'wire bytes int8 <= 0\.27 x fp32 per phase .*: PASS '
+        r'\(worst: all_to_all send 0\.2\d+ at ', out.stdout)
+    assert 'CPU casts: C kernel (' in out.stdout
+    assert 'int8 codec (block 256): C kernel (' in out.stdout
+    assert re.search(
+        r'int8 compress\+decompress: [\d.]+x to [\d.]+x an '
+        r'fp32 copy', out.stdout)
+    # Kineto's "USDT: ... profiler_start/stop" lines stay off the console.
+    assert 'USDT' not in out.stderr and 'profiler_st' not in out.stderr
+    # The two tables of docs/en/notes/benchmarks.md, row for row.
+    lines = out.stdout.splitlines()
+    step = [re.fullmatch(STEP_ROW, row) for row in _table(lines, STEP_HEADER)]
+    assert [(m['size'], m['hook']) for m in step] == [(size, hook)
+                                                      for size in ('0.25', '1')
+                                                      for hook in HOOK_ROWS]
+    data = json.load(open(tmp_path / 'b.json'))
+    wire = {
+        (f'{e["size_mb"]:g}', name[len('ours.'):]): h['wire_bytes']
+        for e in data['results']
+        for name, h in e['hooks'].items() if name.startswith('ours.')
+    }
+    for m in step:
+        # The table shows what the JSON holds, in MiB to four digits.
+        assert float(
+            m['wire']) == float(f'{wire[m["size"], m["hook"]] / 2**20:.4g}')
+        # PyTorch has no int8 hook that runs on gloo: no time, no ratio.
+        int8 = m['hook'] == 'int8_compress_hook'
+        assert (m['theirs'] == '—') == int8 and (m['ratio'] == '—') == int8
+    codec = [
+        re.fullmatch(CODEC_ROW, row) for row in _table(lines, CODEC_HEADER)
+    ]
+    assert [m['size'] for m in codec] == ['0.25', '1']
+    assert data['world_size'] == 2 and data['backend'] == 'gloo'
+    assert [e['size_mb'] for e in data['results']] == [0.25, 1]
+    for entry in data['results']:
+        fp32 = entry['numel'] * 4
+        hooks = entry['hooks']
+        # Measured from the profiler's record of each collective's input.
+        assert hooks['ours.allreduce_hook']['wire_bytes'] == fp32
+        assert hooks['ours.fp16_compress_hook']['wire_bytes'] == fp32 // 2
+        assert hooks['ours.bf16_compress_hook']['wire_bytes'] == fp32 // 2
+        assert hooks['noop']['wire_bytes'] == 0
+        for name in ('ours.allreduce_hook', 'ours.bf16_compress_hook'):
+            assert hooks[name]['wire_bytes_by_collective'] == dict(
+                all_reduce=hooks[name]['wire_bytes'],
+                all_to_all=0,
+                all_gather=0)
+        # int8: 1 byte an element and a 4-byte scale a block of 256, in
+        # the all_to_all's send tensor and again in the all-gathered
+        # result (world_size x each rank's input): 0.2539 of fp32 each,
+        # plus what padding to whole blocks and equal segments costs.
+        by = hooks['ours.int8_compress_hook']['wire_bytes_by_collective']
+        assert by['all_reduce'] == 0
+        assert (1 + 4 / 256) / 4 <= by['all_to_all'] / fp32 <= 0.27
+        assert (1 + 4 / 256) / 4 <= by['all_gather'] * 2 / fp32 <= 0.27
+        assert hooks['ours.int8_compress_hook']['wire_bytes'] == (
+            by['all_to_all'])
+        # Errors within each format's rounding of the exact mean.
+        assert hooks['ours.allreduce_hook']['rel_error'] < 1e-6
+        assert hooks['ours.fp16_compress_hook']['rel_error'] < 2**-10
+        assert hooks['ours.bf16_compress_hook']['rel_error'] < 2**-7
+        # int8: two roundings of half a step (1/254 of a block's largest
+        # value) each; the planted values span five decades, so a block's
+        # largest sits a few times above the bucket's RMS (1.3e-2 after
+        # one step, 1.9e-2 after two, the second carrying fed-back error).
+        assert hooks['ours.int8_compress_hook']['rel_error'] < 2**-5
+        assert set(entry['codec_s']) == {
+            'copy_fp32', 'ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16',
+            'ours.int8'
+        }
+        # Asked in the ranks (one thread each): the C kernel when built.
+        assert entry['int8_c_kernel'] is True
+    assert (tmp_path / 'b.png').stat().st_size > 10000
+
+
+def test_benchmarks_page_shows_the_tables_the_tool_prints():
+    page = open(osp.join(ROOT, 'docs', 'en', 'notes',
+                         'benchmarks.md')).read().splitlines()
+    section = page[page.index("## Comm hooks against PyTorch's"):]
+    for header, row in ((STEP_HEADER, STEP_ROW), (CODEC_HEADER, CODEC_ROW)):
+        rows = _table(section, header)
+        assert rows
+        for line in rows:
+            assert re.fullmatch(row, line), line
+
+
+def _usage_error(args, message, **kwargs):
+    out = _bench(*args, **kwargs)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.splitlines()[-1] == (
+        f'benchmark_comm_hooks.py: error: {message}')
+    assert out.stdout == ''
+
+
+@pytest.fixture
+def bench_args(monkeypatch, capsys):
+    """The tool's own ``parse_args``: exit code and last line of stderr."""
+    return usage_errors(
+        load_script(TOOL, '_benchmark_tool'), TOOL, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize(
+    'args,message', [
+        (['--nproc', '0'], '--nproc should be at least 1, but got 0'),
+        (['--sizes-mb', '1', '-4'
+          ], '--sizes-mb values should be positive, but got -4'),
+        (['--repeat', '0'], '--repeat should be at least 1, but got 0'),
+        (['--json', '/nonexistent/b.json'
+          ], '--json /nonexistent/b.json: cannot write there (No such file or '
+         'directory)'),
+        (['--plot', '.'], '--plot .: is a directory, not a file'),
+    ],
+    ids=['nproc', 'sizes', 'repeat', 'json-dir-missing', 'plot-is-a-dir'])
+def test_bad_arguments_are_usage_errors_before_any_rank_starts(
+        bench_args, args, message):
+    assert bench_args(args) == (2,
+                                f'benchmark_comm_hooks.py: error: {message}')
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='needs a CPU machine')
+def test_nccl_without_cuda_is_a_usage_error(bench_args):
+    assert bench_args([
+        '--backend', 'nccl'
+    ]) == (2,
+           'benchmark_comm_hooks.py: error: --backend nccl needs CUDA GPUs, '
+           'but torch sees none (use --backend gloo on CPUs)')
+
+
+def test_plot_without_matplotlib_is_a_usage_error(tmp_path):
+    # The tool run as a script by an interpreter where matplotlib cannot be
+    # imported (a None entry in sys.modules makes the import fail).
+    blocked = ("import runpy, sys; sys.modules['matplotlib'] = None; "
+               f'sys.argv = [{TOOL!r}] + sys.argv[1:]; '
+               f"runpy.run_path({TOOL!r}, run_name='__main__')")
+    _usage_error(['--plot', str(tmp_path / 'b.png')],
+                 '--plot needs matplotlib, which is not installed (pip '
+                 'install matplotlib)',
+                 python=(sys.executable, '-c', blocked))
+    assert not (tmp_path / 'b.png').exists()

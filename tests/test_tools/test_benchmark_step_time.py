@@ -1,0 +1,211 @@
+"""tools/analysis_tools/benchmark_step_time.py: its arithmetic, its
+arguments, and (slow) a real run on two emulated nodes."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mmcv_custom import emulated_cluster
+from tests.tool_utils import load_script, usage_errors
+
+ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOL = os.path.join(ROOT, 'tools', 'analysis_tools', 'benchmark_step_time.py')
+bench = load_script(TOOL, 'benchmark_step_time')
+
+# Three buckets of 1 MB ready at 10, 20 and 30 ms; backward ends at 40 ms.
+BUCKETS = [
+    dict(index=i, bytes=10**6, ready_s=0.01 * (i + 1)) for i in range(3)
+]
+
+
+def test_overlap_bound_hides_what_fits_before_the_backward_ends():
+    # 1 MB at 1e8 B/s: 10 ms each. Buckets go at 10-20, 20-30, 30-40 ms:
+    # all hidden.
+    assert bench.overlap_bound(BUCKETS, 0.04, 1.0, 1e8) == 0
+    # At 5e7 B/s, 20 ms each: 10-30, 30-50, 50-70 ms: 30 ms exposed.
+    assert bench.overlap_bound(BUCKETS, 0.04, 1.0, 5e7) == pytest.approx(0.03)
+    # A quarter of the bytes (int8): 5 ms each, all hidden again.
+    assert bench.overlap_bound(BUCKETS, 0.04, 0.25, 5e7) == 0
+    # Comm-bound: 100 ms each, the first starts at 10 ms: 310 - 40 ms.
+    assert bench.overlap_bound(BUCKETS, 0.04, 1.0, 1e7) == pytest.approx(0.27)
+
+
+def test_overlap_bound_with_a_codec_in_each_chain():
+    # 30 ms of codec, 10 ms per bucket, before its bytes. Unshaped the
+    # chains end at 20, 30, 40 ms: nothing exposed. At 1e8 B/s (10 ms a
+    # bucket): 10-30, 30-50, 50-70 ms: 30 ms, all the link's doing.
+    assert bench.overlap_bound(BUCKETS, 0.04, 1.0, 1e8,
+                               0.03) == pytest.approx(0.03)
+    # A codec that alone runs 60 ms past the backward (40 ms a bucket:
+    # 50, 90, 130 ms unshaped): every byte is exposed, 30 ms of 30.
+    assert bench.overlap_bound(BUCKETS, 0.04, 1.0, 1e8,
+                               0.12) == pytest.approx(0.03)
+    # Without the codec the same link leaves nothing exposed.
+    assert bench.overlap_bound(BUCKETS, 0.04, 1.0, 1e8) == 0
+
+
+def _results(step_times, wire, codec):
+    """Two ranks' results as the node workers gather them."""
+    rank = dict(
+        steps=step_times,
+        wire_bytes=wire,
+        backward_s=0.04,
+        buckets=BUCKETS,
+        codec_s=codec,
+        grad_bytes=3 * 10**6)
+    return [dict(rank, rank=0), dict(rank, rank=1)]
+
+
+def _rows(int8_steps, n=1):
+    """The summary of one run at 80 Mbit/s (1e7 B/s: allreduce's 3 MB
+    need 300 ms on the wire) and unshaped, ``n`` steps a cell, int8's at
+    80 Mbit/s given."""
+    steps = {
+        'unshaped':
+        dict(noop=[0.10] * n, allreduce=[0.11] * n, int8_compress=[0.12] * n),
+        '80 Mbit/s':
+        dict(noop=[0.10] * n, allreduce=[0.41] * n, int8_compress=int8_steps),
+    }
+    results = _results(steps,
+                       dict(noop=0, allreduce=3 * 10**6, int8_compress=780000),
+                       dict(noop=0.0, allreduce=0.0, int8_compress=0.004))
+    return bench.summarize(results, [80.0, None],
+                           ['noop', 'allreduce', 'int8_compress'], 2)
+
+
+def test_summary_rows_and_verdict():
+    rows = _rows([0.30])
+    by = {(r['rate'], r['hook']): r for r in rows}
+    ar = by['80 Mbit/s', 'allreduce']
+    assert ar['wire_s'] == pytest.approx(0.3)
+    assert ar['exposed_s'] == pytest.approx(0.30)
+    assert ar['bound_s'] == pytest.approx(0.27)
+    assert ar['vs_allreduce'] == 1
+    int8 = by['80 Mbit/s', 'int8_compress']
+    assert int8['wire_s'] == pytest.approx(0.078)
+    assert int8['codec_s'] == 0.004
+    assert int8['vs_allreduce'] == pytest.approx(0.30 / 0.41)
+    lines = bench.verdict(rows)
+    # allreduce exposes 100% against a bound of 90%: within 15 points,
+    # and within 1.1x its wire time.
+    assert lines[0] == ('80 Mbit/s, allreduce: exposed 300.0 ms = 100% of '
+                        'wire (300.0 ms); bound+codec 90% + 15 points: '
+                        'PASS; <= 1.1x wire: PASS')
+    # int8 exposes 0.18 s of 0.078 s of wire: far above its bound.
+    assert lines[1].startswith('80 Mbit/s, int8_compress: exposed 180.0 ms')
+    assert lines[1].endswith('FAIL; <= 1.1x wire: FAIL')
+
+
+def test_a_miss_within_the_noise_is_not_a_failure():
+    # The same int8 row, its steps spread widely: +-100 ms per sample.
+    rows = _rows([0.20, 0.30, 0.40, 0.10, 0.50], n=5)
+    int8 = rows[2]
+    # MAD 0.1 s: standard error 1.2533 * 1.4826 * 0.1 / sqrt(5).
+    assert int8['noise_s'] == pytest.approx(0.0831, abs=1e-4)
+    line = bench.verdict(rows)[1]
+    # 180 ms exposed: above 52 + 12 ms and 86 ms, but not by 2 x 83 ms.
+    # (Its 4 ms of codec, 1.3 ms before each bucket's 26 ms of bytes,
+    # raise the bound from 48 to 52 ms.)
+    assert line.endswith('bound+codec 67% + 15 points: within noise '
+                         '(+-83.1 ms); <= 1.1x wire: within noise (+-83.1 ms)')
+    table = bench.report(
+        rows,
+        dict(
+            nodes=2,
+            config='x.py',
+            buckets=3,
+            bucket_cap_mb=1,
+            grad_bytes=3 * 10**6,
+            backward_s=0.04,
+            rounds=1,
+            steps=1))
+    assert '| 80 Mbit/s | allreduce | 0.410 | 1.00 | 0.300 | 0.300 | 100% ' \
+        '| 90% | 90% | 0.0 |' in table
+    assert 'no propagation delay is emulated' in table
+
+
+def test_noise_counts_the_drift_between_rounds():
+    # Three rounds of two steps. Each block's steps agree closely, but the
+    # shaped block reads 0, 20 and -20 ms above the unshaped one in turn:
+    # the steps' spread hides what the rounds show.
+    shaped = [0.100, 0.101, 0.120, 0.121, 0.080, 0.081]
+    unshaped = [0.100, 0.101, 0.100, 0.101, 0.100, 0.101]
+    assert bench.median_error(shaped) > 0
+    # Per-round differences 0, 20, -20 ms: MAD 20 ms.
+    assert bench.round_error(shaped, unshaped, 3) == pytest.approx(
+        1.2533 * 1.4826 * 0.020 / 3**0.5)
+    # Fewer than 3 rounds (or lists that do not split into them): no
+    # estimate from the rounds.
+    assert bench.round_error(shaped, unshaped, 2) == 0.0
+    assert bench.round_error(shaped, unshaped[:4], 3) == 0.0
+    # summarize takes the larger of the two.
+    steps = {
+        'unshaped': dict(noop=[0.1] * 6, allreduce=unshaped),
+        '80 Mbit/s': dict(noop=[0.1] * 6, allreduce=shaped),
+    }
+    results = _results(steps, dict(noop=0, allreduce=3 * 10**6),
+                       dict(noop=0.0, allreduce=0.0))
+    rows = bench.summarize(
+        results, [80.0, None], ['noop', 'allreduce'], 2, rounds=3)
+    assert rows[1]['noise_s'] == pytest.approx(
+        bench.round_error(shaped, unshaped, 3))
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--rates', '100'], "--rates must include 'unshaped'"),
+    (['--rates', '-5', 'unshaped'], "'-5' is not a rate"),
+    (['--rates', 'fast', 'unshaped'], "'fast' is not a rate"),
+    (['--rates', '100', '100', 'unshaped'], '--rates repeats a rate'),
+    (['--hooks', 'int4'], "invalid choice: 'int4'"),
+    (['--steps', '0'], "'0' is not an int >= 1"),
+    (['--bucket-cap-mb', '0'], "'0' is not a number > 0"),
+    (['no/such/config.py'], 'config no/such/config.py: no such file'),
+    (['--json', '/no/such/dir/x.json'], '--json /no/such/dir/x.json: cannot'
+     ' write there'),
+])
+def test_usage_errors_before_any_node_starts(args, message, monkeypatch,
+                                             capsys):
+    monkeypatch.chdir(ROOT)
+    parse = usage_errors(bench, TOOL, monkeypatch, capsys)
+    code, last = parse(args)
+    assert code == 2
+    assert message in last
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    emulated_cluster.check_available() is not None,
+    reason=str(emulated_cluster.check_available()))
+def test_real_run_on_two_emulated_nodes(tmp_path):
+    out = tmp_path / 'bench.json'
+    png = tmp_path / 'bench.png'
+    proc = subprocess.run([
+        sys.executable, TOOL, '--rates', '200', 'unshaped', '--hooks',
+        'int8_compress', 'powerSGD', '--steps', '2', '--rounds', '1', '--json',
+        str(out), '--plot',
+        str(png)
+    ],
+                          capture_output=True,
+                          text=True,
+                          cwd=ROOT,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert '| 200 Mbit/s | int8_compress |' in proc.stdout
+    assert '200 Mbit/s, powerSGD: exposed' in proc.stdout
+    data = json.loads(out.read_text())
+    assert data['version'] == 1 and data['world_size'] == 2
+    assert len(data['buckets']) >= 4
+    assert set(
+        data['hooks']) == {'noop', 'allreduce', 'int8_compress', 'powerSGD'}
+    # int8 sends about a quarter of fp32's bytes.
+    ratio = (
+        data['hooks']['int8_compress']['wire_bytes'] /
+        data['hooks']['allreduce']['wire_bytes'])
+    assert 0.25 < ratio < 0.27
+    assert [r['mbit'] for r in data['rates']] == [200.0, None]
+    assert png.stat().st_size > 0
+    assert emulated_cluster.NAME_PREFIX not in subprocess.run(
+        ['ip', 'netns', 'list'], capture_output=True, text=True).stdout

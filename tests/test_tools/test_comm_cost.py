@@ -1,0 +1,845 @@
+"""The communication cost model (mmcv_custom.comm_cost) and its command line
+(tools/analysis_tools/comm_cost_model.py): collective formulas on
+hand-worked cases, each hook's bytes against a hand count and against the
+hooks' own layout code, the overlap simulation, the fit on data the model
+generates itself, the real hooks under a real DDP on a one-rank gloo
+group, and the tool's usage errors and outputs. One subprocess (the tool
+as a script); no other process starts."""
+import json
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+
+from mmcv_custom import comm_cost as cc
+from tests.tool_utils import load_script, usage_errors
+
+ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'comm_cost_model.py')
+GBIT = 1e9
+
+
+def _close(a, b, rel=1e-12):
+    return a == pytest.approx(b, rel=rel, abs=1e-15)
+
+
+# -- collectives --------------------------------------------------------------
+def test_ring_all_reduce_on_two_nodes_sends_the_tensor_once_per_rank():
+    # 2 nodes x 1: a ring all-reduce sends 2 (P - 1) / P * S = S per rank.
+    cluster = cc.Cluster(2, 1, 8 * GBIT)  # 1 GB/s
+    load = cc.traffic(cc.Collective('all_reduce', 1e6), cluster)
+    assert (load.messages, load.node_bytes, load.intra_bytes) == (2, 1e6, 0)
+    assert _close(cc.all_reduce_time(1e6, cluster), 1e-3)
+    assert _close(
+        cc.all_reduce_time(1e6, cluster, alpha_s=1e-4, eta=0.5), 2e-4 + 2e-3)
+
+
+def test_ring_all_reduce_on_many_nodes_and_on_one():
+    cluster = cc.Cluster(4, 2, 8 * GBIT)  # P = 8
+    assert _close(
+        cc.all_reduce_time(8e6, cluster, alpha_s=1e-5),
+        14e-5 + 2 * 7 / 8 * 8e6 / 1e9)
+    # One node: the ring runs on the intra-node links.
+    node = cc.Cluster(1, 8, 8 * GBIT, intra_bps=80 * GBIT)
+    load = cc.traffic(cc.Collective('all_reduce', 8e6), node)
+    assert (load.node_bytes, load.intra_bytes) == (0, 14e6)
+    assert _close(cc.all_reduce_time(8e6, node), 14e6 / 10e9)
+
+
+def test_all_gather_counts_every_ranks_part():
+    cluster = cc.Cluster(4, 1, 8 * GBIT)
+    # Each rank contributes s: the node link carries (P - 1) s.
+    assert _close(
+        cc.all_gather_time(1e6, cluster, alpha_s=1e-5), 3e-5 + 3e6 / 1e9)
+
+
+def test_all_to_all_with_one_rank_per_node_is_a_reduce_scatter():
+    cluster = cc.Cluster(4, 1, 8 * GBIT)
+    s = 4e6
+    # (P - 1) / P * S through each node link, as a ring reduce-scatter.
+    assert _close(cc.all_to_all_time(s, cluster), 3 / 4 * s / 1e9)
+    assert _close(
+        cc.all_to_all_time(s, cluster), cc.all_gather_time(s / 4, cluster))
+
+
+def test_all_to_all_pays_the_g_factor_on_multi_gpu_nodes():
+    m, g, s = 8, 8, 64e6
+    cluster = cc.Cluster(m, g, 8 * GBIT, intra_bps=800 * GBIT)
+    load = cc.traffic(cc.Collective('all_to_all', s), cluster)
+    # Every rank of a node pushes its off-node 7/8 through the node link.
+    assert load.node_bytes == pytest.approx(g * (m - 1) / m * s)
+    assert load.intra_bytes == pytest.approx((g - 1) / (m * g) * s)
+    assert load.messages == m * g - 1
+    assert _close(
+        cc.all_to_all_time(s, cluster), 7 * s / 1e9 + 7 / 64 * s / 100e9)
+    # About G times a ring reduce-scatter of the same tensor.
+    reduce_scatter = cc.all_gather_time(s / 64, cluster)
+    ratio = cc.all_to_all_time(s, cluster) / reduce_scatter
+    assert ratio == pytest.approx(g * (m - 1) / m / (63 / 64), rel=1e-3)
+
+
+def test_one_rank_costs_nothing():
+    alone = cc.Cluster(1, 1, GBIT)
+    for kind in cc.COLLECTIVE_KINDS:
+        assert cc.collective_time(cc.Collective(kind, 1e9), alone) == 0
+
+
+@pytest.mark.parametrize('kwargs,error', [
+    (dict(nodes=0, gpus_per_node=1,
+          link_bps=1.0), 'nodes should be an int >= 1, but got 0'),
+    (dict(nodes=2, gpus_per_node=1,
+          link_bps=0), 'link_bps should be a number > 0, but got 0'),
+])
+def test_cluster_rejects_bad_values(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        cc.Cluster(**kwargs)
+
+
+# -- buckets and each hook's bytes --------------------------------------------
+def _params(*shapes, dtype='float32'):
+    return [cc.ParamSpec(s, dtype, f'p{i}') for i, s in enumerate(shapes)]
+
+
+def test_ddp_buckets_close_at_the_cap_in_reverse_order():
+    params = _params((10, ), (20, ), (30, ), (40, ))  # 40 80 120 160 bytes
+    buckets = cc.ddp_buckets(params, bucket_cap_mb=200 / cc.MiB)
+    assert [b.indices for b in buckets] == [(3, 2), (1, 0)]
+    # DDP's defaults: a first bucket of 1 MiB, then 25 MiB.
+    big = _params(*[(cc.MiB * 6 // 40, )] * 4)  # 0.6 MiB each
+    assert [b.indices for b in cc.ddp_buckets(big)] == [(3, 2), (1, 0)]
+    assert [b.indices for b in cc.ddp_buckets(big, 25)] == [(3, 2, 1, 0)]
+
+
+def test_ddp_buckets_keep_dtypes_apart():
+    params = (
+        _params((10, )) + _params((10, ), dtype='bfloat16') + _params(
+            (10, )) + _params((10, ), dtype='bfloat16'))
+    buckets = cc.ddp_buckets(params, 1)
+    assert [b.indices for b in buckets] == [(3, 1), (2, 0)]
+    assert [b.itemsize for b in buckets] == [2, 4]
+
+
+# A bucket: a weight, a bias, a conv kernel, a square matrix (fp32).
+SHAPES = ((8, 4), (8, ), (3, 2, 2), (100, 100))
+NUMEL = 32 + 8 + 12 + 10000
+
+
+def _one_bucket(*shapes, dtype='float32'):
+    return cc.ddp_buckets(_params(*shapes, dtype=dtype), 1000)
+
+
+def _summary(collectives):
+    return [[(c.kind, c.nbytes) for c in b] for b in collectives]
+
+
+def test_allreduce_and_half_precision_bytes():
+    buckets = _one_bucket(*SHAPES)
+    hooks = cc.HOOK_COSTS
+    assert _summary(hooks['allreduce'].collectives(buckets, 2)) == [[
+        ('all_reduce', 4 * NUMEL)
+    ]]
+    for name in ('fp16_compress', 'bf16_compress'):
+        assert _summary(hooks[name].collectives(buckets, 2)) == [[
+            ('all_reduce', 2 * NUMEL)
+        ]]
+    # A bf16 model: allreduce sends 2 bytes an element already.
+    bf16 = _one_bucket(*SHAPES, dtype='bfloat16')
+    assert _summary(hooks['allreduce'].collectives(bf16, 2)) == [[
+        ('all_reduce', 2 * NUMEL)
+    ]]
+
+
+def test_powersgd_compresses_by_pytorchs_rule():
+    buckets = _one_bucket(*SHAPES)
+    # Rank 1: 8x4 passes ((8 + 4) * 2 < 32), the bias (8 x 1) and the
+    # kernel (3 x 4: 7 * 2 >= 12) go as they are, 100x100 passes.
+    got = cc.PowerSGDCost(1).collectives(buckets, 2)
+    assert _summary(got) == [[('all_reduce', 4 * (8 + 12)),
+                              ('all_reduce', 4 * (8 + 100)),
+                              ('all_reduce', 4 * (4 + 100))]]
+    # Rank 2: 8x4 no longer pays ((8 + 4) * 2 * 2 >= 32).
+    got = cc.PowerSGDCost(2).collectives(buckets, 2)
+    assert _summary(got) == [[('all_reduce', 4 * (32 + 8 + 12)),
+                              ('all_reduce', 4 * 200),
+                              ('all_reduce', 4 * 200)]]
+    # Nothing compressible: one all-reduce, the empty P and Q left out.
+    assert _summary(cc.PowerSGDCost(1).collectives(_one_bucket(
+        (8, )), 2)) == [[('all_reduce', 32)]]
+
+
+def test_powersgd_rule_agrees_with_model_stats_and_torch():
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import \
+        powerSGD_hook as powerSGD
+
+    from mmcv_custom.registry import hook_record
+    model_bytes = hook_record('powerSGD').model_bytes
+    shapes = SHAPES + ((7, ), (1, 50), (50, 1), (16, 3, 3, 3), (4, 4), ())
+    for rank in (1, 2, 4):
+        hook = cc.PowerSGDCost(rank)
+        buckets = _one_bucket(*shapes)
+        sent = sum(c.nbytes for b in hook.collectives(buckets, 2)
+                   for c in b) // 4
+        tensors = [torch.empty(s, device='meta') for s in shapes]
+        # What model_stats.py counts (fp32 gradients: 4 bytes a number).
+        assert sent == model_bytes(
+            tensors,
+            dict(matrix_approximation_rank=rank, min_compression_rate=2),
+            False) // 4
+        for p in _params(*shapes):
+            n, m = p.matrix
+            assert cc.powersgd_compresses(n, m, rank) == (
+                powerSGD._should_compress(n, m, min(n, m, rank), 2)[0])
+
+
+def test_batched_powersgd_sends_two_sides_of_the_square():
+    buckets = _one_bucket(*SHAPES)
+    side = 101  # 100^2 < 10052 <= 101^2
+    for rank in (1, 3):
+        got = cc.BatchedPowerSGDCost(rank).collectives(buckets, 2)
+        assert _summary(got) == [[('all_reduce', 4 * side * rank)] * 2]
+    assert cc.BatchedPowerSGDCost.side(10000) == 100
+    assert cc.BatchedPowerSGDCost.side(10001) == 101
+
+
+def test_int8_segments_by_hand():
+    # Blocks of 2 on 2 ranks. p0 (5): blocks of 2, 2, 1, first block 0,
+    # owners 0, 1, 0; p1 (3): blocks 2, 1, first 3, owners 1, 0.
+    # Owner 0: 3 blocks, 4 values: 12 + 4 = 16 bytes; owner 1: 2 blocks,
+    # 4 values: 8 + 4 = 12. The all-gather part is the larger, 16.
+    buckets = _one_bucket((5, ), (3, ))
+    got = cc.Int8Cost(block_size=2).collectives(buckets, 2)
+    assert _summary(got) == [[('all_to_all', 28), ('all_gather', 16)]]
+    # About numel * (1 + 4 / block) in all.
+    big = _one_bucket((4096, 256))
+    (a2a, gather), = cc.Int8Cost(256).collectives(big, 4)
+    assert a2a.nbytes == 4096 * 256 + 4 * 4096
+    assert gather.nbytes * 4 == a2a.nbytes
+    # The step counts the quantized bucket once, as CommCounter does.
+    p = cc.predict_step(
+        cc.Int8Cost(256), big, cc.Cluster(4, 1, GBIT), 0.1, 0.2)
+    assert p.sent_bytes == a2a.nbytes
+    assert p.node_bytes == pytest.approx(3 / 4 * a2a.nbytes * 2)
+
+
+def test_int8_layout_matches_the_hooks_own_plan():
+    from mmcv_custom.int8_hooks import Int8BucketPlan
+    shapes = ((37, 5), (300, ), (3, ), (64, 64), (1, ), (1000, 3))
+    params = _params(*shapes)
+    for world_size, block in ((2, 4), (3, 7), (8, 256), (5, 64)):
+        hook = cc.Int8Cost(block)
+        buckets = cc.ddp_buckets(params, bucket_cap_mb=4000 / cc.MiB)
+        assert len(buckets) > 1
+        predicted = hook.collectives(buckets, world_size)
+        # The hook numbers blocks in the order it first met the parameters
+        # (model order in DDP's first step).
+        firsts, next_block = {}, 0
+        for i, p in enumerate(params):
+            firsts[i] = next_block
+            next_block += -(-p.numel // block)
+        for bucket, (a2a, gather) in zip(buckets, predicted):
+            pieces, offset = [], 0
+            for i, p in zip(bucket.indices, bucket.params):
+                pieces.append((offset, p.numel, firsts[i]))
+                offset += p.numel
+            plan = Int8BucketPlan(pieces, world_size, 0, block)
+            assert (a2a.nbytes, gather.nbytes) == (plan.send_bytes,
+                                                   plan.padded)
+
+
+class _Net:
+    """Linear layers and LayerNorms, one norm in bf16: DDP buckets both
+    dtypes apart (built lazily: torch is imported by the test)."""
+
+    @staticmethod
+    def build():
+        import torch
+        from torch import nn
+
+        class Net(nn.Module):
+
+            def __init__(self):
+                super().__init__()
+                layers = []
+                for i in range(5):
+                    layers += [
+                        nn.Linear(24 + 8 * i, 32 + 8 * i),
+                        nn.LayerNorm(32 + 8 * i)
+                    ]
+                self.layers = nn.ModuleList(layers)
+                self.layers[3].to(torch.bfloat16)
+
+            def forward(self, x):
+                for layer in self.layers:
+                    x = layer(x.to(layer.weight.dtype)).float()
+                return x
+
+        torch.manual_seed(0)
+        return Net()
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of this process alone (no other process starts)."""
+    import torch.distributed as dist
+    dist.init_process_group(
+        'gloo',
+        rank=0,
+        world_size=1,
+        store=dist.FileStore(str(tmp_path / 'store'), 1))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_catalogue_matches_the_real_hooks_under_ddp(one_rank_group,
+                                                    monkeypatch):
+    """The real hooks under a real DDP: what they send per bucket, in the
+    layout DDP rebuilt after its first step, against the catalogue; and
+    that layout against ddp_buckets'."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import \
+        powerSGD_hook as powerSGD
+
+    from mmcv_custom import int8_hooks
+    from mmcv_custom.batched_powersgd import batched_powersgd_hook
+
+    sent, current = [], [None]
+
+    def recorded(kind, fn, position):
+
+        def call(*args, **kwargs):
+            tensor = args[position]
+            sent.append(
+                dict(
+                    bucket=current[0],
+                    kind=kind,
+                    bytes=tensor.numel() * tensor.element_size()))
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(dist, 'all_reduce',
+                        recorded('all_reduce', dist.all_reduce, 0))
+    monkeypatch.setattr(dist, 'all_to_all_single',
+                        recorded('all_to_all', dist.all_to_all_single, 1))
+    monkeypatch.setattr(
+        int8_hooks, '_all_gather_single',
+        recorded('all_gather', int8_hooks._all_gather_single, 1))
+    cases = dict(
+        powerSGD=(
+            powerSGD.powerSGD_hook,
+            lambda: powerSGD.PowerSGDState(None, 1, start_powerSGD_iter=2)),
+        batched_powerSGD=(
+            batched_powersgd_hook,
+            lambda: powerSGD.PowerSGDState(None, 2, start_powerSGD_iter=2)),
+        int8_compress=(int8_hooks.int8_compress_hook,
+                       lambda: int8_hooks.Int8State(None, block_size=4)))
+    catalogue = cc.hook_costs(block_size=4, powersgd_rank=1)
+    catalogue['batched_powerSGD'] = cc.BatchedPowerSGDCost(2)
+    cap_mb = 3000 / cc.MiB
+    for name, (hook_fn, make_state) in cases.items():
+        net = _Net.build()
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            net, bucket_cap_mb=cap_mb)
+        index = {id(p): i for i, p in enumerate(net.parameters())}
+        layout = {}
+
+        def hook(state, bucket, hook_fn=hook_fn, layout=layout, index=index):
+            # One bucket at a time, all its collectives inside the call.
+            current[0] = bucket.index()
+            layout[bucket.index()] = tuple(index[id(p)]
+                                           for p in bucket.parameters())
+            fut = hook_fn(state, bucket)
+            fut.wait()
+            return fut
+
+        ddp.register_comm_hook(make_state(), hook)
+        for _ in range(3):  # DDP's rebuilt layout; PowerSGD compressing
+            sent.clear()
+            ddp(torch.randn(2, 24)).sum().backward()
+        params = [
+            cc.ParamSpec(tuple(p.shape),
+                         str(p.dtype).replace('torch.', ''))
+            for p in net.parameters()
+        ]
+        ours = cc.ddp_buckets(params, cap_mb)
+        assert [set(layout[i]) for i in sorted(layout)
+                ] == [set(b.indices) for b in ours], name
+        assert len({b.itemsize for b in ours}) == 2
+        real = [
+            cc.Bucket(tuple(params[i] for i in layout[b]), layout[b])
+            for b in sorted(layout)
+        ]
+        assert sent and cc.compare_collectives(
+            catalogue[name].collectives(real, 1), sent) == [], name
+
+
+def test_compare_collectives_finds_differences():
+    buckets = _one_bucket(*SHAPES)
+    predicted = cc.PowerSGDCost(1).collectives(buckets, 2)
+    measured = [
+        dict(bucket=0, kind='all_reduce', bytes=c.nbytes) for c in predicted[0]
+    ]
+    assert cc.compare_collectives(predicted, measured) == []
+    # Empty collectives, as PyTorch issues them, are ignored.
+    assert cc.compare_collectives(
+        predicted,
+        measured + [dict(bucket=0, kind='all_reduce', bytes=0)]) == []
+    measured[1]['bytes'] += 4
+    problems = cc.compare_collectives(predicted, measured)
+    assert len(problems) == 1 and problems[0].startswith('bucket 0:')
+
+
+# -- overlap ------------------------------------------------------------------
+def test_overlap_fully_hidden():
+    out = cc.simulate_overlap([0.1, 0.2, 0.3], [0.05] * 3, 0.4)
+    assert out.finish_s == pytest.approx((0.15, 0.25, 0.35))
+    assert out.exposed_s == 0
+
+
+def test_overlap_partly_hidden():
+    # Each bucket waits for the previous: 0.25, 0.40, 0.55.
+    out = cc.simulate_overlap([0.1, 0.2, 0.3], [0.15] * 3, 0.35)
+    assert out.finish_s == pytest.approx((0.25, 0.40, 0.55))
+    assert out.exposed_s == pytest.approx(0.20)
+
+
+def test_overlap_comm_bound():
+    out = cc.simulate_overlap([0.0, 0.01, 0.02], [1.0] * 3, 0.02)
+    assert out.exposed_s == pytest.approx(2.98)
+
+
+def test_overlap_needs_one_ready_time_per_bucket():
+    with pytest.raises(
+            ValueError, match='one entry per bucket, but got 2 '
+            'and 1'):
+        cc.simulate_overlap([0.0, 0.1], [1.0], 0.2)
+
+
+def test_even_ready_times_follow_the_elements():
+    buckets = cc.ddp_buckets(
+        _params((10, )) + _params((30, ), dtype='bfloat16'), 1)
+    assert cc.even_ready_times(buckets, 0.8) == pytest.approx([0.6, 0.8])
+
+
+def test_predict_step_adds_the_exposed_time():
+    # One 1 GB fp32 bucket on 2 nodes at 8 Gbit/s: 1 s on the wire.
+    params = _params((250_000_000, ))
+    buckets = cc.ddp_buckets(params)
+    cluster = cc.Cluster(2, 1, 8 * GBIT)
+    constants = cc.LinkConstants(1e-3, 0.5, {'allreduce': 0.01})
+    codec = cc.FittedCodec({'allreduce': 1e-10})  # 0.1 s for 1 GB
+    p = cc.predict_step(
+        cc.HOOK_COSTS['allreduce'],
+        buckets,
+        cluster,
+        backward_s=0.5,
+        compute_step_s=0.7,
+        constants=constants,
+        codec=codec)
+    # Ready at the end of the backward: all of it is exposed.
+    assert p.exposed_s == pytest.approx(2e-3 + 2.0 + 0.1)
+    # The overhead: 1% of the compute step.
+    assert p.step_s == pytest.approx(0.7 * 1.01 + p.exposed_s)
+    assert (p.wire_s, p.overlap_bound_s) == pytest.approx((1.0, 1.0))
+    assert (p.node_bytes, p.sent_bytes, p.collectives) == (1e9, 1e9, 1)
+
+
+# -- the fit ------------------------------------------------------------------
+RATES = (50.0, 200.0, 500.0, 1000.0)
+
+
+def _synthetic_params():
+    return _params(
+        *[(256, 512), (512, ), (512, 512), (64, 3, 7, 7), (1000,
+                                                           512), (1000, )] * 2)
+
+
+def _synthetic(alpha, eta, overhead=None, nodes=2, rates=RATES, compute=0.12):
+    """A benchmark JSON as the model itself predicts it."""
+    params = _synthetic_params()
+    buckets = cc.ddp_buckets(params, 0.25)
+    grad = sum(b.nbytes for b in buckets)
+    backward = 0.05
+    ready = cc.even_ready_times(buckets, backward)
+    hooks = cc.hook_costs(block_size=256, powersgd_rank=2)
+    codec_s = dict(
+        allreduce=0.001,
+        bf16_compress=0.004,
+        fp16_compress=0.004,
+        int8_compress=0.008,
+        powerSGD=0.006,
+        batched_powerSGD=0.007)
+    data = dict(
+        version=1,
+        config='configs/x.py',
+        nodes=nodes,
+        ranks_per_node=1,
+        world_size=nodes,
+        backend='gloo',
+        bucket_cap_mb=0.25,
+        grad_bytes=grad,
+        buckets=[
+            dict(index=i, bytes=b.nbytes, ready_s=r)
+            for i, (b, r) in enumerate(zip(buckets, ready))
+        ],
+        backward_s=backward,
+        compute_step_s=compute,
+        hooks={},
+        rates=[])
+    for name, hook in hooks.items():
+        data['hooks'][name] = dict(
+            codec_s=codec_s[name],
+            collectives=[
+                dict(bucket=c.bucket, kind=c.kind, bytes=c.nbytes)
+                for b in hook.collectives(buckets, nodes) for c in b
+            ])
+    codec = cc.FittedCodec({h: s / grad for h, s in codec_s.items()})
+    constants = cc.LinkConstants(alpha, eta, overhead or {})
+    for mbit in rates:
+        steps = dict(noop=compute)
+        for name, hook in hooks.items():
+            steps[name] = cc.predict_step(hook, buckets,
+                                          cc.Cluster(nodes, 1, mbit * 1e6),
+                                          backward, compute, constants, codec,
+                                          ready).step_s
+        data['rates'].append(
+            dict(mbit=mbit, calibrated_mbit=0.95 * mbit, median_step_s=steps))
+    data['rates'].append(
+        dict(
+            mbit=None, calibrated_mbit=None, median_step_s=dict(noop=compute)))
+    return data
+
+
+def test_fit_recovers_alpha_and_eta_from_the_models_own_data():
+    bench = cc.load_benchmark(_synthetic(3e-4, 0.8))
+    result = cc.fit([bench], fit_rates=[50, 1000], overhead=False)
+    assert result.constants.alpha_s == pytest.approx(3e-4, rel=1e-3)
+    assert result.constants.eta == pytest.approx(0.8, rel=1e-4)
+    check = [p for p in result.points if not p.fitted]
+    assert {p.mbit for p in check} == {200.0, 500.0}
+    assert len(check) == 2 * 6
+    assert abs(result.worst().rel_error) < 1e-3
+    assert result.skipped == ('<dict>: the unshaped rate (no link rate to '
+                              'model)', )
+
+
+def test_fit_recovers_overheads_and_several_world_sizes():
+    # Overheads as shares of the compute step, which is 50% longer on the
+    # 4-node machine (more ranks per core): the shares fitted on 2 nodes
+    # predict it only if they scale with the compute step.
+    overhead = dict(int8_compress=0.2, powerSGD=0.1)
+    benches = [
+        cc.load_benchmark(
+            _synthetic(2e-4, 0.9, overhead, nodes=n, compute=compute))
+        for n, compute in ((2, 0.12), (4, 0.18))
+    ]
+    result = cc.fit(benches, fit_world_sizes=[2])
+    c = result.constants
+    assert c.alpha_s == pytest.approx(2e-4, rel=1e-2)
+    assert c.eta == pytest.approx(0.9, rel=1e-3)
+    assert c.overhead_share['int8_compress'] == pytest.approx(0.2, rel=1e-2)
+    assert c.overhead_share['allreduce'] == pytest.approx(0, abs=1e-4)
+    check = [p for p in result.points if not p.fitted]
+    assert {p.world_size for p in check} == {4}
+    assert abs(result.worst().rel_error) < 1e-2
+
+
+def test_fit_needs_a_point():
+    bench = cc.load_benchmark(_synthetic(1e-4, 0.9))
+    with pytest.raises(ValueError, match='no measured point to fit on'):
+        cc.fit([bench], fit_world_sizes=[16])
+
+
+def test_the_synthetic_benchmark_matches_the_catalogue():
+    data = _synthetic(1e-4, 0.9)
+    params = _synthetic_params()
+    buckets = cc.ddp_buckets(params, data['bucket_cap_mb'])
+    assert [b['bytes'] for b in data['buckets']] == [b.nbytes for b in buckets]
+    for name, hook in cc.hook_costs(powersgd_rank=2).items():
+        assert cc.compare_collectives(
+            hook.collectives(buckets, 2),
+            data['hooks'][name]['collectives']) == [], name
+
+
+def test_check_benchmark_compares_bucket_by_bucket_or_in_total():
+    data = _synthetic(1e-4, 0.9)
+    hooks = cc.hook_costs(powersgd_rank=2)
+    lines = cc.check_benchmark(
+        cc.load_benchmark(data), _synthetic_params(), hooks)
+    assert lines[0].endswith('buckets have the measured sizes; '
+                             'collectives compared bucket by bucket')
+    assert lines[1:] == [f'  {name}: agrees' for name in data['hooks']]
+    # Another bucket cap: the totals still agree, except int8's (its
+    # per-owner padding depends on the buckets) and batched PowerSGD's.
+    lines = cc.check_benchmark(
+        cc.load_benchmark(dict(data, bucket_cap_mb=25)), _synthetic_params(),
+        hooks)
+    assert 'buckets differ (predicted 1, measured' in lines[0]
+    total = sum(p.nbytes for p in _synthetic_params())
+    assert (f'  allreduce all_reduce: predicted {total:,} bytes, measured '
+            f'{total:,} (+0.00%)') in lines
+    # A wrong hook setting shows.
+    lines = cc.check_benchmark(
+        cc.load_benchmark(data), _synthetic_params(),
+        cc.hook_costs(powersgd_rank=1))
+    assert lines[5].startswith('  powerSGD: 6 buckets differ, e.g. bucket 0:')
+
+
+def test_load_benchmark_tolerates_what_it_cannot_model():
+    data = _synthetic(1e-4, 0.9)
+    # A hook listed without its collectives, a null step, and the compute
+    # step left to the unshaped noop.
+    data['hooks']['int8_compress'].pop('collectives')
+    data['hooks']['noop'] = dict(codec_s=0.0)
+    data['rates'][0]['median_step_s']['powerSGD'] = None
+    data['compute_step_s'] = None
+    bench = cc.load_benchmark(data)
+    assert 'int8_compress' not in bench.hooks and 'noop' not in bench.hooks
+    assert bench.compute_step_s == 0.12
+    result = cc.fit([bench], overhead=False)
+    assert result.skipped[0] == ('<dict>: hooks.int8_compress lists no '
+                                 'collectives: its points are not fitted')
+    assert {p.hook
+            for p in result.points} == {
+                'allreduce', 'bf16_compress', 'fp16_compress', 'powerSGD',
+                'batched_powerSGD'
+            }
+    assert len(result.points) == 4 * 5 - 1
+    assert result.constants.eta == pytest.approx(0.9, rel=1e-4)
+    del data['rates'][-1]
+    with pytest.raises(
+            ValueError,
+            match='compute_step_s is null and no '
+            'unshaped rate has a noop step'):
+        cc.load_benchmark(data)
+
+
+@pytest.mark.parametrize('change,error', [
+    (dict(version=2), 'version should be 1, but got 2'),
+    (dict(nodes='2'), "'nodes' should be a int, but got str: '2'"),
+    (dict(buckets=[dict(bytes=4)]), r"buckets\[0\]: the key 'ready_s' is "
+     'missing'),
+])
+def test_load_benchmark_names_the_bad_key(change, error):
+    data = dict(_synthetic(1e-4, 0.9), **change)
+    with pytest.raises(ValueError, match=error):
+        cc.load_benchmark(data)
+
+
+# -- recommendation -----------------------------------------------------------
+def test_recommendation_picks_the_fastest_and_names_its_caveat():
+    params = _params(*[(4096, 4096)] * 50, dtype='bfloat16')
+    rec = cc.recommend(
+        params,
+        cc.Cluster(8, 8, 100 * GBIT),
+        backward_s=0.2,
+        compute_step_s=0.35)
+    steps = {h: p.step_s for h, p in rec.predictions.items()}
+    assert rec.best == min(steps, key=steps.get)
+    # A bf16 model: allreduce sends bf16 already, as the compressing
+    # hooks do, and is listed first.
+    assert rec.best_lossless == 'allreduce'
+    assert rec.speedup('allreduce') == 1
+    line = rec.line()
+    label = rec.predictions[rec.best].label
+    assert line.startswith(f'100 Gbit/s: use {label}:')
+    assert 'lossy' in line
+    assert 'Fastest of the exact or nearly exact hooks: allreduce at ' \
+        in line and '(exact: the reference).' in line
+    # An fp32 model: the half-precision hooks halve the bytes; bf16 is
+    # listed before fp16, with which it ties.
+    fp32 = cc.recommend(
+        _params(*[(4096, 4096)] * 50),
+        cc.Cluster(8, 8, 100 * GBIT),
+        backward_s=0.2,
+        compute_step_s=0.35)
+    assert fp32.best_lossless == 'bf16_compress'
+    assert fp32.speedup('bf16_compress') > 1.5
+    # int8's flat all-to-all costs more than a bf16 all-reduce at G = 8...
+    assert steps['int8_compress'] > steps['allreduce']
+    # ...but less with one GPU per node.
+    single = cc.recommend(
+        params,
+        cc.Cluster(8, 1, 100 * GBIT),
+        backward_s=0.2,
+        compute_step_s=0.35)
+    assert (single.predictions['int8_compress'].step_s
+            < single.predictions['allreduce'].step_s)
+
+
+def test_compute_estimate_from_flops():
+    params = _params((1000, 1000))
+    backward, step = cc.estimate_compute(
+        params,
+        cc.Workload(tokens_per_gpu=1000, achieved_flops=1e12, recompute=False),
+        hbm_Bps=4e9 * 7)
+    assert backward == pytest.approx(4 * 1e6 * 1000 / 1e12)
+    assert step == pytest.approx(6 * 1e6 * 1000 / 1e12 + 1e-3)
+
+
+# -- the command line ---------------------------------------------------------
+@pytest.fixture
+def tool_args(monkeypatch, capsys):
+    return usage_errors(
+        load_script(TOOL, '_comm_cost_model'), TOOL, monkeypatch, capsys)
+
+
+@pytest.fixture
+def bench_file(tmp_path):
+    path = tmp_path / 'bench.json'
+    path.write_text(json.dumps(_synthetic(3e-4, 0.8)))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    'args,message', [
+        (['--nodes', '0'], '--nodes should be an int >= 1, but got 0'),
+        (['--gbps', '100', '-1'
+          ], '--gbps should be a number > 0, but got -1.0'),
+        (['--eta', '0'], '--eta should be a number > 0, but got 0.0'),
+        (['--alpha-us', 'nan'], '--alpha-us should be a number >= 0, but got '
+         'nan'),
+        (['--backward-s', '0.3', '--compute-step-s', '0.2'],
+         '--compute-step-s 0.2 should be at least --backward-s 0.3: the step '
+         'contains the backward'),
+        (['--codec', 'cpu'], "argument --codec: invalid choice: 'cpu' (choose "
+         "from gpu, fitted)"),
+        (['--hooks', 'int4'], "argument --hooks: invalid choice: 'int4' "
+         '(choose from allreduce, bf16_compress, fp16_compress, '
+         'int8_compress, powerSGD, batched_powerSGD)'),
+        (['--fit-rates', '50'], '--fit-rates needs --fit (a benchmark JSON to '
+         'fit)'),
+        (['--check-collectives'], '--check-collectives needs --fit (a '
+         'benchmark JSON to fit)'),
+        (['--codec', 'fitted'], '--codec fitted needs --fit (the benchmark '
+         "measures the codec); valid without it: 'gpu'"),
+        (['--fit', '/nonexistent/b.json'
+          ], '--fit /nonexistent/b.json: no such '
+         'file'),
+        (['--config', '/nonexistent/c.py'], '--config /nonexistent/c.py: no '
+         'such file'),
+        (['--json', '/nonexistent/o.json'], '--json /nonexistent/o.json: '
+         'cannot write there (No such file or directory)'),
+    ],
+    ids=[
+        'nodes', 'gbps', 'eta', 'alpha', 'step-below-backward', 'codec',
+        'hooks', 'fit-rates-alone', 'check-alone', 'codec-fitted-alone',
+        'fit-missing', 'config-missing', 'json-dir-missing'
+    ])
+def test_bad_arguments_are_usage_errors(tool_args, args, message):
+    code, last = tool_args(args)
+    # Python 3.12 and later quote argparse's choices; older ones do not.
+    assert code == 2
+    assert last.replace(
+        "'", '') == (f'comm_cost_model.py: error: {message}'.replace("'", ''))
+
+
+def test_bad_benchmarks_are_usage_errors(tool_args, bench_file, tmp_path):
+    assert tool_args([
+        '--fit', bench_file, '--fit-rates', '75'
+    ]) == (2,
+           f'comm_cost_model.py: error: --fit-rates 75 is not a shaped rate '
+           f'of {bench_file}; measured: 50, 200, 500, 1000 (Mbit/s)')
+    assert tool_args([
+        '--fit', bench_file, '--fit-world-sizes', '8'
+    ]) == (2, f'comm_cost_model.py: error: --fit-world-sizes 8 is not a world '
+           f'size of {bench_file}; measured: 2')
+    old = tmp_path / 'old.json'
+    old.write_text(json.dumps(dict(_synthetic(1e-4, 0.9), version=0)))
+    assert tool_args([
+        '--fit', str(old)
+    ]) == (2, f'comm_cost_model.py: error: --fit {old}: version should be 1, '
+           'but got 0')
+    assert tool_args([
+        '--fit', bench_file, '--check-collectives'
+    ]) == (2, 'comm_cost_model.py: error: --check-collectives: the config of '
+           f"{bench_file} ('configs/x.py') is not a file here or under {ROOT}")
+    unshaped = _synthetic(1e-4, 0.9)
+    unshaped['rates'] = unshaped['rates'][-1:]
+    flat = tmp_path / 'flat.json'
+    flat.write_text(json.dumps(unshaped))
+    assert tool_args([
+        '--fit', str(flat)
+    ]) == (2,
+           f'comm_cost_model.py: error: --fit {flat}: nothing to fit on: no '
+           'hook that lists its collectives was measured at a shaped rate '
+           '(mbit not null)')
+    broken = tmp_path / 'broken.json'
+    broken.write_text('{"version": 1,')
+    code, last = tool_args(['--fit', str(broken)])
+    assert code == 2 and last.startswith(
+        f'comm_cost_model.py: error: --fit {broken}: not JSON')
+
+
+def test_cli_fit_prints_the_validation_table(bench_file, tmp_path, capsys):
+    tool = load_script(TOOL, '_comm_cost_model_fit')
+    out = tmp_path / 'fit.json'
+    tool.main([
+        '--fit', bench_file, '--fit-rates', '50', '1000', '--no-overhead',
+        '--json',
+        str(out)
+    ])
+    text = capsys.readouterr().out
+    assert 'alpha = 300.0 us per message, eta = 0.800' in text
+    assert '### Validation (points not fitted on)' in text
+    rows = [line for line in text.splitlines() if line.startswith('| 2 |')]
+    assert len(rows) == 12 and all(' 200 ' in r or ' 500 ' in r for r in rows)
+    assert 'worst validation error: +0.0%' in text or \
+        'worst validation error: -0.0%' in text
+    assert '50 Mbit/s: plain all_reduce achieved 47.5 Mbit/s' in text
+    assert 'Projected' not in text  # no --config: the fit alone
+    saved = json.loads(out.read_text())
+    assert saved['fit']['eta'] == pytest.approx(0.8, rel=1e-4)
+    assert len(saved['fit']['points']) == 4 * 6
+
+
+def test_cli_fit_as_a_script(bench_file):
+    out = subprocess.run([
+        sys.executable, TOOL, '--fit', bench_file, '--fit-rates', '50', '500'
+    ],
+                         cwd=ROOT,
+                         capture_output=True,
+                         text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert '| 2 | int8_compress | 1000 |' in out.stdout
+
+
+def test_cli_projects_internvit_6b_and_recommends(capsys):
+    tool = load_script(TOOL, '_comm_cost_model_6b')
+    tool.main([
+        '--nodes', '8', '--gpus-per-node', '8', '--gbps', '100', '200', '400',
+        '--recommend'
+    ])
+    text = capsys.readouterr().out
+    assert 'upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py' in text
+    header = [
+        line for line in text.splitlines()
+        if line.startswith('| hook | sent per step')
+    ]
+    assert header == [
+        '| hook | sent per step | per node link | '
+        '100 Gbit/s | 200 Gbit/s | 400 Gbit/s |'
+    ]
+    for label in ('allreduce', 'bf16_compress', 'fp16_compress',
+                  'int8_compress (block 256)', 'powerSGD (rank 1)',
+                  'batched_powerSGD (rank 1)'):
+        assert f'| {label} |' in text, label
+    recommend = [
+        line for line in text.splitlines()
+        if line.startswith('- ') and ': use ' in line
+    ]
+    assert [line.split(':')[0] for line in recommend
+            ] == ['- 100 Gbit/s', '- 200 Gbit/s', '- 400 Gbit/s']
+    assert 'against' in recommend[0] and 'with allreduce' in recommend[0]
+    assert '> - no propagation delay' in text
+    assert 'codec on the GPU assumed' in text
+    # Every parameter trains: the ViT's 6.03e9 in bf16 and the heads'
+    # 0.36e9 in fp32 (model_stats.py's count).
+    assert ('- model: 6,385,968,940 trainable parameters (6,029,017,600 '
+            'bfloat16, 356,951,340 float32), 13.49 GB of gradients') in text

@@ -1,0 +1,147 @@
+"""tools/analysis_tools/compare_comm_convergence.py: its argument checks
+(usage errors before any run starts) and, end to end, real 2-rank runs of
+the toy FCN read back from their own scalars.json."""
+import json
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+
+ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'compare_comm_convergence.py')
+FCN = osp.join(ROOT, 'configs', 'fcn',
+               'fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py')
+# Four iterations and one validation: the shortest run that still logs a
+# loss curve (two points) and an mIoU.
+SHORT = [
+    '--log-interval', '2', '--cfg-options', 'train_cfg.max_iters=4',
+    'train_cfg.val_interval=4', 'default_hooks.checkpoint.interval=4'
+]
+VALID = ('allreduce', 'fp16_compress', 'bf16_compress', 'int8_ef', 'int8_noef')
+
+
+def _tool(*args, timeout=300):
+    # From the repository root, where the toy data already lies; everything
+    # the tool writes goes to the tmp paths the tests name.
+    return subprocess.run([sys.executable, TOOL, *args],
+                          capture_output=True,
+                          text=True,
+                          timeout=timeout,
+                          cwd=ROOT)
+
+
+def _usage_error(out, *words):
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.startswith('usage:'), out.stderr
+    for word in words:
+        assert word in out.stderr, out.stderr
+
+
+def test_unknown_variant_names_it_and_the_valid_ones(tmp_path):
+    out = _tool(FCN, '--variants', 'allreduce', 'int4_ef', '--work-dir',
+                str(tmp_path))
+    _usage_error(out, "'int4_ef'", *(f"'{v}'" for v in VALID))
+    assert not os.listdir(tmp_path)  # nothing trained
+
+
+def test_bad_arguments_are_usage_errors(tmp_path):
+    missing = str(tmp_path / 'nope.py')
+    _usage_error(_tool(missing), missing, 'no such file')
+    _usage_error(
+        _tool(FCN, '--variants', 'int8_ef', 'int8_ef', '--work-dir',
+              str(tmp_path)), 'twice')
+    _usage_error(
+        _tool(FCN, '--block-size', '0', '--work-dir', str(tmp_path)),
+        '--block-size should be at least 1, but got 0')
+    _usage_error(
+        _tool(FCN, '--cfg-options', 'comm_hook.block_size=8', '--work-dir',
+              str(tmp_path)), 'comm_hook.block_size=8', '--variants')
+    plot = str(tmp_path / 'no_such_dir' / 'c.png')
+    _usage_error(
+        _tool(FCN, '--plot', plot, '--work-dir', str(tmp_path)), plot,
+        'cannot write there')
+    _usage_error(
+        _tool(FCN, '--json', str(tmp_path), '--work-dir', str(tmp_path)),
+        'is a directory')
+    # --from-work-dirs: a variant name checked as for --variants, and a
+    # folder without a run is named.
+    _usage_error(
+        _tool(FCN, '--from-work-dirs', f'int4={tmp_path}'), "'int4'",
+        *(v for v in VALID))
+    _usage_error(
+        _tool(FCN, '--from-work-dirs', f'int8_ef={tmp_path}'), str(tmp_path),
+        'scalars.json')
+    _usage_error(_tool(FCN, '--from-work-dirs', str(tmp_path)), 'VARIANT=DIR')
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def _scalars(run_dir):
+    """Every JSON line of the one run under ``run_dir``, parsed here
+    independently of the tool."""
+    [stamp] = [d for d in os.listdir(run_dir) if d.startswith('2')]
+    with open(osp.join(run_dir, stamp, 'vis_data', 'scalars.json')) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_trains_each_variant_then_rereads_the_runs(tmp_path):
+    work = tmp_path / 'runs'
+    out = _tool(FCN, '--variants', 'allreduce', 'int8_noef', '--block-size',
+                '64', '--work-dir', str(work), *SHORT)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    header = lines.index('| variant | final mIoU | vs fp32 (points) | '
+                         'comm_ratio | final loss (smoothed) |')
+    rows = [r.split(' | ') for r in lines[header + 2:header + 4]]
+    assert [r[0] for r in rows] == ['| `allreduce`', '| `int8_noef`']
+    assert rows[0][2] == '+0.00'
+    # The hooks really differ: int8 sends about a quarter of fp32's bytes.
+    assert float(rows[0][3]) == 1.0 and 0.25 < float(rows[1][3]) < 0.35
+    assert (work / 'convergence.png').stat().st_size > 10_000
+    summary = json.load(open(work / 'summary.json'))
+    for variant in ('allreduce', 'int8_noef'):
+        scalars = _scalars(work / variant)
+        losses = [s for s in scalars if 'loss' in s]
+        [val] = [s for s in scalars if 'mIoU' in s]
+        run = summary['runs'][variant]
+        assert run['iters'] == [2, 4]
+        assert run['loss'] == [s['loss'] for s in losses]
+        assert run['val'][-1]['mIoU'] == val['mIoU']
+    assert summary['runs']['int8_noef']['comm_hook'] == dict(
+        type='int8_compress', block_size=64, error_feedback=False)
+    by = {r['variant']: r for r in summary['rows']}
+    assert by['int8_noef']['delta_mIoU'] == pytest.approx(
+        by['int8_noef']['mIoU'] - by['allreduce']['mIoU'])
+
+    # Read back only, from named folders; a run under the wrong name is
+    # flagged from its own config dump.
+    again = _tool(FCN, '--from-work-dirs', f"allreduce={work / 'allreduce'}",
+                  f"int8_ef={work / 'int8_noef'}", '--json',
+                  str(tmp_path / 'again.json'), '--plot',
+                  str(tmp_path / 'again.png'))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert ("'int8_ef' should have error_feedback=True, but the run used "
+            'False') in again.stderr
+    assert 'int8_ef within 1 mIoU point(s) of fp32 all-reduce:' in \
+        again.stdout
+    reread = json.load(open(tmp_path / 'again.json'))
+    assert reread['runs']['allreduce']['loss'] == \
+        summary['runs']['allreduce']['loss']
+    assert (tmp_path / 'again.png').is_file()
+
+
+@pytest.mark.slow
+def test_a_failed_run_is_named_with_its_log(tmp_path):
+    # AdamW refuses a negative learning rate when the runner builds it.
+    out = _tool(FCN, '--variants', 'int8_ef', '--work-dir', str(tmp_path),
+                *SHORT, 'optim_wrapper.optimizer.lr=-1')
+    assert out.returncode == 1, out.stdout + out.stderr[-3000:]
+    log = str(tmp_path / 'int8_ef' / 'dist_train.log')
+    assert f'int8_ef: training failed; log: {log}' in out.stderr
+    assert 'Invalid learning rate' in open(log).read()
+    # The report is still written, with the failed variant's row empty.
+    summary = json.load(open(tmp_path / 'summary.json'))
+    assert summary['failed'] == ['int8_ef']
+    assert summary['rows'][0]['mIoU'] is None

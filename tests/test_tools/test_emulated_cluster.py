@@ -1,0 +1,625 @@
+"""The emulated cluster (``mmcv_custom/emulated_cluster.py`` and
+``tools/emulated_cluster.py``) on real network namespaces: what it makes
+and that it all goes, the shaping, who reaches whom, that a failing node,
+a timeout or a signal stops every node and removes everything, the usage
+errors, a calibration, the non-root path, and (slow) a 2-node training run
+and its resume through the tool. Tests skip, with the reason, where
+namespaces cannot be made."""
+import io
+import ipaddress
+import os
+import os.path as osp
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+from mmcv_custom import emulated_cluster as ec
+from tests.tool_utils import load_script, usage_errors
+
+ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+TOOL = osp.join(ROOT, 'tools', 'emulated_cluster.py')
+FCN = osp.join(ROOT, 'configs', 'fcn',
+               'fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py')
+
+_REASON = ec.check_available()
+needs_netns = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
+# The tool also works without root, through a user namespace.
+_TOOL_REASON = (
+    _REASON
+    if os.geteuid() == 0 or _REASON is None else ec.check_user_namespace())
+needs_tool = pytest.mark.skipif(
+    _TOOL_REASON is not None, reason=str(_TOOL_REASON))
+
+
+def _out(*cmd) -> str:
+    return subprocess.run(
+        cmd, capture_output=True, text=True, check=True).stdout
+
+
+def _netns() -> set:
+    """Names in ``ip netns list`` (this process's view)."""
+    return {
+        ln.split()[0]
+        for ln in _out('ip', 'netns', 'list').splitlines() if ln.strip()
+    }
+
+
+def _links() -> set:
+    """Interface names of this network namespace."""
+    return {
+        ln.split(':')[1].strip().split('@')[0]
+        for ln in _out('ip', '-o', 'link', 'show').splitlines()
+    }
+
+
+def _sleeping(seconds: str) -> list:
+    """Pids of ``sleep SECONDS`` (a number no other test uses)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            with open(f'/proc/{pid}/cmdline', 'rb') as f:
+                if f.read() == f'sleep\0{seconds}\0'.encode():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def _unique_seconds() -> str:
+    return f'{secrets.randbelow(10**6) + 10**6}.25'
+
+
+def _tool_namespaces(stdout: str) -> set:
+    """The namespaces the tool's header names."""
+    return set(re.findall(r'\b(mmcvc-\d+-[0-9a-f]+-(?:node\d+|sw))\b', stdout))
+
+
+def _tool(*args, timeout=120, **kwargs):
+    return subprocess.run([sys.executable, TOOL, *args],
+                          capture_output=True,
+                          text=True,
+                          timeout=timeout,
+                          **kwargs)
+
+
+# The library ----------------------------------------------------------
+@needs_netns
+def test_cluster_makes_namespaces_and_links_then_removes_them():
+    netns_before, links_before = _netns(), _links()
+    with ec.EmulatedCluster(3, bandwidth_mbit=100) as cluster:
+        made = set(cluster.namespaces)
+        assert len(made) == 4 and made <= _netns()
+        assert all(n.startswith(f'mmcvc-{os.getpid()}-') for n in made)
+        # Nothing in the caller's namespace: the veths are born inside.
+        assert _links() == links_before
+        switch_ports = _out('ip', '-n', cluster.switch, '-o', 'link', 'show',
+                            'master', 'br0')
+        assert re.findall(r': (n\d)@', switch_ports) == ['n0', 'n1', 'n2']
+        for node in cluster.nodes:
+            ns = node.namespace
+            inet = _out('ip', '-n', ns, '-o', '-4', 'addr', 'show', 'dev',
+                        'eth0').split()[3]
+            address = ipaddress.ip_interface(inet)
+            assert str(address.ip) == node.address
+            assert address.ip in ipaddress.ip_network('198.18.0.0/15')
+            assert 'UP' in _out('ip', '-n', ns, 'link', 'show', 'lo')
+            # No default route, no way out.
+            assert _out('ip', '-n', ns, 'route', 'show', 'default') == ''
+            out = subprocess.run(['ip', '-n', ns, 'route', 'get', '1.1.1.1'],
+                                 capture_output=True,
+                                 text=True)
+            assert out.returncode != 0
+            assert 'unreachable' in out.stderr
+        assert [n.address for n in cluster.nodes
+                ] == ['198.18.0.1', '198.18.0.2', '198.18.0.3']
+    assert not made & _netns()
+    assert _netns() - netns_before == set()
+    assert _links() == links_before
+
+
+@needs_netns
+def test_links_are_shaped_both_ways_or_not_at_all():
+    with ec.EmulatedCluster(2, bandwidth_mbit=100) as shaped, \
+            ec.EmulatedCluster(2) as unshaped:
+        for node in shaped.nodes:
+            # Upload (the node's egress) and download (the switch's egress
+            # towards the node).
+            for ns, dev in ((node.namespace, 'eth0'), (shaped.switch,
+                                                       node.switch_port)):
+                qdisc = _out('tc', '-n', ns, 'qdisc', 'show', 'dev', dev)
+                assert re.search(
+                    r'qdisc tbf \S+ root .*rate 100Mbit '
+                    r'burst 64Kb lat 50ms', qdisc), qdisc
+        for node in unshaped.nodes:
+            for ns, dev in ((node.namespace, 'eth0'), (unshaped.switch,
+                                                       node.switch_port)):
+                qdisc = _out('tc', '-n', ns, 'qdisc', 'show', 'dev', dev)
+                assert 'tbf' not in qdisc, qdisc
+
+
+def test_rate_changes_in_place_and_goes_away():
+    """What the step-time benchmark does between measurements."""
+
+    def qdiscs(cluster):
+        return [
+            _out('tc', '-n', ns, 'qdisc', 'show', 'dev', dev)
+            for ns, dev in cluster.shaped_links
+        ]
+
+    with ec.EmulatedCluster(3) as cluster:
+        assert len(cluster.shaped_links) == 6  # both ends of 3 links
+        assert not any('tbf' in q for q in qdiscs(cluster))
+        cluster.set_bandwidth(200)
+        assert all(
+            re.search(r'tbf .*rate 200Mbit', q) for q in qdiscs(cluster))
+        assert cluster.bandwidth_mbit == 200
+        cluster.set_bandwidth(1000)
+        assert all(re.search(r'tbf .*rate 1Gbit', q) for q in qdiscs(cluster))
+        cluster.set_bandwidth(None)
+        assert not any('tbf' in q for q in qdiscs(cluster))
+        with pytest.raises(ValueError, match='but got -1'):
+            cluster.set_bandwidth(-1)
+        assert cluster.bandwidth_mbit is None
+
+
+def test_tbf_bucket_grows_with_the_rate_above_256_mbit():
+    assert ec.tbf_burst_bytes(50) == 65536
+    assert ec.tbf_burst_bytes(256) == 65536
+    assert ec.tbf_burst_bytes(1000) == 250000  # 2 ms at 1 Gbit/s
+
+
+_ECHO = r'''
+import errno, os, socket, time
+rank, n = int(os.environ['NODE_RANK']), int(os.environ['NNODES'])
+port = int(os.environ['PORT'])
+if rank == 0:
+    server = socket.create_server(('0.0.0.0', port))
+    for _ in range(n - 1):
+        conn, (peer, _) = server.accept()
+        with conn:
+            conn.sendall(b'echo ' + conn.recv(64) + b' from ' +
+                         peer.encode())
+else:
+    for _ in range(200):
+        try:
+            conn = socket.create_connection((os.environ['MASTER_ADDR'],
+                                             port), timeout=5)
+            break
+        except ConnectionRefusedError:
+            time.sleep(0.05)
+    with conn:
+        conn.sendall(b'node%d' % rank)
+        print(conn.recv(64).decode())
+    try:  # TEST-NET-1: outside the cluster
+        socket.create_connection(('192.0.2.1', port), timeout=5)
+    except OSError as e:
+        print('outside:', errno.errorcode[e.errno])
+'''
+
+
+@needs_netns
+def test_nodes_reach_each_other_and_nothing_else(tmp_path):
+    stream = io.StringIO()
+    with ec.EmulatedCluster(3, bandwidth_mbit=50) as cluster:
+        result = ec.run_on_nodes(
+            cluster, [sys.executable, '-c', _ECHO],
+            port=12345,
+            stream=stream,
+            log_dir=str(tmp_path),
+            timeout=60)
+    assert result.returncode == 0, stream.getvalue()
+    assert result.returncodes == (0, 0, 0)
+    lines = stream.getvalue().splitlines()
+    for rank in (1, 2):
+        assert f'[node{rank}] echo node{rank} from 198.18.0.{rank + 1}' \
+            in lines
+        assert f'[node{rank}] outside: ENETUNREACH' in lines
+    # The logs hold the same lines, without the prefix.
+    assert (tmp_path / 'node2.log').read_text().splitlines() == [
+        'echo node2 from 198.18.0.3', 'outside: ENETUNREACH'
+    ]
+
+
+@needs_netns
+def test_nodes_get_the_multi_node_environment():
+    stream = io.StringIO()
+    with ec.EmulatedCluster(2) as cluster:
+        result = ec.run_on_nodes(
+            cluster, 'echo $NNODES $NODE_RANK $MASTER_ADDR $PORT '
+            '$GLOO_SOCKET_IFNAME',
+            port=2345,
+            stream=stream)
+    assert result.returncode == 0
+    assert sorted(stream.getvalue().splitlines()) == [
+        '[node0] 2 0 198.18.0.1 2345 eth0', '[node1] 2 1 198.18.0.1 2345 eth0'
+    ]
+
+
+@needs_netns
+def test_a_failing_node_stops_the_others_and_everything_goes():
+    # node0 ignores SIGTERM and leaves a process in a session of its own
+    # (as torchrun's workers are): SIGKILL and the namespace sweep get
+    # them. node2 dies of SIGTERM.
+    marker = _unique_seconds()
+    command = (f'case $NODE_RANK in 0) trap "" TERM; setsid sleep {marker} &'
+               f' sleep {marker}; wait;; 1) sleep 0.5; exit 3;; '
+               f'*) exec sleep {marker};; esac')
+    start = time.monotonic()
+    with ec.EmulatedCluster(3) as cluster:
+        result = ec.run_on_nodes(cluster, command, grace=1)
+        assert _sleeping(marker) == []
+        names = set(cluster.namespaces)
+    assert time.monotonic() - start < 15
+    assert result.failed_node == 1
+    assert result.returncode == 3
+    assert result.returncodes == (-signal.SIGKILL, 3, -signal.SIGTERM)
+    assert result.describe().startswith('node1 exited with code 3 after ')
+    assert not names & _netns()
+
+
+@needs_netns
+def test_a_failure_while_creating_removes_what_was_made(monkeypatch):
+    """The third node's veth fails: the switch and the first nodes, made
+    already, go."""
+    cluster = ec.EmulatedCluster(4, bandwidth_mbit=10)
+    real_add_node = cluster._add_node
+
+    def add_node(node):
+        if node.rank == 2:
+            ec._run(['ip', 'link', 'add', 'name', 'x', 'type', 'no-such'])
+        real_add_node(node)
+
+    monkeypatch.setattr(cluster, '_add_node', add_node)
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(
+            ec.ClusterError,
+            match=r'`ip link add name x type '
+            r'no-such` failed with exit code \d+: '):
+        with cluster:
+            pass
+    assert not set(cluster.namespaces) & _netns()
+    assert signal.getsignal(signal.SIGTERM) is handler
+    assert not cluster.active
+
+
+@pytest.mark.parametrize(
+    'kwargs,error,message', [
+        (dict(nodes=1), ValueError,
+         'nodes should be an int from 2 to 1024 (one network namespace per '
+         'node; a Linux bridge takes at most 1024 ports), but got 1'),
+        (dict(nodes=True), TypeError, 'nodes should be an int, but got bool '
+         'True'),
+        (dict(nodes=2, bandwidth_mbit=-5), ValueError,
+         'bandwidth_mbit should be a finite number of Mbit/s > 0, or None for '
+         'links that are not shaped, but got -5'),
+        (dict(nodes=2, bandwidth_mbit='100'), TypeError,
+         "bandwidth_mbit should be a number of Mbit/s or None (not shaped), "
+         "but got str '100'"),
+    ],
+    ids=['one-node', 'bool', 'negative-rate', 'rate-as-str'])
+def test_bad_cluster_arguments_are_refused_before_anything_is_made(
+        kwargs, error, message):
+    with pytest.raises(error) as raised:
+        ec.EmulatedCluster(**kwargs)
+    assert str(raised.value) == message
+
+
+# The tool ----------------------------------------------------------------
+@pytest.fixture
+def tool_args(monkeypatch, capsys):
+    """The tool's own ``parse_args``: exit code and last line of stderr."""
+    return usage_errors(
+        load_script(TOOL, '_emulated_cluster_tool'), TOOL, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize(
+    'args,message', [
+        (['--bandwidth', '-5', '--', 'true'
+          ], 'argument --bandwidth: should be a rate in Mbit/s > 0, or 0 or '
+         "\"unshaped\" for links that are not shaped, but got '-5'"),
+        (['--bandwidth', 'fast', '--', 'true'
+          ], 'argument --bandwidth: should be a rate in Mbit/s > 0, or 0 or '
+         "\"unshaped\" for links that are not shaped, but got 'fast'"),
+        (['--bandwidth', 'inf', '--', 'true'
+          ], 'argument --bandwidth: should be a rate in Mbit/s > 0, or 0 or '
+         "\"unshaped\" for links that are not shaped, but got 'inf'"),
+        (['--nodes', '1', '--', 'true'],
+         '--nodes should be an int from 2 to 1024 (one network namespace per '
+         'node), but got 1'),
+        (['--nodes', 'two', '--', 'true'
+          ], "argument --nodes: invalid int value: 'two'"),
+        (['--bandwidth', '100'
+          ], 'nothing to run: give the command to run on every node after -- '
+         '(e.g. -- tools/dist_train.sh CONFIG 1), or --calibrate'),
+        (['true'], 'unrecognized arguments: true (put the command to run on '
+         'every node after --)'),
+        (['--timeout', '0', '--', 'true'
+          ], '--timeout should be > 0 seconds, but got 0'),
+        (['--port', '70000', '--', 'true'
+          ], '--port should be from 1 to 65535, but got 70000'),
+        (['--log-dir', '/proc/no-such-dir', '--', 'true'
+          ], '--log-dir /proc/no-such-dir: cannot create it (No such file or '
+         'directory)'),
+    ],
+    ids=[
+        'negative-rate', 'word-rate', 'infinite-rate', 'one-node',
+        'nodes-not-int', 'no-command', 'no-separator', 'timeout', 'port',
+        'log-dir'
+    ])
+def test_bad_arguments_are_usage_errors(tool_args, args, message):
+    assert tool_args(args) == (2, f'emulated_cluster.py: error: {message}')
+
+
+def test_arguments_the_tool_accepts():
+    tool = load_script(TOOL, '_emulated_cluster_tool')
+    for word, rate in (('0', None), ('unshaped', None), ('2.5', 2.5)):
+        args = tool.parse_args(['--bandwidth', word, '--', 'true'])
+        assert args.bandwidth == rate
+    # Everything after -- belongs to the command, options included.
+    args = tool.parse_args([
+        '--nodes', '3', '--', 'tools/dist_train.sh', 'x.py', '1', '--work-dir',
+        'w', '--', 'y'
+    ])
+    assert args.nodes == 3 and args.bandwidth is None
+    assert args.command == [
+        'tools/dist_train.sh', 'x.py', '1', '--work-dir', 'w', '--', 'y'
+    ]
+    assert tool.parse_args(['--calibrate']).command == []
+
+
+@needs_tool
+def test_tool_exits_with_the_failing_nodes_code_and_cleans_up(tmp_path):
+    out = _tool('--nodes', '2', '--bandwidth', '20', '--log-dir',
+                str(tmp_path / 'logs'), '--', 'bash', '-c',
+                'echo started; [ $NODE_RANK = 1 ] && exit 5; sleep 60')
+    assert out.returncode == 5, out.stderr
+    header = out.stdout.splitlines()
+    assert header[0].startswith('Emulated cluster: 2 nodes on this host')
+    assert re.match(
+        r'  node0  198\.18\.0\.1 +eth0 in mmcvc-\S+-node0  '
+        r'MASTER_ADDR, PORT=29500$', header[1])
+    assert ('  links: 20 Mbit/s per node, each direction (tc tbf, burst '
+            '64 KiB, queue 50 ms)') in header
+    assert any(
+        ln.startswith('  not emulated: propagation delay, jitter '
+                      'and loss (no netem; rate only)') for ln in header)
+    assert '[node1] started' in out.stdout
+    assert re.fullmatch(
+        r'emulated_cluster\.py: node1 exited with code 5 after \d+\.\d s; '
+        r'stopped the other nodes; removed the cluster\n', out.stderr)
+    assert (tmp_path / 'logs' / 'node0.log').read_text() == 'started\n'
+    names = _tool_namespaces(out.stdout)
+    assert len(names) == 3 and not names & _netns()
+
+
+@needs_tool
+def test_tool_timeout_stops_everything_with_124():
+    start = time.monotonic()
+    out = _tool('--timeout', '1', '--', 'sleep', '60')
+    assert out.returncode == 124, out.stderr
+    assert time.monotonic() - start < 60
+    assert re.fullmatch(
+        r'emulated_cluster\.py: timed out after \d+\.\d s; '
+        r'stopped all nodes; removed the cluster\n', out.stderr)
+    names = _tool_namespaces(out.stdout)
+    assert len(names) == 3 and not names & _netns()
+
+
+@needs_tool
+@pytest.mark.parametrize(
+    'signum,code,words', [
+        (signal.SIGINT, 130, 'interrupted (SIGINT)'),
+        (signal.SIGTERM, 143, 'interrupted by SIGTERM'),
+    ],
+    ids=['sigint', 'sigterm'])
+def test_tool_signal_stops_everything(signum, code, words):
+    marker = _unique_seconds()
+    proc = subprocess.Popen([
+        sys.executable, TOOL, '--nodes', '2', '--', 'bash', '-c',
+        f'echo ready; exec sleep {marker}'
+    ],
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            text=True)
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    try:
+        seen = []
+        while sum('] ready' in ln for ln in seen) < 2:
+            line = proc.stdout.readline()
+            assert line, ''.join(seen) + proc.stderr.read()
+            seen.append(line)
+        deadline = time.monotonic() + 10
+        while len(_sleeping(marker)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # each node's bash is exec-ing sleep
+        assert len(_sleeping(marker)) == 2
+        proc.send_signal(signum)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    assert proc.returncode == code, err
+    assert err == (f'emulated_cluster.py: {words}: stopped every node and '
+                   'removed the cluster\n')
+    assert _sleeping(marker) == []
+    names = _tool_namespaces(''.join(seen))
+    assert len(names) == 3 and not names & _netns()
+
+
+@needs_tool
+def test_calibration_measures_a_gloo_all_reduce():
+    # 4 MiB at 100 Mbit/s: about 0.35 s an all_reduce on 2 nodes.
+    out = _tool('--nodes', '2', '--bandwidth', '100', '--calibrate',
+                '--calibrate-mib', '4', '--calibrate-iters', '3', '--timeout',
+                '120')
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = re.search(
+        r'calibration: gloo all_reduce of 4 MiB fp32, 2 ranks \(one per '
+        r'node\), median of 3: (\d+\.\d+) s, bus bandwidth (\d+\.\d) '
+        r'Mbit/s = (\d+\.\d\d) x the set 100 Mbit/s', out.stdout)
+    assert found, out.stdout
+    seconds, busbw, ratio = map(float, found.groups())
+    # A shared machine: no tight bounds, but the shaping must show.
+    assert 0 < busbw < 150
+    assert ratio == pytest.approx(busbw / 100, abs=0.01)
+    assert busbw == pytest.approx(4 * 2**20 * 8 / seconds / 1e6, rel=0.02)
+    assert not _tool_namespaces(out.stdout) & _netns()
+
+
+# Without root ----------------------------------------------------------
+_AS_NOBODY = r'''
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location('_ec', sys.argv[1])
+ec = importlib.util.module_from_spec(spec)
+sys.modules['_ec'] = ec
+spec.loader.exec_module(ec)
+if os.geteuid() != 0:
+    try:
+        ec.reexec_in_user_namespace([sys.executable] + sys.argv)
+    except ec.ClusterUnavailable as e:
+        print(e)
+        sys.exit(1)
+with ec.EmulatedCluster(2, bandwidth_mbit=10) as cluster:
+    print('\n'.join(cluster.describe()))
+    result = ec.run_on_nodes(cluster, 'id -u; tc qdisc show dev eth0',
+                             stream=sys.stdout)
+sys.exit(result.returncode)
+'''
+
+
+@pytest.fixture
+def as_nobody():
+    """Run the library as uid 65534 with an interpreter that user can
+    run; skip where there is none or no ``setpriv``."""
+    if os.geteuid() != 0 or shutil.which('setpriv') is None:
+        pytest.skip('needs root and setpriv to become another user')
+    folder = tempfile.mkdtemp(prefix='mmcvc-test-')
+    try:
+        os.chmod(folder, 0o755)
+        script = osp.join(folder, 'as_nobody.py')
+        with open(script, 'w') as f:
+            f.write(_AS_NOBODY)
+        os.chmod(script, 0o644)
+        become = [
+            shutil.which('setpriv'), '--reuid=65534', '--regid=65534',
+            '--clear-groups'
+        ]
+        # One it may run in a user namespace too (the module needs only
+        # the standard library).
+        python = next(
+            (p for p in (sys.executable, '/usr/bin/python3') if subprocess.run(
+                become + ['unshare', '--user', '--map-root-user', p, '-c', ''],
+                cwd=folder,
+                capture_output=True).returncode == 0), None)
+        if python is None:
+            pytest.skip('no Python that uid 65534 may run')
+
+        def run(env=None):
+            return subprocess.run(
+                become + [python, script, ec.__file__],
+                cwd=folder,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60)
+
+        run.folder = folder  # readable by that user
+        yield run
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_without_root_it_runs_in_a_user_namespace(as_nobody):
+    if ec.check_user_namespace() is not None:
+        pytest.skip(ec.check_user_namespace())
+    out = as_nobody()
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1] == ('  (not root: inside an unprivileged user '
+                        'namespace, with a private /run/netns)')
+    for rank in (0, 1):
+        assert f'[node{rank}] 0' in lines  # root of the user namespace
+    assert sum('rate 10Mbit' in ln for ln in lines) == 2
+    # Without unshare, one line says what was tried and why it failed.
+    bin_dir = osp.join(as_nobody.folder, 'bin')
+    os.mkdir(bin_dir)
+    for tool in ('ip', 'tc', 'sh'):
+        os.symlink(shutil.which(tool), osp.join(bin_dir, tool))
+    out = as_nobody(env=dict(os.environ, PATH=bin_dir))
+    assert out.returncode == 1
+    assert out.stdout == (
+        'cannot create network namespaces: not root (uid 65534), and an '
+        'unprivileged user namespace needs util-linux and iproute2 '
+        '(unshare not found on PATH)\n')
+
+
+# End to end --------------------------------------------------------------
+# The FCN on a small toy set, a checkpoint at the end.
+_TINY = [
+    'default_hooks.logger.interval=1', 'train_cfg.val_interval=100',
+    'default_hooks.checkpoint.interval=2', 'comm_hook.type=bf16_compress'
+] + [
+    f'{split}_dataloader.dataset.generate.{key}={n}'
+    for split in ('train', 'val', 'test')
+    for key, n in (('num_train', 16), ('num_val', 8))
+]
+
+
+@needs_tool
+@pytest.mark.slow
+def test_two_node_training_and_resume_through_the_tool(tmp_path):
+    """tools/dist_train.sh on 2 emulated nodes at 300 Mbit/s, one rank
+    each: 2 iterations with a checkpoint, then resumed to 4."""
+    env = dict(os.environ, PYTHON=sys.executable)
+
+    def train(iters, *extra):
+        return _tool(
+            '--nodes',
+            '2',
+            '--bandwidth',
+            '300',
+            '--timeout',
+            '300',
+            '--',
+            osp.join(ROOT, 'tools', 'dist_train.sh'),
+            FCN,
+            '1',
+            '--work-dir',
+            'work',
+            *extra,
+            '--cfg-options',
+            f'train_cfg.max_iters={iters}',
+            *_TINY,
+            cwd=str(tmp_path),
+            env=env,
+            timeout=360)
+
+    first = train(2)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    log = first.stdout
+    # One rank on each node, both in the gloo group of 2.
+    assert re.search(
+        r"\[node0\] .*Registered DDP communication hook on "
+        r"MMDistributedDataParallel: type='bf16_compress' .*"
+        r'process group: 2 ranks, backend gloo', log), log
+    assert re.search(r'\[node0\] .*Iter\(train\) \[2/2\]', log)
+    assert (tmp_path / 'work' / 'iter_2.pth').is_file()
+
+    resumed = train(4, '--resume')
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    log = resumed.stdout
+    assert 'resumed epoch: 0, iter: 2' in log
+    assert 'process group: 2 ranks, backend gloo' in log
+    assert re.search(r'\[node0\] .*Iter\(train\) \[4/4\]', log)
+    assert not re.search(r'Iter\(train\) \[[12]/4\]', log)
+    assert (tmp_path / 'work' / 'iter_4.pth').is_file()
+    for out in (first, resumed):
+        assert not _tool_namespaces(out.stdout) & _netns()
