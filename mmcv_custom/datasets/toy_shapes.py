@@ -158,3 +158,11 @@ class ToyShapesDataset(BaseSegDataset):
             seg_map_suffix=seg_map_suffix,
             reduce_zero_label=False,
             **kwargs)
+
+    @staticmethod
+    def generates_data(cfg: dict) -> bool:
+        """Whether a dataset built from ``cfg`` writes its own data, so
+        that its folders may be missing before the run
+        (:mod:`mmcv_custom.preflight` leaves them alone): unless
+        ``generate=False``."""
+        return cfg.get('generate') is not False

@@ -1,0 +1,576 @@
+"""Check what a run needs before anything heavy starts, and say it all once.
+
+MMEngine finds a missing dataset, pretrained file or checkpoint only when it
+reaches it: after the process group started and the whole model was built
+(billions of parameters for InternViT-6B), one problem per attempt, in the
+words of whatever failed (``[Errno 2] ... images/training``). The tools call
+:func:`check_preflight` right after the config is merged and the checkpoint
+to load is chosen, and report every problem found, each with what to do
+about it, before any of that:
+
+* the data of every dataset the run reads (``data_root`` with each
+  ``data_prefix`` folder, ``ann_file``), through dataset wrappers
+  (``dataset``, ``datasets``); a dataset class that writes its own data
+  (``generates_data(cfg)``, as
+  :class:`~mmcv_custom.datasets.ToyShapesDataset`) is left out;
+* ``load_from``, the checkpoint ``--resume`` takes and ``tools/test.py``'s
+  CHECKPOINT: there, intact and holding only what the safe loader allows
+  (:func:`mmcv_custom.checkpoint.check_checkpoint_file`); URLs are left to
+  MMEngine;
+* (training) every pretrained file of the model: ``pretrained`` keys and
+  ``init_cfg=dict(type='Pretrained', checkpoint=...)`` anywhere in it;
+* the work dir: writable (nothing is left behind), and, for training, room
+  on its disk for one checkpoint, estimated from the model built on the
+  meta device (no memory; a second for InternViT-6B). When the estimate
+  fails, the room is not checked.
+
+Only configs and file systems are read; no model memory is allocated.
+"""
+import copy
+import os
+import os.path as osp
+import re
+import shutil
+import socket
+import tempfile
+import warnings
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from mmengine.config import Config
+
+from .checkpoint import (UnsafeCheckpointError, check_checkpoint_file,
+                         is_sharded_checkpoint)
+from .integrity import CheckpointDamagedError
+
+__all__ = [
+    'Problem', 'PreflightError', 'preflight', 'check_preflight',
+    'format_problems', 'estimate_checkpoint_bytes', 'preflight_report'
+]
+
+_GIB = 1024**3
+_MODES = ('train', 'test')
+# The loaders of .safetensors and Hugging Face shard indexes execute
+# nothing: only their presence is checked.
+_NO_PICKLE = ('.safetensors', '.index.json')
+
+_ADE_URL = ('http://data.csail.mit.edu/places/ADEchallenge/'
+            'ADEChallengeData2016.zip')
+_INTERNVIT_DOC = 'docs/en/user_guides/intern_vit.md'
+_CONVERTER = '.venv/bin/python tools/model_converters/internvit2mmseg.py'
+_SPLITS = ('.venv/bin/python tools/dataset_converters/'
+           'ade20k_fewshot_splits.py')
+# InternVL's released file names, e.g. intern_vit_6b_224px.pth.
+_INTERNVIT_NAME = re.compile(r'^intern_vit_(\d+[mb])_(\d+px)\.pth$', re.I)
+
+#: Optimizer states per trainable parameter, each of its size, that a
+#: checkpoint saves (SGD: its momentum buffer, when momentum is set).
+_OPTIMIZER_STATES = {
+    'Adam': 2,
+    'AdamW': 2,
+    'Adamax': 2,
+    'NAdam': 2,
+    'RAdam': 2,
+    'Adadelta': 2,
+    'Adagrad': 1,
+    'RMSprop': 1,
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing that would stop the run, found before it starts.
+
+    Attributes:
+        what (str): Names the config key or source, the path and what is
+            wrong with it.
+        fix (str): What to do about it; empty when ``what`` says it.
+    """
+    what: str
+    fix: str = ''
+
+    def __str__(self) -> str:
+        if not self.fix:
+            return self.what
+        return f'{self.what.rstrip(".")}. Fix: {self.fix}'
+
+
+def format_problems(problems: List[Problem]) -> str:
+    """The one message for ``problems``: a single problem on one line,
+    several under a header line, one line each."""
+    if len(problems) == 1:
+        return str(problems[0])
+    lines = [
+        f'{len(problems)} problems, found before building the model or '
+        'starting the process group:'
+    ]
+    lines += [f'  {i}. {p}' for i, p in enumerate(problems, 1)]
+    return '\n'.join(lines)
+
+
+class PreflightError(RuntimeError):
+    """What :func:`check_preflight` found; ``str()`` is the message.
+
+    Attributes:
+        problems (list[Problem]): Every problem, in the order found.
+    """
+
+    def __init__(self, problems: List[Problem]) -> None:
+        self.problems = list(problems)
+        super().__init__(format_problems(self.problems))
+
+
+def preflight(cfg: Config,
+              mode: str = 'train',
+              resume_checkpoint: Optional[str] = None,
+              test_checkpoint: Optional[str] = None) -> List[Problem]:
+    """Every problem that would stop ``cfg``'s run, without starting it.
+
+    Args:
+        cfg (Config): The merged config (``work_dir`` set, as
+            :func:`mmcv_custom.launcher.load_config` sets it).
+        mode (str): ``'train'`` (``tools/train.py``: the training data, the
+            validation data when validation is configured, ``load_from``,
+            pretrained files, room for a checkpoint) or ``'test'``
+            (``tools/test.py``: the test data). Defaults to ``'train'``.
+        resume_checkpoint (str, optional): What ``--resume`` takes when
+            ``load_from`` is not set.
+        test_checkpoint (str, optional): ``tools/test.py``'s CHECKPOINT.
+
+    Returns:
+        list[Problem]: Empty when nothing was found.
+
+    Raises:
+        ValueError: ``mode`` is neither ``'train'`` nor ``'test'``.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"mode should be 'train' or 'test', but got "
+                         f'{mode!r}')
+    problems = _import_problems(cfg)
+    problems += _data_problems(cfg, mode)
+    if mode == 'train':
+        # Runner.train initialises the weights (loading these) even when
+        # it then resumes; Runner.test does not.
+        problems += _pretrained_problems(cfg.get('model'))
+        if cfg.get('load_from'):
+            problems += _checkpoint_problems(
+                cfg.load_from, 'load_from',
+                'correct the path, or leave load_from out')
+        if resume_checkpoint:
+            problems += _checkpoint_problems(resume_checkpoint,
+                                             'the checkpoint to resume from',
+                                             '')
+    elif test_checkpoint is not None:
+        problems += _checkpoint_problems(
+            test_checkpoint, 'checkpoint',
+            'give a checkpoint file (or sharded checkpoint directory) '
+            'that tools/train.py wrote')
+    problems += _work_dir_problems(cfg, mode)
+    return problems
+
+
+def check_preflight(cfg: Config, mode: str = 'train', **kwargs) -> None:
+    """:func:`preflight`, raising what it finds.
+
+    Raises:
+        PreflightError: One or more problems; its message lists them all.
+    """
+    problems = preflight(cfg, mode, **kwargs)
+    if problems:
+        raise PreflightError(problems)
+
+
+_LOCAL_RANK_ENV = {
+    'pytorch': 'LOCAL_RANK',
+    'slurm': 'SLURM_LOCALID',
+    'mpi': 'OMPI_COMM_WORLD_LOCAL_RANK',
+}
+_RANK_ENV = {
+    'pytorch': 'RANK',
+    'slurm': 'SLURM_PROCID',
+    'mpi': 'OMPI_COMM_WORLD_RANK',
+}
+
+
+def preflight_report(error: PreflightError, prog: str,
+                     launcher: str) -> Optional[str]:
+    """What this process prints for ``error`` (``prog: error: ...``), or
+    None where it stays quiet, so that every rank exits but each problem
+    is said once.
+
+    Local rank 0 of each node speaks (a single node: once), since every
+    node checks its own disks; another node than global rank 0's says
+    which it is. Works before the process group exists, from the
+    launcher's environment.
+    """
+    if launcher in _LOCAL_RANK_ENV:
+        local = os.environ.get(_LOCAL_RANK_ENV[launcher], '0').strip()
+        if local not in ('', '0'):
+            return None
+        rank = os.environ.get(_RANK_ENV[launcher], '0').strip()
+        if rank not in ('', '0'):
+            prog = f'{prog} (on {socket.gethostname()}, rank {rank})'
+    return f'{prog}: error: {error}'
+
+
+# -- custom imports --------------------------------------------------------
+
+
+def _import_problems(cfg: Config) -> List[Problem]:
+    """Import ``custom_imports`` (the runner would), so that the dataset
+    and model classes are registered; a failure is a problem itself."""
+    custom = cfg.get('custom_imports')
+    if not custom:
+        return []
+    from mmengine.utils import import_modules_from_strings
+    try:
+        import_modules_from_strings(**custom)
+    except ImportError as e:
+        return [
+            Problem(f'custom_imports: {e}',
+                    'install the package, or correct custom_imports')
+        ]
+    return []
+
+
+# -- data --------------------------------------------------------------------
+
+
+def _loader_keys(cfg: Config, mode: str) -> List[str]:
+    if mode == 'test':
+        return ['test_dataloader']
+    keys = ['train_dataloader']
+    # MMEngine validates only with all three.
+    if all(
+            cfg.get(k) is not None
+            for k in ('val_dataloader', 'val_cfg', 'val_evaluator')):
+        keys.append('val_dataloader')
+    return keys
+
+
+def _leaf_datasets(node, key: str) -> Iterator[Tuple[str, dict]]:
+    """``(key, dataset cfg)`` of each dataset inside wrappers
+    (RepeatDataset, ClassBalancedDataset: ``dataset``; ConcatDataset:
+    ``datasets``)."""
+    if not isinstance(node, dict):
+        return
+    if isinstance(node.get('datasets'), (list, tuple)):
+        for i, child in enumerate(node['datasets']):
+            yield from _leaf_datasets(child, f'{key}.datasets[{i}]')
+    elif isinstance(node.get('dataset'), dict):
+        yield from _leaf_datasets(node['dataset'], f'{key}.dataset')
+    else:
+        yield key, node
+
+
+def _dataset_class(dataset: dict, default_scope: Optional[str]):
+    """The registered class of ``dataset``, or None if it cannot be
+    resolved (then its folders are checked as they are)."""
+    kind = dataset.get('type')
+    if not isinstance(kind, str):
+        return kind
+    from mmengine.registry import DATASETS
+    try:
+        scope = dataset.get('_scope_', default_scope)
+        with DATASETS.switch_scope_and_registry(scope) as registry:
+            return registry.get(kind)
+    except Exception:
+        return None
+
+
+def _generates_data(dataset: dict, default_scope: Optional[str]) -> bool:
+    cls = _dataset_class(dataset, default_scope)
+    generates = getattr(cls, 'generates_data', None)
+    if not callable(generates):
+        return False
+    try:
+        return bool(generates(dataset))
+    except Exception:
+        return False
+
+
+def _is_ade20k(dataset: dict) -> bool:
+    kind = dataset.get('type')
+    name = kind if isinstance(kind, str) else getattr(kind, '__name__', '')
+    root = dataset.get('data_root') or ''
+    return name.split('.')[-1] == 'ADE20KDataset' or ('ADEChallengeData2016'
+                                                      in str(root))
+
+
+def _ade20k_fix(root: str) -> str:
+    name = osp.normpath(root)
+    unzip = (f'unzip it in {osp.dirname(name) or "."}'
+             if osp.basename(name) == 'ADEChallengeData2016' else
+             f'unzip it and move its ADEChallengeData2016 to {root}')
+    return (f'put ADE20K there: download {_ADE_URL} and {unzip}, so that '
+            f'{root} holds images/training, images/validation (*.jpg) '
+            'and annotations/training, annotations/validation (*.png)')
+
+
+def _where(path: str) -> str:
+    if osp.isabs(path):
+        return ''
+    return (' (relative paths are from the current directory, '
+            f'{os.getcwd()})')
+
+
+def _has_files(folder: str) -> bool:
+    """Whether ``folder`` (searched recursively, as MMSegmentation lists
+    it) holds at least one file; stops at the first."""
+    for _, _, files in os.walk(folder, followlinks=True):
+        if files:
+            return True
+    return False
+
+
+def _join(root: Optional[str], path: str) -> str:
+    return osp.join(root, path) if root and not osp.isabs(path) else path
+
+
+def _missing_data(dataset: dict) -> Iterator[Tuple[str, str, str]]:
+    """``(kind, path, fix)`` of what ``dataset`` lacks: its ``data_root``
+    (then nothing below it is looked at), a ``data_prefix`` folder that is
+    missing or empty, its ``ann_file``."""
+    root = dataset.get('data_root')
+    prefix = dataset.get('data_prefix') or {}
+    folders = [p for p in prefix.values() if isinstance(p, str) and p
+               ] if isinstance(prefix, dict) else []
+    ann_file = dataset.get('ann_file')
+    ade = _is_ade20k(dataset)
+    if isinstance(root, str) and root and '://' not in root:
+        if not osp.isdir(root):
+            yield 'root', root, (
+                _ade20k_fix(root) if ade else 'put the dataset there')
+            return
+    for folder in folders:
+        path = _join(root, folder)
+        if '://' in path:
+            continue
+        fix = (
+            _ade20k_fix(root or '.')
+            if ade else f'put the dataset\'s {folder} there')
+        if not osp.isdir(path):
+            yield 'folder', path, fix
+        elif not _has_files(path):
+            yield 'empty', path, fix
+    if isinstance(ann_file, str) and ann_file:
+        path = _join(root, ann_file)
+        if '://' not in path and not osp.isfile(path):
+            split = re.match(r'splits/train_1of\d+\.txt$', ann_file)
+            yield 'ann_file', path, (
+                f'write the few-shot splits: {_SPLITS} --data-root {root}'
+                if ade and split else
+                'correct ann_file, or leave it out to read every file of '
+                'the folders')
+
+
+_DATA_WHAT = {
+    'root': 'data_root {!r} does not exist',
+    'folder': '{!r}: no such folder',
+    'empty': '{!r} holds no files',
+    'ann_file': 'ann_file {!r}: no such file',
+}
+
+
+def _data_problems(cfg: Config, mode: str) -> List[Problem]:
+    """One problem per missing or empty path, naming every dataset that
+    reads it (train and val share ADE20K's root)."""
+    found: Dict[Tuple[str, str], Tuple[List[str], str]] = {}
+    scope = cfg.get('default_scope')
+    for loader in _loader_keys(cfg, mode):
+        for key, dataset in _leaf_datasets(cfg.get(loader), loader):
+            if not (dataset.get('data_root') or dataset.get('data_prefix')
+                    or dataset.get('ann_file')):
+                continue  # data of its own (e.g. synthetic)
+            if _generates_data(dataset, scope):
+                continue
+            for kind, path, fix in _missing_data(dataset):
+                keys, _ = found.setdefault((kind, path), ([], fix))
+                if key not in keys:
+                    keys.append(key)
+    problems = []
+    for (kind, path), (keys, fix) in found.items():
+        where = ' and '.join(k.split('.')[0] for k in keys)
+        if kind != 'ann_file':
+            settings = ' '.join(f'{k}.data_root=PATH' for k in keys)
+            fix += ('; or set data_root to where the dataset is '
+                    f'(--cfg-options {settings})')
+        problems.append(
+            Problem(f'{where}: {_DATA_WHAT[kind].format(path)}{_where(path)}',
+                    fix))
+    return problems
+
+
+# -- pretrained weights and checkpoints ------------------------------------
+
+
+def _weight_paths(node, key: str) -> Iterator[Tuple[str, str]]:
+    """``(key, path)`` of every pretrained file named in a model config."""
+    if isinstance(node, dict):
+        for name, value in node.items():
+            sub = f'{key}.{name}'
+            if name == 'pretrained' and isinstance(value, str):
+                yield sub, value
+            elif name == 'init_cfg':
+                inits = value if isinstance(value, (list, tuple)) else [value]
+                for i, init in enumerate(inits):
+                    if (isinstance(init, dict)
+                            and init.get('type') == 'Pretrained'
+                            and isinstance(init.get('checkpoint'), str)):
+                        at = f'[{i}]' if isinstance(value,
+                                                    (list, tuple)) else ''
+                        yield f'{sub}{at}.checkpoint', init['checkpoint']
+            else:
+                yield from _weight_paths(value, sub)
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            yield from _weight_paths(value, f'{key}[{i}]')
+
+
+def _pretrained_fix(key: str, path: str) -> str:
+    name = osp.basename(path)
+    found = _INTERNVIT_NAME.match(name)
+    if found or name.lower().startswith('intern_vit'):
+        release = (f'OpenGVLab/InternViT-{found.group(1).upper()}-'
+                   f'{found.group(2)}' if found else 'InternViT')
+        return (f"put InternVL's released {name} there, or convert the "
+                f'downloaded {release} weights into it: {_CONVERTER} SRC '
+                f'{path} (SRC: its model.safetensors, *.index.json or '
+                f'.pth; see {_INTERNVIT_DOC})')
+    return (f'put the file there, or set {key} to where it is '
+            f'(--cfg-options {key}=PATH)')
+
+
+def _pretrained_problems(model) -> List[Problem]:
+    problems, seen = [], set()
+    for key, path in _weight_paths(model, 'model'):
+        if '://' in path or path in seen:
+            continue
+        seen.add(path)
+        if osp.isdir(path):
+            hint = ('an FSDP2 sharded checkpoint, not one file'
+                    if is_sharded_checkpoint(path) else
+                    'a directory, not a checkpoint file')
+            fix = ('make it one file: tools/model_converters/fsdp2_to_pth.py'
+                   if is_sharded_checkpoint(path) else
+                   f'set {key} to the checkpoint file')
+            problems.append(Problem(f'{key}={path!r}: {hint}', fix))
+        elif not osp.isfile(path):
+            problems.append(
+                Problem(f'{key}={path!r}: no such file{_where(path)}',
+                        _pretrained_fix(key, path)))
+        elif not path.endswith(_NO_PICKLE):
+            problems += _checkpoint_problems(path, key, '')
+    return problems
+
+
+def _checkpoint_problems(path, source: str, fix_missing: str) -> List[Problem]:
+    """:func:`check_checkpoint_file`'s error as a problem, not raised."""
+    path = str(path)
+    try:
+        check_checkpoint_file(path, source)
+    except FileNotFoundError as e:
+        return [Problem(str(e), fix_missing)]
+    except CheckpointDamagedError as e:
+        return [
+            Problem(f'{source}: {e}',
+                    'restore it from an intact copy, or load another one')
+        ]
+    except UnsafeCheckpointError as e:
+        return [Problem(f'{source}: {e}')]  # it says what to do
+    except (RuntimeError, OSError, EOFError) as e:
+        what = str(e) if source in str(e) else f'{source}={path!r}: {e}'
+        return [Problem(what, 'load another checkpoint')]
+    return []
+
+
+# -- the work dir ----------------------------------------------------------
+
+
+def _optimizer_states(cfg: Config) -> int:
+    """Tensors the checkpoint saves per trainable parameter for the
+    optimizer (0 when unknown: the estimate stays a lower bound)."""
+    checkpoint_hook = (cfg.get('default_hooks') or {}).get('checkpoint') or {}
+    if checkpoint_hook.get('save_optimizer', True) is False:
+        return 0
+    optimizer = (cfg.get('optim_wrapper') or {}).get('optimizer') or {}
+    kind = optimizer.get('type', '')
+    name = kind if isinstance(kind, str) else getattr(kind, '__name__', '')
+    name = name.split('.')[-1]
+    if name == 'SGD':
+        return 1 if optimizer.get('momentum') else 0
+    return _OPTIMIZER_STATES.get(name, 0)
+
+
+def estimate_checkpoint_bytes(cfg: Config) -> Optional[int]:
+    """About how large one checkpoint of ``cfg``'s run is: the model's
+    parameters and buffers in their dtypes, plus the optimizer's state per
+    trainable parameter (two for Adam/AdamW).
+
+    The model is built on the meta device, so no memory is allocated
+    (InternViT-6B: about a second). Returns None when it cannot be built
+    that way; the caller then checks nothing.
+    """
+    model_cfg = cfg.get('model')
+    if not isinstance(model_cfg, dict):
+        return None
+    try:
+        import torch
+        from mmengine.registry import MODELS
+        with warnings.catch_warnings():
+            # The real build shows them again.
+            warnings.simplefilter('ignore')
+            with MODELS.switch_scope_and_registry(
+                    cfg.get('default_scope')) as registry:
+                with torch.device('meta'):
+                    model = registry.build(copy.deepcopy(model_cfg))
+        params = list(model.parameters())
+        size = sum(p.numel() * p.element_size() for p in params)
+        size += sum(b.numel() * b.element_size() for b in model.buffers())
+        trainable = sum(p.numel() * p.element_size() for p in params
+                        if p.requires_grad)
+    except Exception:
+        return None
+    return size + _optimizer_states(cfg) * trainable
+
+
+def _work_dir_problems(cfg: Config, mode: str) -> List[Problem]:
+    work_dir = cfg.get('work_dir')
+    if not isinstance(work_dir, str) or not work_dir or '://' in work_dir:
+        return []
+    fix = 'choose another --work-dir'
+    existing = osp.abspath(work_dir)
+    while not osp.exists(existing):
+        existing = osp.dirname(existing)
+    if not osp.isdir(existing):
+        return [
+            Problem(
+                f'work_dir {work_dir!r}: {existing} is a file, not a '
+                'folder, so the work dir cannot be '
+                f'{"used" if existing == osp.abspath(work_dir) else "made"}',
+                fix)
+        ]
+    try:
+        # A real write (read-only mounts, ACLs), removed at once.
+        os.rmdir(tempfile.mkdtemp(prefix='.preflight-', dir=existing))
+    except OSError as e:
+        return [
+            Problem(
+                f'work_dir {work_dir!r}: cannot write in {existing} '
+                f'({e.strerror})', f'{fix} (one you can write to)')
+        ]
+    if mode != 'train':
+        return []
+    need = estimate_checkpoint_bytes(cfg)
+    if need is None:
+        return []
+    free = shutil.disk_usage(existing).free
+    if need <= free:
+        return []
+    return [
+        Problem(
+            f'work_dir {work_dir!r}: {free / _GIB:.1f} GiB free on its '
+            f'disk, but one checkpoint of this model takes about '
+            f'{need / _GIB:.1f} GiB (weights and optimizer state)',
+            f'free space there, or {fix} on a disk with room')
+    ]

@@ -1,0 +1,304 @@
+"""The preflight of tools/train.py and tools/test.py: every problem of a run
+found before the model or the process group exists, said once, with what
+to do. Through the real entry points where it matters (the 6B recipe is
+never built), unit level for each check."""
+import argparse
+import os
+import os.path as osp
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import mmcv_custom.preflight as preflight_module
+from mmcv_custom.launcher import load_config
+from mmcv_custom.preflight import (PreflightError, Problem, check_preflight,
+                                   format_problems, preflight,
+                                   preflight_report)
+
+ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+TOOLS = osp.join(ROOT, 'tools')
+CONFIGS = osp.join(ROOT, 'configs')
+VIT_6B = osp.join(CONFIGS, 'intern_vit',
+                  'upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py')
+FEW_SHOT = osp.join(CONFIGS, 'intern_vit',
+                    'linear_intern-vit-6b_8xb2-5k_ade20k-1of16-504x504.py')
+UPERNET_R50 = osp.join(
+    CONFIGS, 'upernet',
+    'upernet_r50_4xb4-bf16-compress-160k_ade20k-512x512.py')
+FCN = osp.join(CONFIGS, 'fcn',
+               'fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py')
+MLP = osp.join(CONFIGS, 'demo', 'mlp_2xb32-300iter_synthetic.py')
+VIT_TINY = osp.join(
+    CONFIGS, 'intern_vit',
+    'upernet_intern-vit-tiny_2xb8-200iter_toy-shapes-56x56.py')
+ADE_ZIP = ('http://data.csail.mit.edu/places/ADEchallenge/'
+           'ADEChallengeData2016.zip')
+
+
+def _run_measured(args, cwd):
+    """Run ``args``; return (exit code, stdout, stderr, wall seconds, peak
+    RSS in bytes of that process alone, from ``wait4``)."""
+    out, err = osp.join(cwd, 'stdout.txt'), osp.join(cwd, 'stderr.txt')
+    start = time.monotonic()
+    with open(out, 'w') as fo, open(err, 'w') as fe:
+        proc = subprocess.Popen(args, cwd=cwd, stdout=fo, stderr=fe)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.monotonic() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    with open(out) as fo, open(err) as fe:
+        return proc.returncode, fo.read(), fe.read(), wall, (
+            usage.ru_maxrss * 1024)  # kilobytes on Linux
+
+
+def _lines(stderr, prog):
+    """The message's lines: from ``prog: error:`` on."""
+    lines = stderr.splitlines()
+    first = [
+        i for i, line in enumerate(lines) if line.startswith(f'{prog}: error:')
+    ]
+    assert len(first) == 1, stderr[-3000:]
+    return lines[first[0]:]
+
+
+def test_6b_recipe_says_every_problem_at_once_without_building_it(tmp_path):
+    # No ADE20K, no pretrained/ and no load_from file in this folder.
+    work = tmp_path / 'work'
+    code, _, err, wall, rss = _run_measured([
+        sys.executable,
+        osp.join(TOOLS, 'train.py'), VIT_6B, '--work-dir',
+        str(work), '--cfg-options', 'load_from=nothere.pth'
+    ], str(tmp_path))
+    assert code == 2, err[-3000:]
+    lines = _lines(err, 'train.py')
+    assert lines[0] == ('train.py: error: 3 problems, found before building '
+                        'the model or starting the process group:')
+    where = ('(relative paths are from the current directory, '
+             f'{tmp_path})')
+    assert lines[1] == (
+        '  1. train_dataloader and val_dataloader: data_root '
+        f"'data/ade/ADEChallengeData2016' does not exist {where}. Fix: put "
+        f'ADE20K there: download {ADE_ZIP} and unzip it in data/ade, so '
+        'that data/ade/ADEChallengeData2016 holds images/training, '
+        'images/validation (*.jpg) and annotations/training, '
+        'annotations/validation (*.png); or set data_root to where the '
+        'dataset is (--cfg-options train_dataloader.dataset.data_root=PATH '
+        'val_dataloader.dataset.data_root=PATH)')
+    assert lines[2] == (
+        "  2. model.backbone.pretrained='pretrained/intern_vit_6b_224px.pth'"
+        f": no such file {where}. Fix: put InternVL's released "
+        'intern_vit_6b_224px.pth there, or convert the downloaded '
+        'OpenGVLab/InternViT-6B-224px weights into it: .venv/bin/python '
+        'tools/model_converters/internvit2mmseg.py SRC '
+        'pretrained/intern_vit_6b_224px.pth (SRC: its model.safetensors, '
+        '*.index.json or .pth; see docs/en/user_guides/intern_vit.md)')
+    assert lines[3] == (f"  3. load_from='nothere.pth': no such file {where}"
+                        '. Fix: correct the path, or leave load_from out')
+    assert len(lines) == 4  # nothing after it: said once, no traceback
+    assert 'Traceback' not in err
+    assert not work.exists()
+    # Imports included; the model (23.6 GB in fp32) was never allocated.
+    assert wall < 30, wall
+    assert rss < 3 * 1024**3, rss
+
+
+def test_test_tool_says_checkpoint_and_data_at_once(tmp_path):
+    code, _, err, _, _ = _run_measured([
+        sys.executable,
+        osp.join(TOOLS, 'test.py'), UPERNET_R50, 'missing.pth', '--work-dir',
+        str(tmp_path / 'eval')
+    ], str(tmp_path))
+    assert code == 2, err[-3000:]
+    lines = _lines(err, 'test.py')
+    assert len(lines) == 3 and lines[0].endswith('2 problems, found before '
+                                                 'building the model or '
+                                                 'starting the process '
+                                                 'group:')
+    assert lines[1].startswith(
+        "  1. test_dataloader: data_root 'data/ade/ADEChallengeData2016' "
+        'does not exist')
+    assert ADE_ZIP in lines[1]
+    assert lines[2].startswith("  2. checkpoint='missing.pth': no such file")
+    assert 'Traceback' not in err
+
+
+@pytest.mark.parametrize('config', [FCN, MLP, VIT_TINY])
+def test_toy_and_demo_configs_pass(config, tmp_path, monkeypatch):
+    # From an empty folder: the toy data does not exist yet, and need not.
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(config, work_dir=str(tmp_path / 'work'))
+    assert preflight(cfg, 'train') == []
+    assert preflight(cfg, 'test') == []
+    assert not os.listdir(tmp_path)  # nothing written, not even the data
+
+
+def test_toy_data_that_must_exist_is_checked(tmp_path):
+    cfg = load_config(
+        FCN, {
+            'train_dataloader.dataset.generate': False,
+            'train_dataloader.dataset.data_root': str(tmp_path / 'toy')
+        },
+        work_dir=str(tmp_path / 'work'))
+    assert preflight(cfg, 'train') == [
+        Problem(
+            f"train_dataloader: data_root '{tmp_path}/toy' does not "
+            'exist', 'put the dataset there; or set data_root to where '
+            'the dataset is (--cfg-options '
+            'train_dataloader.dataset.data_root=PATH)')
+    ]
+
+
+def test_ade20k_folders_empty_folders_and_few_shot_splits(
+        tmp_path, monkeypatch):
+    # (The room for a 6B checkpoint is not this test's business.)
+    monkeypatch.setattr(preflight_module, 'estimate_checkpoint_bytes',
+                        lambda cfg: None)
+    root = tmp_path / 'ADEChallengeData2016'
+    (root / 'images' / 'training').mkdir(parents=True)
+    (root / 'images' / 'training' / 'a.jpg').write_bytes(b'')
+    (root / 'annotations' / 'training').mkdir(parents=True)  # empty
+    cfg = load_config(
+        FEW_SHOT, {
+            'train_dataloader.dataset.data_root': str(root),
+            'val_dataloader.dataset.data_root': str(root),
+            'model.backbone.pretrained': None
+        },
+        work_dir=str(tmp_path / 'work'))
+    problems = preflight(cfg, 'train')
+    assert [p.what for p in problems] == [
+        f"train_dataloader: '{root}/annotations/training' holds no files",
+        f"train_dataloader: ann_file '{root}/splits/train_1of16.txt': no "
+        'such file',
+        f"val_dataloader: '{root}/images/validation': no such folder",
+        f"val_dataloader: '{root}/annotations/validation': no such folder",
+    ]
+    assert problems[0].fix.startswith(f'put ADE20K there: download {ADE_ZIP}'
+                                      f' and unzip it in {tmp_path}, ')
+    assert problems[1].fix == (
+        'write the few-shot splits: .venv/bin/python '
+        'tools/dataset_converters/ade20k_fewshot_splits.py --data-root '
+        f'{root}')
+
+
+def test_dataset_wrappers_are_looked_into(tmp_path):
+    cfg = load_config(MLP, work_dir=str(tmp_path / 'work'))
+    inner = dict(type='X', data_root=str(tmp_path / 'a'))
+    cfg.train_dataloader.dataset = dict(
+        type='ConcatDataset',
+        datasets=[
+            dict(type='RepeatDataset', times=2, dataset=inner),
+            dict(
+                type='X',
+                data_root=str(tmp_path),
+                data_prefix=dict(img_path='b'))
+        ])
+    assert [p.what for p in preflight(cfg, 'train')] == [
+        f"train_dataloader: data_root '{tmp_path}/a' does not exist",
+        f"train_dataloader: '{tmp_path}/b': no such folder",
+    ]
+
+
+def test_weights_and_checkpoints_are_collected_not_raised(tmp_path):
+    unsafe = str(tmp_path / 'unsafe.pth')
+    torch.save({'meta': argparse.Namespace(lr=1)}, unsafe)
+    damaged = tmp_path / 'iter_4.pth'
+    torch.save({'state_dict': {}}, damaged)
+    (tmp_path / 'iter_4.pth.sha256').write_text('0' * 64 + '  iter_4.pth\n')
+    cfg = load_config(
+        FCN, {
+            'model.pretrained':
+            unsafe,
+            'model.decode_head.init_cfg':
+            dict(type='Pretrained', checkpoint=str(tmp_path / 'head.pth')),
+            'load_from':
+            str(damaged),
+        },
+        work_dir=str(tmp_path / 'work'))
+    with pytest.raises(PreflightError) as raised:
+        check_preflight(cfg, 'train', resume_checkpoint=str(tmp_path))
+    problems = raised.value.problems
+    assert [p.what.split(':')[0] for p in problems] == [
+        'model.pretrained',
+        f"model.decode_head.init_cfg.checkpoint='{tmp_path}/head.pth'",
+        'load_from',
+        f"the checkpoint to resume from='{tmp_path}'",
+    ]
+    assert problems[0].what.startswith(
+        f'model.pretrained: Refusing to load {unsafe}: it '
+        'contains argparse.Namespace')
+    assert problems[2].what.startswith(f'load_from: {damaged} is damaged: '
+                                       'its SHA-256 is ')
+    assert 'a directory, not a checkpoint file' in problems[3].what
+    assert str(raised.value) == format_problems(problems)
+    # Not checked: URLs, and pretrained files in test mode (Runner.test
+    # does not initialise weights).
+    cfg.model.pretrained = 'https://example.com/w.pth'
+    cfg.load_from = 'open-mmlab://resnet18'
+    assert [p.what.split(':')[0] for p in preflight(cfg, 'train')] == [
+        f"model.decode_head.init_cfg.checkpoint='{tmp_path}/head.pth'"
+    ]
+    assert preflight(cfg, 'test') == []
+
+
+def test_a_work_dir_under_a_file_is_reported(tmp_path):
+    plain = tmp_path / 'plain'
+    plain.write_text('')
+    cfg = load_config(MLP, work_dir=str(plain / 'work'))
+    assert preflight(cfg, 'train') == [
+        Problem(
+            f"work_dir '{plain}/work': {plain} is a file, not a folder, so "
+            'the work dir cannot be made', 'choose another --work-dir')
+    ]
+    cfg.work_dir = str(plain)
+    assert preflight(cfg, 'test')[0].what.endswith('so the work dir cannot '
+                                                   'be used')
+    assert os.listdir(tmp_path) == ['plain']  # nothing left behind
+
+
+def test_room_for_a_checkpoint(tmp_path, monkeypatch):
+    cfg = load_config(FCN, work_dir=str(tmp_path / 'work'))
+    need = preflight_module.estimate_checkpoint_bytes(cfg)
+    # The FCN's 0.9 M fp32 parameters, and AdamW's two moments of each.
+    assert 3 * 0.9e6 * 4 < need < 3 * 1.0e6 * 4
+
+    class Usage:
+        free = 1000
+
+    monkeypatch.setattr(preflight_module.shutil, 'disk_usage',
+                        lambda path: Usage)
+    [problem] = preflight(cfg, 'train')
+    assert problem.what == (
+        f"work_dir '{tmp_path}/work': 0.0 GiB free on its disk, but one "
+        'checkpoint of this model takes about 0.0 GiB (weights and '
+        'optimizer state)')
+    assert problem.fix == ('free space there, or choose another --work-dir '
+                           'on a disk with room')
+    assert preflight(cfg, 'test') == []  # writes no checkpoint
+    # A model that cannot be built on the meta device: not checked.
+    cfg.model = dict(type='NoSuchModel')
+    assert preflight_module.estimate_checkpoint_bytes(cfg) is None
+    assert preflight(cfg, 'train') == []
+
+
+def test_one_report_per_node(monkeypatch):
+    error = PreflightError([Problem('a', 'b'), Problem('c')])
+    assert str(error) == ('2 problems, found before building the model or '
+                          'starting the process group:\n  1. a. Fix: b\n'
+                          '  2. c')
+    for name in ('LOCAL_RANK', 'RANK', 'SLURM_LOCALID', 'SLURM_PROCID'):
+        monkeypatch.delenv(name, raising=False)
+    report = preflight_report(error, 'train.py', 'none')
+    assert report == f'train.py: error: {error}'
+    monkeypatch.setenv('LOCAL_RANK', '1')
+    assert preflight_report(error, 'train.py', 'pytorch') is None
+    # Slurm: the launcher's variables, not the LOCAL_RANK train.py sets.
+    monkeypatch.setenv('SLURM_LOCALID', '0')
+    monkeypatch.setenv('SLURM_PROCID', '8')
+    assert preflight_report(error, 'train.py',
+                            'slurm').startswith('train.py (on ')
+    assert ', rank 8): error: 2 problems' in preflight_report(
+        error, 'train.py', 'slurm')
+    with pytest.raises(ValueError, match="mode should be 'train' or 'test'"):
+        preflight(None, 'val')
