@@ -203,21 +203,37 @@ class CompressState:
             on the device (no synchronisation in the hook). Defaults to
             False; the runner hook turns it on for fp16 and reports every
             occurrence.
+        wire (str, optional): ``'fp16'`` or ``'bf16'``: the hook it goes
+            with, so that its description (the runner hook's log line)
+            says only what applies. Defaults to None: not said.
 
     Raises:
         TypeError: ``predivide_factor`` is neither None nor a real number
             (``True`` is not one), or ``check_finite`` is not a bool.
-        ValueError: ``predivide_factor`` is not finite and > 0.
+        ValueError: ``predivide_factor`` is not finite and > 0, ``wire`` is
+            not one of the above, or a ``predivide_factor`` is given for
+            ``wire='bf16'``.
     """
 
     def __init__(self,
                  process_group: Optional[dist.ProcessGroup] = None,
                  predivide_factor: Optional[float] = None,
-                 check_finite: bool = False) -> None:
+                 check_finite: bool = False,
+                 *,
+                 wire: Optional[str] = None) -> None:
         _check_compress_args(predivide_factor, check_finite)
+        if wire not in (None, 'fp16', 'bf16'):
+            raise ValueError(f"wire should be 'fp16', 'bf16' or None, but "
+                             f'got {wire!r}')
+        if wire == 'bf16' and predivide_factor is not None:
+            raise ValueError(
+                f'predivide_factor applies to fp16 only, but got '
+                f"{predivide_factor!r} with wire='bf16': bf16 has fp32's "
+                'range and always divides by the world size before the cast')
         self.process_group = process_group
         self.predivide_factor = predivide_factor
         self.check_finite = check_finite
+        self.wire = wire
         # bucket index -> (parameters, flag on the device). One entry per
         # bucket, or-ed until popped, so memory stays bounded.
         self._nonfinite: dict = {}
@@ -225,11 +241,34 @@ class CompressState:
         self._wire: dict = {}
         self._reuse_buffers = True
 
+    def _world_size(self) -> Optional[int]:
+        """The group's size, or None while no process group exists."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        try:
+            size = dist.get_world_size(self.process_group)
+        except (RuntimeError, ValueError):
+            return None
+        return size if size >= 1 else None
+
     def __repr__(self) -> str:
-        factor = ('default' if self.predivide_factor is None else repr(
-            self.predivide_factor))
-        return (f'CompressState(predivide_factor={factor} (fp16 only), '
-                f'check_finite={self.check_finite})')
+        end = f'check_finite={self.check_finite})'
+        if self.wire == 'bf16':
+            # predivide_factor does not apply: say what bf16 does instead.
+            return ('CompressState(divides by the world size before the '
+                    f'bf16 cast, {end}')
+        if self.predivide_factor is not None:
+            factor = repr(self.predivide_factor)
+        else:
+            # The value in effect, once the group (and its size) exists.
+            size = self._world_size()
+            ranks = f"{size} rank{'s' if size != 1 else ''}"
+            factor = (f'{default_predivide_factor(size)} (default for '
+                      f'{ranks})' if size is not None else
+                      'default_predivide_factor(world size)')
+        if self.wire is None:
+            factor += ' (fp16 only)'
+        return f'CompressState(predivide_factor={factor}, {end}'
 
     def factors(self, dtype: torch.dtype, world_size: int):
         """``(before, after)`` divisors of the average for ``dtype``."""

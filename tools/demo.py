@@ -4,7 +4,9 @@ Trains a config (by default the toy segmenter with ``bf16_compress``) on
 ``--nproc`` ranks through ``tools/dist_train.sh`` (gloo on CPU, NCCL on
 GPUs), evaluates the final checkpoint with ``tools/dist_test.sh``, then
 reads the runs' own logs back to say which hook was registered, the final
-loss, the evaluation metrics and the wall time. ``make demo`` calls this.
+loss, the metrics of the last validation during training and of the test
+of the final checkpoint (each labelled), and the wall time. ``make demo``
+calls this.
 
 The work dir is ``--work-dir``, else ``work_dirs/demo`` for the default
 config and ``work_dirs/<config name>`` for any other (as tools/train.py
@@ -18,6 +20,7 @@ import os.path as osp
 import subprocess
 import sys
 import time
+from typing import Optional
 
 from mmcv_custom.launcher import free_port
 
@@ -36,7 +39,10 @@ def parse_args():
         help='default: work_dirs/demo for the default config, else '
         'work_dirs/<config name>')
     parser.add_argument(
-        '--no-eval', action='store_true', help='skip tools/test.py')
+        '--no-eval',
+        action='store_true',
+        help='skip the test of the final checkpoint (tools/dist_test.sh); '
+        'the summary still shows the last validation during training')
     parser.add_argument(
         '--cfg-options',
         nargs='+',
@@ -75,8 +81,28 @@ def _last_checkpoint(work_dir: str) -> str:
         return f.read().strip()
 
 
-def summarize(train_dir: str, eval_dir: str, wall: float) -> str:
-    """The summary block, read from the runs' logs and scalars."""
+def _shown(metrics: dict) -> dict:
+    """The metrics to four significant digits (mIoU percentages and small
+    MSEs alike), without MMEngine's bookkeeping keys."""
+    return {
+        k: float(f'{v:.4g}')
+        for k, v in metrics.items() if k not in ('step', 'time', 'data_time')
+    }
+
+
+def summarize(train_dir: str,
+              eval_dir: Optional[str],
+              wall: float,
+              checkpoint: Optional[str] = None) -> str:
+    """The summary block, read from the runs' logs and scalars.
+
+    Two evaluations may show, each labelled: ``validation``, the last one
+    during training (its iteration in brackets), and ``test``, of the final
+    checkpoint by ``tools/dist_test.sh`` (``eval_dir``, None with
+    ``--no-eval``). They need not agree to the digit: the validation runs
+    on the training ranks' own models, the test on the checkpoint loaded
+    afresh.
+    """
     run = _runs(train_dir)[-1]
     log = open(glob.glob(osp.join(run, '*.log'))[0]).read()
     registered = [
@@ -88,7 +114,8 @@ def summarize(train_dir: str, eval_dir: str, wall: float) -> str:
         for ln in open(osp.join(run, 'vis_data', 'scalars.json'))
     ]
     losses = [s for s in scalars if 'loss' in s]
-    metrics = {}
+    validations = [s for s in scalars if 'loss' not in s]
+    tested = {}
     evals = _runs(eval_dir) if eval_dir else []
     if evals:
         found = glob.glob(osp.join(evals[-1], '*.json'))
@@ -98,26 +125,25 @@ def summarize(train_dir: str, eval_dir: str, wall: float) -> str:
             # shorter write can leave the tail of a longer one behind: read
             # the first JSON object and ignore the rest.
             with open(found[0]) as f:
-                metrics = json.JSONDecoder().raw_decode(f.read())[0]
-    elif [s for s in scalars if 'loss' not in s]:
-        metrics = [s for s in scalars if 'loss' not in s][-1]
-    # Four significant digits: mIoU percentages and small MSEs alike.
-    shown = {
-        k: float(f'{v:.4g}')
-        for k, v in metrics.items() if k not in ('step', 'time', 'data_time')
-    }
-    lines = ['', '=' * 72, 'Demo summary']
-    lines.append('  comm hook : ' +
-                 (registered[0] if registered else 'none registered'))
+                tested = json.JSONDecoder().raw_decode(f.read())[0]
+    rows = [('comm hook', registered[0] if registered else 'none registered')]
     if losses:
-        lines.append(f"  loss      : {losses[0]['loss']:.4f} (iter "
+        rows.append(('loss', f"{losses[0]['loss']:.4f} (iter "
                      f"{losses[0]['step']}) -> {losses[-1]['loss']:.4f} "
-                     f"(iter {losses[-1]['step']})")
-    if shown:
-        lines.append(f'  eval      : {shown}')
-    what = 'training and evaluation' if eval_dir else 'training'
-    lines.append(f'  wall time : {wall:.1f} s ({what})')
-    lines.append(f'  work dir  : {osp.abspath(train_dir)}')
+                     f"(iter {losses[-1]['step']})"))
+    if validations and _shown(validations[-1]):
+        last = validations[-1]
+        rows.append((f"validation (iter {last.get('step', '?')})",
+                     f'{_shown(last)} (during training)'))
+    if tested:
+        of = f' of {osp.basename(checkpoint)}' if checkpoint else ''
+        rows.append(('test', f'{_shown(tested)} (tools/dist_test.sh{of})'))
+    what = 'training and test' if eval_dir else 'training'
+    rows.append(('wall time', f'{wall:.1f} s ({what})'))
+    rows.append(('work dir', osp.abspath(train_dir)))
+    width = max(len(label) for label, _ in rows)
+    lines = ['', '=' * 72, 'Demo summary']
+    lines += [f'  {label:<{width}} : {value}' for label, value in rows]
     lines.append('=' * 72)
     return '\n'.join(lines)
 
@@ -131,16 +157,16 @@ def main():
         osp.join(HERE, 'dist_train.sh'), args.config,
         str(args.nproc), '--work-dir', args.work_dir, *options
     ], 'training')
-    eval_dir = None
+    eval_dir = checkpoint = None
     if not args.no_eval:
         eval_dir = osp.join(args.work_dir, 'eval')
+        checkpoint = _last_checkpoint(args.work_dir)
         _run([
             'bash',
-            osp.join(HERE, 'dist_test.sh'), args.config,
-            _last_checkpoint(args.work_dir),
+            osp.join(HERE, 'dist_test.sh'), args.config, checkpoint,
             str(args.nproc), '--work-dir', eval_dir, *options
         ], 'evaluation')
-    print(summarize(args.work_dir, eval_dir, time.time() - start))
+    print(summarize(args.work_dir, eval_dir, time.time() - start, checkpoint))
 
 
 if __name__ == '__main__':

@@ -43,7 +43,8 @@ def _fp16_state(process_group: Optional[dist.ProcessGroup],
     product after the reduction), at the cost of flushing more small
     gradients to zero.
     """
-    return CompressState(process_group, predivide_factor, check_finite)
+    return CompressState(
+        process_group, predivide_factor, check_finite, wire='fp16')
 
 
 @COMM_HOOK_STATES.register_module(name='bf16_compress')
@@ -51,7 +52,7 @@ def _fp16_state(process_group: Optional[dist.ProcessGroup],
 def _bf16_state(process_group: Optional[dist.ProcessGroup],
                 check_finite: bool = False) -> CompressState:
     """bf16 keeps fp32's range: it always divides before the reduction."""
-    return CompressState(process_group, check_finite=check_finite)
+    return CompressState(process_group, check_finite=check_finite, wire='bf16')
 
 
 # NumPy's RandomState, which PowerSGDState seeds, takes seeds below 2**32.

@@ -480,3 +480,49 @@ def test_powersgd_that_sends_nothing_is_counted_as_nothing():
     cfg = dict(type='powerSGD', start_powerSGD_iter=2)
     popped, _ = run_ranks(_traffic, cfg, torch.float32, 3, True)[0]
     assert popped == [(NUMEL * 4, NUMEL * 4)] * 2 + [(NUMEL * 4, 0)]
+
+
+def _described(rank, world_size):
+    """What the runner hook's log line says of each compressing state,
+    with the process group up."""
+    return [
+        repr(build_comm_hook(cfg).state) for cfg in (
+            dict(type='fp16_compress'),
+            dict(type='fp16_compress', predivide_factor=4, check_finite=False),
+            dict(type='bf16_compress'),
+        )
+    ] + [repr(CompressState(None))]
+
+
+def test_compress_state_says_the_predivide_factor_in_effect():
+    # fp16: the value the hook will divide by, its default from the world
+    # size; bf16 has none (it divides before the cast).
+    assert run_ranks(
+        _described, world_size=4
+    )[0] == [
+        'CompressState(predivide_factor=2 (default for 4 ranks), '
+        'check_finite=True)',
+        'CompressState(predivide_factor=4, check_finite=False)',
+        'CompressState(divides by the world size before the bf16 cast, '
+        'check_finite=False)',
+        # Built by hand, not told which hook it goes with.
+        'CompressState(predivide_factor=2 (default for 4 ranks) (fp16 only), '
+        'check_finite=False)',
+    ]
+    # Before any process group exists, the rule.
+    assert repr(CompressState(None, wire='fp16')) == (
+        'CompressState(predivide_factor=default_predivide_factor(world '
+        'size), check_finite=False)')
+
+
+def test_compress_state_wire_is_checked():
+    with pytest.raises(ValueError) as info:
+        CompressState(wire='int8')
+    assert str(info.value) == ("wire should be 'fp16', 'bf16' or None, but "
+                               "got 'int8'")
+    with pytest.raises(ValueError) as info:
+        CompressState(predivide_factor=2, wire='bf16')
+    assert str(info.value) == (
+        "predivide_factor applies to fp16 only, but got 2 with wire='bf16': "
+        "bf16 has fp32's range and always divides by the world size before "
+        'the cast')

@@ -337,9 +337,9 @@ def test_load_from_a_damaged_file_names_it_and_the_alternative(
     work = _copy(trained, tmp_path)
     _flip(str(work / 'iter_6.pth'))
     code, log = _train(tmp_path / 'other', f'load_from={work}/iter_6.pth')
-    assert code == 1
-    assert (f'train.py: error: {work}/iter_6.pth is damaged: its SHA-256 '
-            'is ') in log
+    assert code == 2  # a preflight problem (mmcv_custom.preflight)
+    assert (f'train.py: error: load_from: {work}/iter_6.pth is damaged: its '
+            'SHA-256 is ') in log
     assert 'Traceback' not in log
     assert f'the newest intact checkpoint beside it is {work}/iter_4.pth' \
         in log

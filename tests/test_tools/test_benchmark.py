@@ -26,6 +26,9 @@ STEP_ROW = (r'\| (?P<size>[\d.]+) MB \| `(?P<hook>\w+)` \| ' + _MS +
             r' \| (?P<theirs>' + _MS + r'|—) \| (?P<ratio>\d+\.\d\d|—) \| '
             r'(?P<wire>[\d.]+) \| \d\.\de-\d\d \|')
 CODEC_ROW = r'\| (?P<size>[\d.]+) MB \| ' + _MS + r'( \| \d+\.\d\dx){5} \|'
+# A progress line: [done/total] what: seconds, ETA (or, last, done in).
+PROGRESS = (r'\[(?P<done>\d+)/(?P<total>\d+)\] (?P<note>.+): \d+\.\d s, '
+            r'(?P<end>ETA (\d+:\d\d:\d\d|-:--:--)|done in \d+:\d\d:\d\d)')
 HOOK_ROWS = ('allreduce_hook', 'fp16_compress_hook', 'bf16_compress_hook',
              'int8_compress_hook')
 
@@ -64,6 +67,24 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
         r'fp32 copy', out.stdout)
     # Kineto's "USDT: ... profiler_start/stop" lines stay off the console.
     assert 'USDT' not in out.stderr and 'profiler_st' not in out.stderr
+    # Progress while it runs, on stderr (not a terminal: plain lines), one
+    # per step: per size each hook's warm-up, 2 rounds, the codecs.
+    progress = [
+        re.fullmatch(PROGRESS, line) for line in out.stderr.splitlines()
+        if re.match(r'\[\d+/\d+\] ', line)
+    ]
+    assert all(progress), out.stderr[-3000:]
+    assert [int(m['done']) for m in progress] == list(range(1, 25))
+    assert {m['total'] for m in progress} == {'24'}
+    assert progress[0]['note'] == '0.25 MB, noop: warm-up and bytes'
+    assert progress[9]['note'] == '0.25 MB, round 1/2'
+    assert progress[-1]['note'] == '1 MB, codecs'
+    # An ETA from the second step on (the first carries one-off costs).
+    assert progress[0]['end'] == 'ETA -:--:--'
+    assert all(
+        re.fullmatch(r'ETA \d+:\d\d:\d\d', m['end']) for m in progress[1:-1])
+    assert progress[-1]['end'].startswith('done in ')
+    assert not re.search(r'^\[\d+/24\]', out.stdout, re.M)
     # The two tables of docs/en/notes/benchmarks.md, row for row.
     lines = out.stdout.splitlines()
     step = [re.fullmatch(STEP_ROW, row) for row in _table(lines, STEP_HEADER)]

@@ -725,11 +725,15 @@ def bench_file(tmp_path):
          'such file'),
         (['--json', '/nonexistent/o.json'], '--json /nonexistent/o.json: '
          'cannot write there (No such file or directory)'),
+        (['--config', f'{ROOT}/README.md'
+          ], f'--config {ROOT}/README.md: cannot read it as a config '
+         '(OSError: Only py/yml/yaml/json type are supported now!)'),
     ],
     ids=[
         'nodes', 'gbps', 'eta', 'alpha', 'step-below-backward', 'codec',
         'hooks', 'fit-rates-alone', 'check-alone', 'codec-fitted-alone',
-        'fit-missing', 'config-missing', 'json-dir-missing'
+        'fit-missing', 'config-missing', 'json-dir-missing',
+        'config-not-a-config'
     ])
 def test_bad_arguments_are_usage_errors(tool_args, args, message):
     code, last = tool_args(args)

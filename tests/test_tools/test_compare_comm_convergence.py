@@ -4,10 +4,13 @@ the toy FCN read back from their own scalars.json."""
 import json
 import os
 import os.path as osp
+import re
 import subprocess
 import sys
 
 import pytest
+
+from tests.tool_utils import load_script, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'compare_comm_convergence.py')
@@ -15,10 +18,7 @@ FCN = osp.join(ROOT, 'configs', 'fcn',
                'fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py')
 # Four iterations and one validation: the shortest run that still logs a
 # loss curve (two points) and an mIoU.
-SHORT = [
-    '--log-interval', '2', '--cfg-options', 'train_cfg.max_iters=4',
-    'train_cfg.val_interval=4', 'default_hooks.checkpoint.interval=4'
-]
+SHORT = ['--max-iters', '4', '--log-interval', '2']
 VALID = ('allreduce', 'fp16_compress', 'bf16_compress', 'int8_ef', 'int8_noef')
 
 
@@ -77,6 +77,95 @@ def test_bad_arguments_are_usage_errors(tmp_path):
     assert sorted(os.listdir(tmp_path)) == []
 
 
+@pytest.fixture(scope='module')
+def tool():
+    return load_script(TOOL, '_compare_comm_convergence')
+
+
+@pytest.mark.parametrize('value', ['0', '-5', 'ten', '2.5'])
+def test_max_iters_must_be_a_positive_int(tool, value, tmp_path, monkeypatch,
+                                          capsys):
+    parse = usage_errors(tool, TOOL, monkeypatch, capsys)
+    assert parse([FCN, '--max-iters', value, '--work-dir',
+                  str(tmp_path)
+                  ]) == (2, 'compare_comm_convergence.py: error: argument '
+                         f"--max-iters: should be an int >= 1, but got "
+                         f"'{value}'")
+
+
+@pytest.mark.parametrize('extra,message', [
+    (['--cfg-options', 'train_cfg.max_iters=8'
+      ], '--cfg-options train_cfg.max_iters=8: give the length once, as '
+     '--max-iters or in --cfg-options'),
+    (['--from-work-dirs'
+      ], '--max-iters sets how long runs train, but --from-work-dirs trains '
+     'none'),
+])
+def test_max_iters_conflicts_are_usage_errors(tool, extra, message, tmp_path,
+                                              monkeypatch, capsys):
+    parse = usage_errors(tool, TOOL, monkeypatch, capsys)
+    assert parse(
+        [FCN, '--max-iters', '8', '--work-dir',
+         str(tmp_path),
+         *extra]) == (2, f'compare_comm_convergence.py: error: {message}')
+
+
+def test_max_iters_shortens_every_run(tool, tmp_path):
+    # The FCN config: 600 iterations, validation at 600, checkpoints every
+    # 200, loss logged every 50.
+    args = tool.parse_args(
+        [FCN, '--max-iters', '100', '--work-dir',
+         str(tmp_path)])
+    options = tool.train_options(args, 'int8_ef')
+    assert options == [
+        'comm_hook.type=int8_compress', 'comm_hook.block_size=256',
+        'comm_hook.error_feedback=True', 'default_hooks.logger.interval=10',
+        'train_cfg.max_iters=100', 'train_cfg.val_interval=100',
+        'default_hooks.checkpoint.interval=100'
+    ]
+    # Intervals already shorter stay; a short run logs at least twice;
+    # the user's own options come last and win.
+    args = tool.parse_args([
+        FCN, '--max-iters', '300', '--work-dir',
+        str(tmp_path), '--cfg-options', 'train_cfg.val_interval=50'
+    ])
+    assert tool.train_options(args, 'allreduce') == [
+        'comm_hook.type=allreduce', 'default_hooks.logger.interval=10',
+        'train_cfg.max_iters=300', 'train_cfg.val_interval=300',
+        'train_cfg.val_interval=50'
+    ]
+    args = tool.parse_args(
+        [FCN, '--max-iters', '6', '--work-dir',
+         str(tmp_path)])
+    assert 'default_hooks.logger.interval=3' in tool.train_options(
+        args, 'allreduce')
+    # Without it, the config's length.
+    args = tool.parse_args([FCN, '--work-dir', str(tmp_path)])
+    assert not any('max_iters' in o
+                   for o in tool.train_options(args, 'allreduce'))
+
+
+def test_train_log_reads_the_iterations_as_the_run_writes_them(tool, tmp_path):
+    log = tmp_path / 'dist_train.log'
+    watch = tool.TrainLog(str(log))
+    assert watch.poll() is None  # no file yet
+    with open(log, 'w') as f:
+        f.write('12/04 13:55:15 - mmengine - INFO - Checkpoints will be '
+                'saved to ...\n')
+        f.write('12/04 13:55:20 - mmengine - INFO - Iter(train) [ 10/600]'
+                '  base_lr: 3.0e-03 lr: 3.0e-03  eta: 0:04:01  time: 0.40'
+                '  data_time: 0.01  memory: 0  loss: 0.9121  decode.loss_ce:'
+                ' 0.9121  comm_MB: 1.8\n')
+        f.write('12/04 13:55:24 - mmengine - INFO - Iter(train) [ 20/600]'
+                '  loss: 0.7')  # not yet a whole line
+        f.flush()
+        assert watch.poll() == (10, 600, 0.9121)
+        assert watch.poll() is None  # nothing new
+        f.write('017\n12/04 - Iter(val) [5/10]  eta: 0:00:01\n')
+        f.flush()
+        assert watch.poll() == (20, 600, 0.7017)
+
+
 def _scalars(run_dir):
     """Every JSON line of the one run under ``run_dir``, parsed here
     independently of the tool."""
@@ -91,6 +180,15 @@ def test_trains_each_variant_then_rereads_the_runs(tmp_path):
     out = _tool(FCN, '--variants', 'allreduce', 'int8_noef', '--block-size',
                 '64', '--work-dir', str(work), *SHORT)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    # On stderr, while it trains: each run's start, its iterations (from
+    # its log: done of total, loss, ETA) and its end; the table on stdout.
+    assert '[allreduce] run 1/2 starts: PORT=' in out.stderr
+    assert re.search(
+        r'^\[int8_noef\] \[4/4\] loss [\d.]+, done in '
+        r'\d:\d\d:\d\d$', out.stderr, re.M), out.stderr
+    assert re.search(r'^1 run\(s\) left, ETA \d:\d\d:\d\d$', out.stderr, re.M)
+    assert '[int8_noef] run 2/2 done in ' in out.stderr
+    assert '[allreduce]' not in out.stdout
     lines = out.stdout.splitlines()
     header = lines.index('| variant | final mIoU | vs fp32 (points) | '
                          'comm_ratio | final loss (smoothed) |')
@@ -136,7 +234,7 @@ def test_trains_each_variant_then_rereads_the_runs(tmp_path):
 def test_a_failed_run_is_named_with_its_log(tmp_path):
     # AdamW refuses a negative learning rate when the runner builds it.
     out = _tool(FCN, '--variants', 'int8_ef', '--work-dir', str(tmp_path),
-                *SHORT, 'optim_wrapper.optimizer.lr=-1')
+                *SHORT, '--cfg-options', 'optim_wrapper.optimizer.lr=-1')
     assert out.returncode == 1, out.stdout + out.stderr[-3000:]
     log = str(tmp_path / 'int8_ef' / 'dist_train.log')
     assert f'int8_ef: training failed; log: {log}' in out.stderr

@@ -144,3 +144,36 @@ def test_readme_hook_table_names_every_registered_hook():
     ]
     in_table = {re.match(r'\| `([^`]+)`', row).group(1) for row in rows}
     assert registered <= in_table, sorted(registered - in_table)
+
+
+# Options whose value is a file a command writes.
+_OUTPUTS = ('--json', '--plot', '--work-dir')
+
+
+@pytest.mark.parametrize('page', PAGES, ids=_rel)
+def test_commands_use_the_venv_and_write_under_work_dirs(page):
+    """A command copied from the docs runs the repository's interpreter
+    (the launch scripts pick ``.venv/bin/python`` themselves) and leaves
+    its outputs under ``work_dirs/`` (ignored by git), not in the
+    checkout."""
+    bad = []
+    for block in _FENCE.findall(_read(page)):
+        if not re.match(r'```(bash|sh|shell)\b', block):
+            continue
+        words = ' '.join(
+            line.split('#')[0].rstrip(' \\')
+            for line in block.splitlines()[1:-1]).split()
+        for i, word in enumerate(words):
+            if word in ('python', 'python3'):
+                bad.append(f'{word} (use .venv/bin/python)')
+            value = words[i + 1] if i + 1 < len(words) else ''
+            # A placeholder (DIR, OUT) is the reader's to choose.
+            if word in _OUTPUTS and not re.fullmatch(r'[A-Z_]+\]?', value) \
+                    and not value.startswith('work_dirs/'):
+                bad.append(f'{word} {value} (not under work_dirs/)')
+    assert not bad, f'{_rel(page)}: ' + '; '.join(bad)
+
+
+def test_work_dirs_is_ignored():
+    ignored = _read(osp.join(ROOT, '.gitignore')).split()
+    assert 'work_dirs/' in ignored

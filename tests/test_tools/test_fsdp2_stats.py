@@ -274,10 +274,13 @@ def bench_args(monkeypatch, capsys):
           ], '--json /nonexistent/f.json: cannot write there (No such file or '
          'directory)'),
         (['--json', '.'], '--json .: is a directory, not a file'),
+        (['--config', 'README.md'
+          ], f'--config {ROOT}/README.md: cannot read it as a config '
+         '(OSError: Only py/yml/yaml/json type are supported now!)'),
     ],
     ids=[
         'nproc', 'iters', 'warmup', 'config', 'json-dir-missing',
-        'json-is-a-dir'
+        'json-is-a-dir', 'config-not-a-config'
     ])
 def test_benchmark_usage_errors(bench_args, args, message):
     assert bench_args(args) == (2, f'benchmark_fsdp2.py: error: {message}')

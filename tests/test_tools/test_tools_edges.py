@@ -92,9 +92,9 @@ def test_python_overrides_the_venv(bare_shell, tmp_path):
                    env=dict(bare_shell, PYTHON=no_torch))
         assert out.returncode == 1
         assert out.stderr == (
-            f'{no_torch}: Error while finding module specification for '
-            "'torch.distributed.run' (ModuleNotFoundError: No module named "
-            "'torch')\n")
+            f'{script}: {no_torch} cannot run torchrun (ModuleNotFoundError: '
+            "No module named 'torch'); set PYTHON to a Python with torch, or "
+            'run `make install`\n')
 
 
 @pytest.fixture(scope='module')
@@ -169,12 +169,13 @@ def test_load_from_is_checked_like_resume(trained, tmp_path):
         str(config), '--work-dir',
         str(tmp_path / 'work')
     ], str(tmp_path))
-    assert refused.returncode == 1
-    assert (f'UnsafeCheckpointError: Refusing to load {bad}: it contains '
-            'argparse.Namespace') in refused.stderr
+    assert refused.returncode == 2  # a preflight problem
+    assert (f'train.py: error: load_from: Refusing to load {bad}: it '
+            'contains argparse.Namespace') in refused.stderr
     assert not (tmp_path / 'work').exists()
 
-    # A missing file, on 2 ranks: named before the process group starts.
+    # A missing file, on 2 ranks: named once, before the process group
+    # starts (both ranks exit with status 2; torchrun's own is 1).
     missing = _run([
         'bash',
         osp.join(TOOLS, 'dist_train.sh'), FCN, '2', '--work-dir',
@@ -184,9 +185,10 @@ def test_load_from_is_checked_like_resume(trained, tmp_path):
                    env=_python_env())
     log = missing.stdout + missing.stderr
     assert missing.returncode == 1
-    assert log.count("FileNotFoundError: load_from='nothere.pth': no such "
+    assert log.count("train.py: error: load_from='nothere.pth': no such "
                      'file (relative paths are from the current directory, '
-                     f'{tmp_path})') in (1, 2)  # torchrun may stop one
+                     f'{tmp_path}). Fix: correct the path, or leave '
+                     'load_from out') == 1
     assert 'started a gloo process group' not in log
     assert not (tmp_path / 'work').exists()
 
@@ -293,7 +295,8 @@ def test_test_tool_names_what_a_config_lacks(tmp_path):
     ], str(tmp_path))
     assert out.returncode == 1
     assert out.stderr.strip().splitlines()[-1] == (
-        f'ValueError: {config} sets no test_dataloader, test_evaluator, '
+        f'test.py: error: ValueError: {config} sets no test_dataloader, '
+        'test_evaluator, '
         'which this tool evaluates with. Add them to the config (to test on '
         'the validation set: test_dataloader = val_dataloader, test_cfg = '
         'dict(), test_evaluator = val_evaluator).')

@@ -34,13 +34,15 @@ quantize with error feedback, then dequantize, as the hook does to each
 element it sends).
 
 It prints two Markdown tables, as docs/en/notes/benchmarks.md shows
-them, and a verdict on the targets. Arguments are checked before any rank
-starts (a bad value is a usage error, exit code 2), as are the ``--json``
-and ``--plot`` paths.
+them, and a verdict on the targets; meanwhile rank 0 reports each step
+done (a hook's warm-up, a round, the codecs) on stderr, with an ETA.
+Arguments are checked before any rank starts (a bad value is a usage
+error, exit code 2), as are the ``--json`` and ``--plot`` paths (missing
+folders under ``work_dirs/`` are created).
 
 Examples:
     python tools/analysis_tools/benchmark_comm_hooks.py --nproc 2 \\
-        --json bench.json --plot bench.png
+        --json work_dirs/bench/bench.json --plot work_dirs/bench/bench.png
     python tools/analysis_tools/benchmark_comm_hooks.py --sizes-mb 1 4 \\
         --repeat 3  # quick
 """
@@ -57,7 +59,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from mmcv_custom import ddp_hooks, int8_codec, int8_hooks
-from mmcv_custom.launcher import check_writable, spawn_ranks, write_results
+from mmcv_custom.analysis import Progress, check_output
+from mmcv_custom.launcher import spawn_ranks, write_results
 from mmcv_custom.registry import hook_record
 
 MB = 2**20
@@ -253,6 +256,32 @@ def _time_codecs(numel, world_size, device, repeat):
     return {k: statistics.median(v[1:]) for k, v in times.items()}
 
 
+# Methods _time_codecs times (a copy and five codecs).
+_CODEC_METHODS = 6
+
+
+def _progress_steps(args):
+    """The steps rank 0 reports, in order, as ``(note, weight)``: per
+    bucket size, each hook's warm-up and measured bytes, each timed round
+    (every hook once) and the codec timings. A weight is the step's DDP
+    steps (or codec passes) times the bucket's MB, plus 0.1 MB for what
+    does not grow with it, so that the ETA counts a 100 MB round as
+    such."""
+    steps = []
+    for size_mb in args.sizes_mb:
+        cost = size_mb + 0.1
+        for name in HOOKS:
+            # The warm-up steps, one to read the error, one profiled.
+            steps.append((f'{size_mb:g} MB, {name}: warm-up and bytes',
+                          (args.warmup + 2) * cost))
+        for i in range(args.repeat):
+            steps.append((f'{size_mb:g} MB, round {i + 1}/{args.repeat}',
+                          len(HOOKS) * cost))
+        steps.append((f'{size_mb:g} MB, codecs',
+                      (args.repeat + 1) * _CODEC_METHODS * cost / 2))
+    return steps
+
+
 def _worker(rank, world_size, folder, args):
     # Kineto, under torch.profiler, writes "USDT: ... profiler_start" and
     # "profiler_stop" to stderr on every profiled step; its USDT level is
@@ -267,6 +296,11 @@ def _worker(rank, world_size, folder, args):
     store = dist.FileStore(os.path.join(folder, 'store'), world_size)
     dist.init_process_group(
         args.backend, store=store, rank=rank, world_size=world_size)
+    steps = _progress_steps(args)
+    # On stderr, from rank 0 only: the tables go to stdout at the end.
+    progress = Progress(
+        len(steps), weights=[w for _, w in steps], enabled=rank == 0)
+    notes = iter(note for note, _ in steps)
     results = []
     for size_mb in args.sizes_mb:
         numel = int(size_mb * MB) // 4
@@ -316,6 +350,7 @@ def _worker(rank, world_size, folder, args):
                 rel_error=float(err.norm() / exact.norm()),
                 max_abs_error=float(err.abs().max()),
                 times=[])
+            progress.advance(next(notes))
         for _ in range(args.repeat):
             for name, model in models.items():
                 dist.barrier()
@@ -327,17 +362,20 @@ def _worker(rank, world_size, folder, args):
                 # The slowest rank sets the step time.
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 entry['hooks'][name]['times'].append(float(elapsed))
+            progress.advance(next(notes))
         noop = statistics.median(entry['hooks']['noop']['times'])
         for name, data in entry['hooks'].items():
             data['step_s'] = statistics.median(data['times'])
             data['hook_s'] = max(data['step_s'] - noop, 0.0)
         dist.barrier()
         entry['codec_s'] = _time_codecs(numel, world_size, device, args.repeat)
+        progress.advance(next(notes))
         # Asked in the rank, whose thread count decides it.
         entry['int8_c_kernel'] = int8_codec.uses_c_kernel(
             torch.empty(1, device=device), _INT8_BLOCK)
         results.append(entry)
         del models
+    progress.close()
     if rank == 0:
         write_results(folder, results)
     dist.destroy_process_group()
@@ -631,7 +669,7 @@ def parse_args(argv=None):
                          '(pip install matplotlib)')
     for option in ('json', 'plot'):
         if getattr(args, option):
-            check_writable(parser, f'--{option}', getattr(args, option))
+            check_output(parser, f'--{option}', getattr(args, option))
     return args
 
 

@@ -34,13 +34,14 @@ runs; ``model_stats.py`` counts it separately. The measuring is
 
 The table sets FSDP2's fullest rank (rank 0, see
 ``tools/analysis_tools/model_stats.py``) against DDP, next to 1/N and to
-what ``model_stats.py`` predicts for rank 0. Arguments are checked before
-any rank starts (a bad value is a usage error, exit code 2).
+what ``model_stats.py`` predicts for rank 0; meanwhile rank 0 reports each
+step on stderr, with an ETA. Arguments are checked before any rank starts
+(a bad value is a usage error, exit code 2).
 
 Examples:
     python tools/analysis_tools/benchmark_fsdp2.py --nproc 2 --iters 10
     python tools/analysis_tools/benchmark_fsdp2.py --nproc 2 --iters 3 \\
-        --warmup 1 --json fsdp2.json  # quick
+        --warmup 1 --json work_dirs/fsdp2/fsdp2.json  # quick
 """
 import argparse
 import itertools
@@ -54,9 +55,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from mmcv_custom.analysis import (GatheredPeak, filter_tool_warnings,
-                                  fsdp2_memory, held_bytes)
-from mmcv_custom.launcher import check_writable, spawn_ranks, write_results
+from mmcv_custom.analysis import (GatheredPeak, Progress, check_output,
+                                  filter_tool_warnings, fsdp2_memory,
+                                  held_bytes, read_config)
+from mmcv_custom.launcher import spawn_ranks, write_results
 
 __all__ = ['report', 'parse_args']
 
@@ -137,7 +139,9 @@ def _worker(rank, world_size, folder, args):
         optim_wrapper.optimizer.register_step_pre_hook(before_step)
     times = {kind: [] for kind in KINDS}
     losses = {kind: [] for kind in KINDS}
-    for batch in batches:
+    # On stderr, from rank 0 only: the table goes to stdout at the end.
+    progress = Progress(len(batches), enabled=rank == 0)
+    for i, batch in enumerate(batches):
         for kind, (model, optim_wrapper) in built.items():
             dist.barrier()
             start = time.perf_counter()
@@ -146,6 +150,9 @@ def _worker(rank, world_size, folder, args):
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times[kind].append(float(elapsed))
             losses[kind].append(float(log_vars['loss'].detach()))
+        what = 'warm-up' if i < args.warmup else 'timed'
+        progress.advance(f'{what} step of DDP and FSDP2')
+    progress.close()
     mine = {}
     for kind, (model, optim_wrapper) in built.items():
         held = held_bytes(model.parameters(), optim_wrapper.optimizer)
@@ -277,8 +284,11 @@ def parse_args(argv=None):
         parser.error(f'--warmup should be at least 1, but got {args.warmup}')
     if not osp.isfile(osp.join(ROOT, args.config)):
         parser.error(f'--config {args.config}: no such file in {ROOT}')
+    # Read here, not first in the ranks: a file that is not a config fails
+    # in a second, with one line.
+    read_config(parser, '--config', osp.join(ROOT, args.config))
     if args.json:
-        check_writable(parser, '--json', args.json)
+        check_output(parser, '--json', args.json)
     return args
 
 

@@ -36,7 +36,9 @@ Reported per rate and hook:
 ``exposed / wire`` against ``bound / wire`` says how well a hook overlaps
 its communication with the backward pass; the targets of issue 18 are
 checked in the verdict. Results go to a Markdown table, ``--json`` (read
-by ``tools/analysis_tools/comm_cost_model.py --fit``) and ``--plot``.
+by ``tools/analysis_tools/comm_cost_model.py --fit``) and ``--plot``
+(missing folders under ``work_dirs/`` are created). Meanwhile each
+(round, rate) block done is reported on stderr, with an ETA.
 
 Examples:
     python tools/analysis_tools/benchmark_step_time.py \\
@@ -55,6 +57,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+from mmcv_custom.analysis import Progress, check_output, read_config
 
 _DEFAULT_CONFIG = osp.join(
     'configs', 'intern_vit',
@@ -82,7 +86,8 @@ HOOKS = {
 }
 
 #: Marks the node workers' progress lines, the only ones shown on the
-#: console (every node's whole output goes to its log file).
+#: console (every node's whole output goes to its log file): one per
+#: step of :func:`_progress_steps`, in its order.
 _PROGRESS = '[step-time] '
 
 #: Steps before any is timed: PowerSGD compresses from its second step on,
@@ -198,15 +203,31 @@ def _step(entry, data):
     return time.perf_counter() - start, backward
 
 
+def _progress_steps(hooks, rates, rounds, steps):
+    """What rank 0 of the nodes reports, as ``(what, weight)``: building
+    and warming up, every (round, rate) block, the codec timings. A
+    weight is the block's training steps."""
+    out = [('model built, hooks warmed up', len(hooks) * _WARMUP)]
+    out += [(f'round {r + 1}/{rounds}, {_label(mbit)}', len(hooks) * steps)
+            for r in range(rounds) for mbit in rates]
+    out.append(('codec times', len(hooks) * (_WARMUP + rounds * steps)))
+    return out
+
+
 class _ProgressOnly:
-    """The console side of the nodes' output: their progress lines only."""
+    """The console side of the nodes' output: their progress lines only,
+    as done/total with an ETA (:class:`~mmcv_custom.analysis.Progress`,
+    on stderr)."""
+
+    def __init__(self, progress):
+        self.progress = progress
 
     def write(self, line):
         if _PROGRESS in line:
-            sys.stdout.write(line.split(_PROGRESS, 1)[1])
+            self.progress.advance(line.split(_PROGRESS, 1)[1].strip())
 
     def flush(self):
-        sys.stdout.flush()
+        pass
 
 
 def _set_rate(spec, mbit):
@@ -265,6 +286,10 @@ def _node_worker(spec_path):
         for _ in range(_WARMUP):
             _step(entry, data)
             entry['counter'].pop()
+    if rank == 0:
+        print(
+            f'{_PROGRESS}model built, {len(models)} hooks warmed up',
+            flush=True)
     clock = models['noop']['clock']
     clock.ready.clear()
 
@@ -299,6 +324,8 @@ def _node_worker(spec_path):
         _set_rate(spec, None)
     dist.barrier()
     codec = _codec_times(model, cfg, spec, data, rank, world_size)
+    if rank == 0:
+        print(f'{_PROGRESS}codec times on one-rank groups', flush=True)
     result = dict(
         rank=rank,
         steps=steps,
@@ -766,8 +793,6 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.node_worker:
         return args
-    if not osp.isfile(args.config):
-        parser.error(f'config {args.config}: no such file')
     if None not in args.rates:
         parser.error("--rates must include 'unshaped': exposed time is the "
                      'step on a shaped link minus the same step unshaped')
@@ -777,11 +802,10 @@ def parse_args(argv=None):
         if name not in args.hooks:
             args.hooks.insert(0 if name == 'noop' else 1, name)
     args.hooks = list(dict.fromkeys(args.hooks))
-    from mmcv_custom.launcher import check_writable
     for option in ('json', 'plot'):
         path = getattr(args, option)
         if path:
-            check_writable(parser, f'--{option}', path)
+            check_output(parser, f'--{option}', path)
     if args.cfg_options:
         from mmengine.config import DictAction
         options = {}
@@ -791,6 +815,9 @@ def parse_args(argv=None):
                 parser.error(f'--cfg-options {item!r}: expected KEY=VALUE')
             options[key] = DictAction._parse_iterable(value)
         args.cfg_options = options
+    # Read here, not first on the nodes: a file that is not a config
+    # fails in a second, with one line.
+    read_config(parser, 'config', args.config, args.cfg_options)
     return args
 
 
@@ -838,8 +865,14 @@ def main(argv=None):
             osp.abspath(__file__), '--node-worker', spec_path
         ]
         print(f"Nodes' logs: {args.work_dir}/node<i>.log", flush=True)
-        result = ec.run_on_nodes(
-            cluster, command, log_dir=args.work_dir, stream=_ProgressOnly())
+        steps = _progress_steps(args.hooks, args.rates, args.rounds,
+                                args.steps)
+        with Progress(len(steps), weights=[w for _, w in steps]) as progress:
+            result = ec.run_on_nodes(
+                cluster,
+                command,
+                log_dir=args.work_dir,
+                stream=_ProgressOnly(progress))
         if result.returncode != 0:
             failed = result.failed_node or 0
             log = osp.join(args.work_dir, f'node{failed}.log')

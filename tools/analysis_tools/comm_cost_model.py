@@ -24,10 +24,12 @@ Arguments are checked before any work starts: a bad value is a usage error
 Examples:
     python tools/analysis_tools/comm_cost_model.py --nodes 8 \\
         --gpus-per-node 8 --gbps 100 200 400 --recommend
-    python tools/analysis_tools/comm_cost_model.py --fit bench.json \\
-        --fit-rates 50 1000 --json fit.json
-    python tools/analysis_tools/comm_cost_model.py --fit bench.json \\
-        --config CONFIG --gbps 100 --recommend  # fitted alpha and eta
+    python tools/analysis_tools/comm_cost_model.py \\
+        --fit work_dirs/step_time.json --fit-rates 50 1000 \\
+        --json work_dirs/fit.json
+    python tools/analysis_tools/comm_cost_model.py \\
+        --fit work_dirs/step_time.json --config CONFIG --gbps 100 \\
+        --recommend  # fitted alpha and eta
 """
 import argparse
 import dataclasses
@@ -39,7 +41,7 @@ import sys
 
 from mmcv_custom import comm_cost as cc
 from mmcv_custom.analysis import filter_tool_warnings
-from mmcv_custom.launcher import check_writable
+from mmcv_custom.analysis.cli import check_output, read_config
 
 __all__ = ['parse_args', 'main']
 
@@ -338,8 +340,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error('--recommend and --cfg-options need a projection: '
                      'give --config')
     args.cfg_options = _cfg_options(parser, args.cfg_options)
+    if args.project:
+        # A file that is not a config fails here, in one line.
+        read_config(parser, '--config', args.config, args.cfg_options)
     if args.json:
-        check_writable(parser, '--json', args.json)
+        check_output(parser, '--json', args.json)
     return args
 
 

@@ -21,6 +21,17 @@ It then reads every run's own record, ``<run>/vis_data/scalars.json``, and
   final mIoU per variant;
 * writes a JSON summary with the curves and the table.
 
+``--max-iters N`` shortens every run for a quick look: it sets
+``train_cfg.max_iters``, and lowers the validation and checkpoint
+intervals to N where the config's are longer (MMEngine validates and
+saves at the last iteration anyway, so every run ends with an mIoU). The
+learning-rate schedule is left as the config has it: a shortened run is
+cut, not compressed, the same way for every variant.
+
+While a run trains, its iterations are reported from its log (done of
+total, the loss, an ETA) on stderr, with a line when each run starts and
+one when it ends; the table goes to stdout.
+
 ``--from-work-dirs`` skips training and reads existing runs: those under
 ``<work-dir>/<variant>``, or the ones named as ``VARIANT=DIR``. Either way
 each run's own ``comm_hook`` is read back from the config MMEngine dumped
@@ -39,6 +50,10 @@ Examples:
     python tools/analysis_tools/compare_comm_convergence.py \\
         configs/fcn/fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py \\
         --block-size 4096 --work-dir work_dirs/convergence_fcn
+    # A quick look: 100 iterations a run
+    python tools/analysis_tools/compare_comm_convergence.py \\
+        configs/fcn/fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py \\
+        --max-iters 100 --work-dir work_dirs/convergence_fcn_quick
     # Re-plot runs trained before, without training:
     python tools/analysis_tools/compare_comm_convergence.py \\
         configs/fcn/fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py \\
@@ -51,17 +66,20 @@ import json
 import math
 import os
 import os.path as osp
+import re
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
+
+from mmcv_custom.analysis import (Progress, check_output, format_eta,
+                                  read_config)
+from mmcv_custom.launcher import free_port
 
 __all__ = [
     'VARIANTS', 'parse_args', 'read_scalars', 'read_comm_hook', 'summarize',
-    'format_table', 'verdict', 'plot', 'main'
+    'format_table', 'verdict', 'plot', 'train_options', 'TrainLog', 'main'
 ]
-
-from mmcv_custom.launcher import check_writable, free_port
 
 HERE = osp.dirname(osp.abspath(__file__))
 ROOT = osp.dirname(osp.dirname(HERE))
@@ -402,6 +420,43 @@ def _parse_from(parser, args) -> Dict[str, str]:
     return dirs
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (a usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f'should be an int >= 1, but got {text!r}')
+    return value
+
+
+def _interval(cfg, key: str) -> Optional[int]:
+    """The int at dotted ``key`` of ``cfg``, or None where it has none."""
+    node = cfg
+    for part in key.split('.'):
+        node = node.get(part) if hasattr(node, 'get') else None
+        if node is None:
+            return None
+    return node if isinstance(node, int) else None
+
+
+#: What ``--max-iters`` lowers to N where the config's value is longer.
+_INTERVALS = ('train_cfg.val_interval', 'default_hooks.checkpoint.interval')
+
+
+def _max_iters_options(cfg, max_iters: int) -> List[str]:
+    """The ``--cfg-options`` of ``--max-iters``: the run's length, and
+    the validation and checkpoint intervals at most that long."""
+    options = [f'train_cfg.max_iters={max_iters}']
+    for key in _INTERVALS:
+        value = _interval(cfg, key)
+        if value is not None and value > max_iters:
+            options.append(f'{key}={max_iters}')
+    return options
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -431,11 +486,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         help='randomness.seed for every run (default: the config\'s)')
     parser.add_argument(
+        '--max-iters',
+        type=_positive_int,
+        metavar='N',
+        help='train N iterations a run instead of the config\'s '
+        'train_cfg.max_iters, for a quick look; validation and checkpoint '
+        'intervals longer than N become N')
+    parser.add_argument(
         '--log-interval',
         type=int,
-        default=10,
-        help='iterations per logged loss (default: 10; the configs log '
-        'every 50, too coarse for a curve)')
+        help='iterations per logged loss (default: 10, or N / 2 for '
+        '--max-iters N below 20; the configs log every 50, too coarse for '
+        'a curve)')
     parser.add_argument(
         '--cfg-options',
         nargs='+',
@@ -468,8 +530,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     # Everything is checked before the first run: a typo fails in a second,
     # not after half an hour of training.
-    if not osp.isfile(args.config):
-        parser.error(f'config {args.config}: no such file')
+    cfg = read_config(parser, 'config', args.config)
     if len(set(args.variants)) != len(args.variants):
         parser.error(f"--variants lists a variant twice: "
                      f"{' '.join(args.variants)}")
@@ -478,7 +539,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f'{args.block_size}')
     if args.nproc < 1:
         parser.error(f'--nproc should be at least 1, but got {args.nproc}')
-    if args.log_interval < 1:
+    if args.log_interval is None:
+        args.log_interval = 10 if args.max_iters is None else min(
+            10, max(1, args.max_iters // 2))
+    elif args.log_interval < 1:
         parser.error(f'--log-interval should be at least 1, but got '
                      f'{args.log_interval}')
     if args.seed is not None and args.seed < 0:
@@ -494,6 +558,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         if '=' not in option:
             parser.error(f'--cfg-options expects KEY=VALUE, but got '
                          f'{option!r}')
+        if (args.max_iters is not None
+                and option.startswith('train_cfg.max_iters=')):
+            parser.error(f'--cfg-options {option}: give the length once, '
+                         'as --max-iters or in --cfg-options')
+    if args.max_iters is not None and args.from_work_dirs is not None:
+        parser.error('--max-iters sets how long runs train, but '
+                     '--from-work-dirs trains none')
+    args.max_iters_options = ([] if args.max_iters is None else
+                              _max_iters_options(cfg, args.max_iters))
     if args.work_dir is None:
         args.work_dir = osp.join('work_dirs', 'compare_comm_convergence',
                                  osp.splitext(osp.basename(args.config))[0])
@@ -518,14 +591,111 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ImportError:
         parser.error('the plot needs matplotlib, which is not installed '
                      '(pip install matplotlib)')
-    check_writable(parser, '--plot', args.plot)
-    check_writable(parser, '--json', args.json)
+    check_output(parser, '--plot', args.plot)
+    check_output(parser, '--json', args.json)
     return args
 
 
-def _train(args, variant: str) -> Optional[str]:
-    """Train ``variant``; its new run folder, or None if it failed (its
-    log, ``<work-dir>/<variant>/dist_train.log``, says why)."""
+def train_options(args, variant: str) -> List[str]:
+    """The ``--cfg-options`` of ``variant``'s run: its hook, the log
+    interval, the seed, ``--max-iters``' and the user's own (last, so
+    they win)."""
+    options = _hook_options(variant, args.block_size)
+    options.append(f'default_hooks.logger.interval={args.log_interval}')
+    if args.seed is not None:
+        options.append(f'randomness.seed={args.seed}')
+    return options + args.max_iters_options + args.cfg_options
+
+
+#: MMEngine's training log line: ``Iter(train) [ 50/600]  ... loss: 0.51``.
+_TRAIN_LINE = re.compile(r'Iter\(train\)\s*\[\s*(\d+)/(\d+)\]')
+_LOSS = re.compile(r'\bloss: (\S+)')
+
+
+class TrainLog:
+    """The training iterations a run has logged, read from its log file
+    as it grows (MMEngine's logger line, on rank 0's output).
+
+    Args:
+        path (str): The run's log file (``dist_train.log``).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b''
+
+    def poll(self) -> Optional[Tuple[int, int, Optional[float]]]:
+        """The newest training line since the last call, as
+        ``(iteration, max_iters, loss or None)``; None if none came."""
+        try:
+            with open(self.path, 'rb') as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return None
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b'\n')
+        newest = None
+        for raw in lines:
+            line = raw.decode('utf-8', 'replace')
+            match = _TRAIN_LINE.search(line)
+            if match is None:
+                continue
+            loss = _LOSS.search(line, match.end())
+            try:
+                value = float(loss.group(1)) if loss else None
+            except ValueError:
+                value = None
+            newest = (int(match.group(1)), int(match.group(2)), value)
+        return newest
+
+
+#: Seconds between two looks at a training run's log.
+_POLL_S = 2.0
+
+
+def _wait(proc: subprocess.Popen, log: str, variant: str) -> int:
+    """Wait for ``proc``, reporting its iterations from ``log`` (done of
+    total, loss, ETA) on stderr; its exit code."""
+    watch, progress = TrainLog(log), None
+    start = time.monotonic()
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=_POLL_S)
+            except subprocess.TimeoutExpired:
+                code = None
+            seen = watch.poll()
+            if seen is not None:
+                done, total, loss = seen
+                if progress is None:
+                    # From the first logged iteration on: start-up (data,
+                    # model, process group) is not training speed.
+                    progress = Progress(
+                        max(total, 1),
+                        label=variant,
+                        step_time=False,
+                        done=done,
+                        since=start)
+                progress.update(done,
+                                '' if loss is None else f'loss {loss:.4g}')
+            if code is not None:
+                return code
+    except BaseException:
+        # Ctrl-C or any error here: the run does not outlive the tool.
+        proc.terminate()
+        proc.wait()
+        raise
+    finally:
+        if progress is not None:
+            progress.close()
+
+
+def _train(args, variant: str, number: str) -> Optional[str]:
+    """Train ``variant`` (run ``number``, e.g. ``'2/3'``); its new run
+    folder, or None if it failed (its log,
+    ``<work-dir>/<variant>/dist_train.log``, says why)."""
     work_dir = args.run_dirs[variant]
     try:
         os.makedirs(work_dir, exist_ok=True)
@@ -533,37 +703,41 @@ def _train(args, variant: str) -> Optional[str]:
         print(
             f'[{variant}] FAILED: cannot create {work_dir} '
             f'({e.strerror})',
+            file=sys.stderr,
             flush=True)
         return None
     before = set(_runs(work_dir))
-    options = _hook_options(variant, args.block_size)
-    options.append(f'default_hooks.logger.interval={args.log_interval}')
-    if args.seed is not None:
-        options.append(f'randomness.seed={args.seed}')
-    options += args.cfg_options
     cmd = [
         'bash', DIST_TRAIN, args.config,
-        str(args.nproc), '--work-dir', work_dir, '--cfg-options', *options
+        str(args.nproc), '--work-dir', work_dir, '--cfg-options',
+        *train_options(args, variant)
     ]
     port = free_port()
     log = osp.join(work_dir, 'dist_train.log')
-    print(f'[{variant}] PORT={port} {" ".join(cmd[1:])}', flush=True)
+    print(
+        f'[{variant}] run {number} starts: PORT={port} {" ".join(cmd[1:])}',
+        file=sys.stderr,
+        flush=True)
     start = time.time()
     with open(log, 'w') as f:
-        code = subprocess.call(
+        proc = subprocess.Popen(
             cmd,
             stdout=f,
             stderr=subprocess.STDOUT,
             env=dict(os.environ, PORT=port))
+        code = _wait(proc, log, variant)
     new = [r for r in _runs(work_dir) if r not in before]
     if code != 0 or not new:
         print(
             f'[{variant}] FAILED (exit code {code}) after '
             f'{time.time() - start:.0f} s; log: {log}',
+            file=sys.stderr,
             flush=True)
         return None
     print(
-        f'[{variant}] done in {time.time() - start:.0f} s: {new[-1]}',
+        f'[{variant}] run {number} done in {time.time() - start:.0f} s: '
+        f'{new[-1]}',
+        file=sys.stderr,
         flush=True)
     return new[-1]
 
@@ -571,11 +745,20 @@ def _train(args, variant: str) -> Optional[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     runs, folders, hooks, failed = {}, {}, {}, []
-    for variant in args.variants:
+    started = time.time()
+    for i, variant in enumerate(args.variants):
         if args.from_work_dirs is not None:
             folder = _runs(args.run_dirs[variant])[-1]
         else:
-            folder = _train(args, variant)
+            folder = _train(args, variant, f'{i + 1}/{len(args.variants)}')
+            left = len(args.variants) - i - 1
+            if left:
+                # The runs are alike: the ones left take as long.
+                eta = (time.time() - started) / (i + 1) * left
+                print(
+                    f'{left} run(s) left, ETA {format_eta(eta)}',
+                    file=sys.stderr,
+                    flush=True)
         if folder is None:
             failed.append(variant)
             runs[variant] = None

@@ -20,8 +20,7 @@ import sys
 from mmengine.config import DictAction
 from mmengine.registry import DefaultScope
 
-from mmcv_custom.analysis import filter_tool_warnings, stats
-from mmcv_custom.launcher import load_config
+from mmcv_custom.analysis import filter_tool_warnings, read_config, stats
 from mmcv_custom.registry import check_comm_hook_cfg
 
 GiB = 2**30
@@ -63,7 +62,7 @@ def main():
     if bad:
         parser.error(f'--gpus should be positive numbers of GPUs, but got '
                      f'{bad[0]}')
-    cfg = load_config(args.config, args.cfg_options)
+    cfg = read_config(parser, 'config', args.config, args.cfg_options)
     if cfg.get('comm_hook') is not None:
         # Before building the model (seconds for InternViT-6B). The errors
         # name the bad value and the valid ones: that line is what the
@@ -77,8 +76,11 @@ def main():
             cfg.get('default_scope', 'mmseg')):
         try:
             s = stats(cfg, gpus=args.gpus)
-        except ValueError as e:  # the strategy's shard_modules or dtype
-            _error(str(e))
+        except (KeyError, TypeError, ValueError) as e:
+            # A value of the config the model or the strategy refuses
+            # (a ResNet depth, shard_modules, a dtype): its message.
+            message = e.args[0] if isinstance(e, KeyError) and e.args else e
+            _error(f'cannot build the model of {args.config}: {message}')
     vit = ('' if s['vit_params'] is None else
            f', of which the pre-trained ViT {s["vit_params"]:,}')
     parts = ('' if s['backbone_params'] is None else
