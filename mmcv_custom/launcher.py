@@ -9,22 +9,25 @@ behaviour); without, it starts a gloo process group itself (the runner skips
 turns SyncBN into BN. It also refuses, before the process group starts, a
 ``model_wrapper_cfg`` that a CPU run cannot use (anything but DDP).
 """
+import contextlib
 import json
 import logging
 import os
 import tempfile
+import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from mmengine.config import Config
+from mmengine.hooks import Hook
 from mmengine.logging import print_log
 
 __all__ = [
     'check_cpu_strategy', 'uses_fsdp2', 'build_runner', 'run_runner',
     'init_gloo', 'load_config', 'prepare_launch', 'is_launch_rank0',
     'shutdown_distributed', 'check_cpu_wrapper', 'check_writable',
-    'spawn_ranks', 'write_results', 'free_port'
+    'spawn_ranks', 'write_results', 'free_port', 'NothingToTrain'
 ]
 
 #: MMEngine's DDP wrappers, named in errors. A CPU launch takes any
@@ -311,29 +314,86 @@ def build_runner(cfg: Config):
     return RUNNERS.build(cfg)
 
 
+class NothingToTrain(Exception):
+    """Raised by :class:`_NothingLeftHook`: the resumed run is finished."""
+
+
+class _NothingLeftHook(Hook):
+    """First in ``before_train``: a run resumed at its end stops there,
+    with one line, instead of replaying the data loader up to the end and
+    saving nothing (see :func:`run_runner`)."""
+
+    priority = 'HIGHEST'
+
+    def before_train(self, runner) -> None:
+        from mmengine.runner import EpochBasedTrainLoop
+
+        from .engine.console import progress_text
+        loop = runner.train_loop
+        if isinstance(loop, EpochBasedTrainLoop):
+            done, key = runner.epoch >= loop.max_epochs, 'max_epochs'
+        else:
+            done, key = runner.iter >= loop.max_iters, 'max_iters'
+        if done:
+            raise NothingToTrain(
+                f'Nothing left to train ({progress_text(runner)}): the run '
+                f'is finished. To train it further, raise train_cfg.{key} '
+                f'(--cfg-options train_cfg.{key}=...) and --resume again.')
+
+
 def run_runner(cfg: Config, method: str, notes=()) -> None:
     """Build the runner ``cfg`` asks for, call its ``method`` (``'train'``,
     ``'test'``), then free it and destroy the process group, even when the
     run fails: the DDP model (and the comm hook and state its reducer
     holds) must go while the group still exists.
 
+    On rank 0 the console (see :mod:`mmcv_custom.engine.console`) opens
+    with a header (config, work dir, log file, ranks) and closes with a
+    summary (metrics, checkpoints, what the comm hook saved, wall time).
     ``notes`` are warnings decided before the runner existed (e.g. which
     checkpoint ``--resume`` fell back to), logged once on rank 0 into the
     run's log file. A ``load_from`` that is not a resume is first compared
-    with the model (:mod:`mmcv_custom.engine.load_report`).
+    with the model (:mod:`mmcv_custom.engine.load_report`). Training
+    resumed at its end says there is nothing left to train and returns.
     """
+    from .engine.console import current_console, header_text, summary_text
     from .engine.load_report import load_from_min_match, report_load_from
+    console = current_console()
+    start = console.start_time if console else time.time()
+    prog = console.prog if console else None
     min_match = load_from_min_match(cfg)
-    runner = build_runner(cfg)
+    with console.building() if console else contextlib.nullcontext():
+        runner = build_runner(cfg)
     try:
-        if is_launch_rank0():
+        main_process = is_launch_rank0()
+        header = header_text(runner, method, prog) if main_process else None
+        if console:
+            console.open(header, runner.logger)
+        elif header:
+            runner.logger.info(header)
+        if main_process:
             for note in notes:
                 runner.logger.warning(note)
         load_from = cfg.get('load_from')
         if load_from and not cfg.get('resume') and '://' not in str(
                 load_from) and os.path.isfile(load_from):
             report_load_from(runner, load_from, min_match)
-        getattr(runner, method)()
+        if method == 'train':
+            runner.register_hook(_NothingLeftHook())
+        try:
+            result = getattr(runner, method)()
+        except NothingToTrain as e:
+            if main_process:
+                runner.logger.info(str(e))
+            return
+        if main_process:
+            runner.logger.info(
+                summary_text(runner, method, result,
+                             time.time() - start))
+    except BaseException:
+        if console:
+            console.note_failure()
+        raise
     finally:
         del runner
         shutdown_distributed()

@@ -3,21 +3,47 @@
 # Multi-node: set NNODES, NODE_RANK, MASTER_ADDR and PORT on every node.
 # PYTHON picks the interpreter; by default the repository's .venv/bin/python
 # when it exists (what `make install` builds), else python on PATH.
+# A failed run ends with the cause (from the first rank that failed), the log
+# file and the exit code (mmcv_custom/torchrun.py: torchrun, reporting so).
+PROG=dist_test.sh
+USAGE="usage: $PROG CONFIG CHECKPOINT NPROC_PER_NODE [test.py args...]"
+HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/launch_checks.sh"
+help_requested "$@" && exit 0
 CONFIG=$1
 CHECKPOINT=$2
 NPROC=$3
+case $# in
+    0) usage_error "CONFIG, CHECKPOINT and NPROC_PER_NODE are required" ;;
+    1) usage_error "CHECKPOINT and NPROC_PER_NODE are missing" ;;
+    2)
+        is_count "$CHECKPOINT" && usage_error "CHECKPOINT is missing"
+        usage_error "NPROC_PER_NODE is missing"
+        ;;
+esac
+if ! is_config "$CONFIG" && is_config "$CHECKPOINT"; then
+    usage_error "CONFIG comes first, then CHECKPOINT (got '$CONFIG' '$CHECKPOINT')"
+fi
+if is_count "$CHECKPOINT" && ! is_count "$NPROC"; then
+    usage_error "CHECKPOINT comes before NPROC_PER_NODE (got '$CHECKPOINT' '$NPROC')"
+fi
+check_config "$CONFIG"
+check_count NPROC_PER_NODE "$NPROC"
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 PORT=${PORT:-29500}
 MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
-HERE=$(cd "$(dirname "$0")" && pwd)
 VENV_PYTHON="$(dirname "$HERE")/.venv/bin/python"
 if [ -z "$PYTHON" ] && [ -x "$VENV_PYTHON" ]; then
     PYTHON=$VENV_PYTHON
 fi
+# torchrun's own default, without its banner.
+if [ -z "${OMP_NUM_THREADS+set}" ] && [ "$NPROC" -gt 1 ]; then
+    export OMP_NUM_THREADS=1
+fi
 
 PYTHONPATH="$HERE/..":$PYTHONPATH \
-exec "${PYTHON:-python}" -m torch.distributed.run \
+exec "${PYTHON:-python}" "$(dirname "$HERE")/mmcv_custom/torchrun.py" "$PROG" \
     --nnodes="$NNODES" \
     --node_rank="$NODE_RANK" \
     --master_addr="$MASTER_ADDR" \

@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
 # Usage: [GPUS=8 GPUS_PER_NODE=8 CPUS_PER_TASK=5] \
 #   tools/slurm_test.sh PARTITION JOB_NAME CONFIG CHECKPOINT [test.py args...]
-set -x
+PROG=slurm_test.sh
+USAGE="usage: [GPUS=N GPUS_PER_NODE=N] $PROG PARTITION JOB_NAME CONFIG CHECKPOINT [test.py args...]"
+HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/launch_checks.sh"
+help_requested "$@" && exit 0
+if [ $# -lt 4 ]; then
+    usage_error "PARTITION, JOB_NAME, CONFIG and CHECKPOINT are required"
+fi
 PARTITION=$1
 JOB_NAME=$2
 CONFIG=$3
 CHECKPOINT=$4
+if ! is_config "$CONFIG" && is_config "$CHECKPOINT"; then
+    usage_error "CONFIG comes first, then CHECKPOINT (got '$CONFIG' '$CHECKPOINT')"
+fi
+check_config "$CONFIG"
 GPUS=${GPUS:-4}
 GPUS_PER_NODE=${GPUS_PER_NODE:-4}
 CPUS_PER_TASK=${CPUS_PER_TASK:-5}
+check_count GPUS "$GPUS"
+check_count GPUS_PER_NODE "$GPUS_PER_NODE"
 SRUN_ARGS=${SRUN_ARGS:-""}
 # CPU nodes: GRES= (empty) to ask for no GPUs.
 GRES=${GRES-"--gres=gpu:${GPUS_PER_NODE}"}
 PY_ARGS=${@:5}
-HERE=$(cd "$(dirname "$0")" && pwd)
 # The interpreter of every task: PYTHON, else the repository's
 # .venv/bin/python when it exists (`make install`), else python on PATH.
 VENV_PYTHON="$(dirname "$HERE")/.venv/bin/python"

@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
 # Usage: [GPUS=16 GPUS_PER_NODE=8 CPUS_PER_TASK=5] \
-#   tools/slurm_train.sh PARTITION JOB_NAME CONFIG [WORK_DIR] [train.py args...]
+#   tools/slurm_train.sh PARTITION JOB_NAME CONFIG [train.py args...]
+# e.g. tools/slurm_train.sh PARTITION JOB CONFIG --work-dir DIR (the work dir
+# is train.py's --work-dir, not an argument of its own).
 # One task per GPU; MMEngine reads SLURM_* for rank and world size. On CPU
 # nodes (no CUDA) set GPUS to the number of ranks: train.py starts gloo.
 # MAX_RESTARTS=N runs the job step again, up to N times, after a failure;
 # a restarted run resumes from the newest intact checkpoint.
-set -x
+PROG=slurm_train.sh
+USAGE="usage: [GPUS=N GPUS_PER_NODE=N] $PROG PARTITION JOB_NAME CONFIG [train.py args...]"
+HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/launch_checks.sh"
+help_requested "$@" && exit 0
+if [ $# -lt 3 ]; then
+    usage_error "PARTITION, JOB_NAME and CONFIG are required"
+fi
 PARTITION=$1
 JOB_NAME=$2
 CONFIG=$3
+check_config "$CONFIG"
 GPUS=${GPUS:-4}
 GPUS_PER_NODE=${GPUS_PER_NODE:-4}
 CPUS_PER_TASK=${CPUS_PER_TASK:-5}
+check_count GPUS "$GPUS"
+check_count GPUS_PER_NODE "$GPUS_PER_NODE"
 SRUN_ARGS=${SRUN_ARGS:-""}
 # CPU nodes: GRES= (empty) to ask for no GPUs.
 GRES=${GRES-"--gres=gpu:${GPUS_PER_NODE}"}
 PY_ARGS=${@:4}
-HERE=$(cd "$(dirname "$0")" && pwd)
 # The interpreter of every task: PYTHON, else the repository's
 # .venv/bin/python when it exists (`make install`), else python on PATH.
 VENV_PYTHON="$(dirname "$HERE")/.venv/bin/python"

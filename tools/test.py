@@ -1,9 +1,11 @@
 """Evaluate a checkpoint, the MMSegmentation way, on GPUs or CPUs.
 
 Same arguments as MMSegmentation 1.x's ``tools/test.py``; without CUDA a
-distributed launch runs on gloo (see :mod:`mmcv_custom.launcher`). The
-checkpoint is checked first: it must exist and hold only what is on the
-safe-loading allow-list (:mod:`mmcv_custom.checkpoint`). ``--out`` is
+distributed launch runs on gloo (see :mod:`mmcv_custom.launcher`). What
+the run needs is checked first, every problem in one message (exit status
+2; :mod:`mmcv_custom.preflight`): the test data, the work dir, and the
+checkpoint, which must exist and hold only what is on the safe-loading
+allow-list (:mod:`mmcv_custom.checkpoint`). ``--out`` is
 created on every rank, since each writes its predictions there.
 
 CHECKPOINT may also be a sharded checkpoint directory of FSDP2Strategy
@@ -24,10 +26,13 @@ from mmengine.config import DictAction
 from mmengine.logging import print_log
 
 import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
-from mmcv_custom.checkpoint import check_checkpoint_file, is_sharded_checkpoint
+from mmcv_custom.checkpoint import is_sharded_checkpoint
+from mmcv_custom.engine.console import ToolConsole, report_failure
 from mmcv_custom.integrity import CheckpointDamagedError
 from mmcv_custom.launcher import (is_launch_rank0, load_config, prepare_launch,
                                   run_runner, uses_fsdp2)
+from mmcv_custom.preflight import (PreflightError, check_preflight,
+                                   preflight_report)
 from mmcv_custom.sharded_checkpoint import consolidated_file
 
 
@@ -67,6 +72,12 @@ def parse_args():
         help='job launcher')
     parser.add_argument(
         '--tta', action='store_true', help='Test time augmentation')
+    parser.add_argument(
+        '--verbose',
+        action='store_true',
+        help='print the environment, the full config, the hook table and '
+        'third-party warnings on the console too (the log file always has '
+        'them)')
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
     args = parser.parse_args()
     if 'LOCAL_RANK' not in os.environ:
@@ -94,9 +105,22 @@ def trigger_visualization_hook(cfg, args):
 
 def main():
     args = parse_args()
+    # A header, the progress and a summary; the rest in the log file.
+    console = ToolConsole('test.py', verbose=args.verbose).start()
+    console.work_dir = args.work_dir
     cfg = load_config(args.config, args.cfg_options, args.work_dir)
+    console.work_dir = cfg.work_dir
 
-    check_checkpoint_file(args.checkpoint, 'checkpoint')
+    # The checkpoint, the test data and the work dir, all named at once,
+    # before the model, the process group or the runner exists.
+    try:
+        check_preflight(cfg, 'test', test_checkpoint=args.checkpoint)
+    except PreflightError as e:
+        # Every rank stops; one per node says why (exit 2, as for usage).
+        report = preflight_report(e, 'test.py', args.launcher)
+        if report:
+            print(report, file=sys.stderr)
+        sys.exit(2)
     cfg.load_from = args.checkpoint
     missing = [
         key for key in ('test_dataloader', 'test_cfg', 'test_evaluator')
@@ -144,5 +168,8 @@ if __name__ == '__main__':
         main()
     except CheckpointDamagedError as e:
         # One line that names the damaged file and the newest intact one.
-        print(f'test.py: error: {e}', file=sys.stderr)
-        sys.exit(1)
+        sys.exit(report_failure(e, 'test.py', plain=True))
+    except (Exception, KeyboardInterrupt) as e:
+        # The cause once, from the first rank that failed; the traceback
+        # in the log file.
+        sys.exit(report_failure(e, 'test.py'))

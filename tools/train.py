@@ -5,11 +5,15 @@ Same arguments as MMSegmentation 1.x's ``tools/train.py``. Additionally:
 * ``mmcv_custom`` is imported, so ``comm_hook`` configs work without
   ``custom_imports``; a config that sets ``comm_hook`` but forgot the runner
   hook in ``custom_hooks`` gets it added (with one log line);
-* the checkpoint the run will load (``load_from``, in the config or from
-  ``--cfg-options``, else with ``--resume`` the latest in the work dir) is
-  checked first: a missing file, one that fails its ``.sha256`` digest, or
-  one holding what torch's safe loader refuses, fails before the process
-  group or the runner exists; ``--resume`` whose latest checkpoint is
+* everything the run needs is checked first, before the model, the
+  process group or the runner exists (:mod:`mmcv_custom.preflight`): the
+  training and validation data, the pretrained files, the checkpoint the
+  run will load (``load_from``, in the config or from ``--cfg-options``,
+  else with ``--resume`` the latest in the work dir: missing, failing its
+  ``.sha256`` digest, or holding what torch's safe loader refuses) and
+  the work dir (writable, room for a checkpoint); every problem is said in
+  one message, with what to do, and the run exits with status 2;
+  ``--resume`` whose latest checkpoint is
   missing, damaged or unreadable (or whose ``last_checkpoint`` is empty)
   takes the newest intact one, and with none starts at iteration 0, each
   with a warning (in the log file too);
@@ -45,12 +49,14 @@ from mmengine.config import Config, DictAction
 from mmengine.logging import print_log
 
 import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
-from mmcv_custom.checkpoint import (check_checkpoint_file,
-                                    choose_resume_checkpoint,
+from mmcv_custom.checkpoint import (choose_resume_checkpoint,
                                     is_sharded_checkpoint)
+from mmcv_custom.engine.console import ToolConsole, report_failure
 from mmcv_custom.integrity import CheckpointDamagedError
 from mmcv_custom.launcher import (is_launch_rank0, load_config, prepare_launch,
                                   restart_count, run_runner, uses_fsdp2)
+from mmcv_custom.preflight import (PreflightError, check_preflight,
+                                   preflight_report)
 from mmcv_custom.sharded_checkpoint import consolidated_file
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
@@ -85,6 +91,12 @@ def parse_args():
         choices=['none', 'pytorch', 'slurm', 'mpi'],
         default='none',
         help='job launcher')
+    parser.add_argument(
+        '--verbose',
+        action='store_true',
+        help='print the environment, the full config, the hook table and '
+        'third-party warnings on the console too (the log file always has '
+        'them)')
     # torch.distributed.launch passed --local_rank; torchrun sets LOCAL_RANK.
     parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
     args = parser.parse_args()
@@ -123,7 +135,11 @@ def add_comm_hook_runner_hook(cfg: Config) -> None:
 
 def main():
     args = parse_args()
+    # A header, the progress and a summary; the rest in the log file.
+    console = ToolConsole('train.py', verbose=args.verbose).start()
+    console.work_dir = args.work_dir
     cfg = load_config(args.config, args.cfg_options, args.work_dir)
+    console.work_dir = cfg.work_dir
 
     if args.amp:
         optim_wrapper = cfg.optim_wrapper.get('type', 'OptimWrapper')
@@ -151,13 +167,10 @@ def main():
     cfg.resume = args.resume
     # What the runner will load: load_from (fine-tuning, or the checkpoint
     # to resume from), else with --resume the latest one in the work dir.
-    # Name a missing file, or what a safe load would refuse, before the
-    # process group or the runner exists.
     checkpoint = cfg.get('load_from')
     notes = []
-    if checkpoint:
-        check_checkpoint_file(checkpoint, 'load_from')
-    elif args.resume:
+    resume_from = None
+    if not checkpoint and args.resume:
         # MMEngine's choice (what <work_dir>/last_checkpoint names), unless
         # the work dir was moved or copied (then its own copy), or that
         # checkpoint is missing, damaged or unreadable (then the newest
@@ -167,13 +180,23 @@ def main():
             notes.insert(
                 0, f'restart {restart} after a failure: resuming '
                 'from the newest intact checkpoint')
-        if checkpoint:
-            check_checkpoint_file(checkpoint, 'the checkpoint to resume from')
-            cfg.load_from = checkpoint  # what MMEngine resumes from
-        else:
-            cfg.resume = False
+        resume_from = checkpoint
         # The notes go to the log file (and console) once the runner's
         # logger exists: run_runner logs them on rank 0.
+    # Data, pretrained files, that checkpoint and the work dir, all named
+    # at once, before the model, the process group or the runner exists.
+    try:
+        check_preflight(cfg, 'train', resume_checkpoint=resume_from)
+    except PreflightError as e:
+        # Every rank stops; one per node says why (exit 2, as for usage).
+        report = preflight_report(e, 'train.py', args.launcher)
+        if report:
+            print(report, file=sys.stderr)
+        sys.exit(2)
+    if resume_from:
+        cfg.load_from = resume_from  # what MMEngine resumes from
+    elif args.resume and not checkpoint:
+        cfg.resume = False
     add_comm_hook_runner_hook(cfg)
     add_random_state_hook(cfg)
     prepare_launch(cfg, args.launcher)
@@ -203,5 +226,8 @@ if __name__ == '__main__':
         main()
     except CheckpointDamagedError as e:
         # One line that names the damaged file and the newest intact one.
-        print(f'train.py: error: {e}', file=sys.stderr)
-        sys.exit(1)
+        sys.exit(report_failure(e, 'train.py', plain=True))
+    except (Exception, KeyboardInterrupt) as e:
+        # The cause once, from the first rank that failed; the traceback
+        # in the log file.
+        sys.exit(report_failure(e, 'train.py'))

@@ -17,7 +17,7 @@ TOOL_NOISE = (
     (r'Default ``avg_non_ignore`` is False', UserWarning,
      r'mmseg\.models\.losses\.cross_entropy_loss',
      "advice on how training averages its loss, which none of the tools' "
-     'numbers depend on (tools/train.py still shows it)'),
+     'numbers depend on (tools/train.py writes it to its log file)'),
     (r'Multi-processing start method `\w+` is different from the previous '
      r'setting', UserWarning, r'mmengine\.utils\.dl_utils\.setup_env',
      "a tool that starts its own ranks sets up each one's environment "

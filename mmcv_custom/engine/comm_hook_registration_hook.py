@@ -151,6 +151,9 @@ class CommHookRegistrationHook(Hook):
         # Saves and restores the state of stateful hooks (PowerSGD).
         self._state_files: Optional[HookStateFiles] = None
         self._loaded_record = None
+        # This rank's bytes since registration, for the tools' summary.
+        self._baseline_total = 0
+        self._wire_total: Optional[int] = 0
 
     def _resolve_cfg(self, runner) -> Optional[dict]:
         from_config = runner.cfg.get('comm_hook', None)
@@ -297,12 +300,24 @@ class CommHookRegistrationHook(Hook):
                 baseline_bytes += baseline
                 wire_bytes = None if wire is None or wire_bytes is None else (
                     wire_bytes + wire)
+            self._baseline_total += baseline_bytes
+            self._wire_total = None if wire_bytes is None or (
+                self._wire_total is None) else self._wire_total + wire_bytes
             if wire_bytes is not None:
                 runner.message_hub.update_scalar('train/comm_MB',
                                                  wire_bytes / 2**20)
                 if baseline_bytes:
                     runner.message_hub.update_scalar(
                         'train/comm_ratio', wire_bytes / baseline_bytes)
+
+    def traffic(self) -> Optional[Tuple[int, int]]:
+        """``(baseline, wire)``: the bytes this rank handed its comm hooks
+        (what DDP would all-reduce without them) and the bytes the hooks
+        sent, over the iterations of this run so far. None without
+        telemetry, or once a hook's traffic is unknown (a user hook)."""
+        if not self._telemetry or self._wire_total is None:
+            return None
+        return self._baseline_total, self._wire_total
 
     # -- hook state in checkpoints (see hook_state_files.py) --------------
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:

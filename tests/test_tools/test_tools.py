@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mmcv_custom.demo import SyntheticRegressionDataset
+from tests.tool_utils import load_script
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 MLP = osp.join(ROOT, 'configs', 'demo', 'mlp_2xb32-300iter_synthetic.py')
@@ -36,18 +37,106 @@ def test_demo_trains_evaluates_and_summarizes(tmp_path):
         cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     summary = out.stdout[out.stdout.index('Demo summary'):]
-    assert (
-        "type='bf16_compress' (bf16_compress_hook), wrapper=None, "
-        'state: CompressState(predivide_factor=default (fp16 only), '
-        'check_finite=False); process group: 2 ranks, backend gloo') in summary
-    assert '(iter 20)' in summary
-    assert "'mIoU'" in summary
+    assert ("type='bf16_compress' (bf16_compress_hook), wrapper=None, "
+            'state: CompressState(divides by the world size before the bf16 '
+            'cast, check_finite=False); process group: 2 ranks, backend gloo'
+            ) in summary
+    # Both evaluations of the last checkpoint, each named.
+    # (Labels padded to the longest, 'validation (iter 20)'.)
+    metrics = r"\{'aAcc': [\d.]+, 'mIoU': [\d.]+, 'mAcc': [\d.]+\}"
+    assert re.search(
+        r'^  validation \(iter 20\) : ' + metrics + r' \(during training\)$',
+        summary, re.M), summary
+    assert re.search(
+        rf"^  {'test':<20} : " + metrics +
+        r' \(tools/dist_test.sh of iter_20.pth\)$', summary, re.M), summary
     # `make demo` writes where docs/en/get_started.md says.
     work_dir = tmp_path / 'work_dirs' / 'demo'
-    assert f'work dir  : {work_dir}\n' in summary
+    assert f"  {'work dir':<20} : {work_dir}\n" in summary
     assert (work_dir / 'iter_20.pth').is_file()
     # The toy data was generated where the user ran the demo.
     assert (tmp_path / 'data' / 'toy_shapes' / 'toy_shapes.json').is_file()
+
+
+@pytest.fixture(scope='module')
+def demo():
+    return load_script(osp.join(ROOT, 'tools', 'demo.py'), '_demo_tool')
+
+
+def _fake_run(folder, scalars, log='', name='20261204_135515'):
+    """A run folder as MMEngine leaves it: ``<name>/<name>.log`` and
+    ``<name>/vis_data/scalars.json``."""
+    run = folder / name
+    (run / 'vis_data').mkdir(parents=True)
+    (run / f'{name}.log').write_text(log)
+    (run / 'vis_data' / 'scalars.json').write_text(''.join(
+        json.dumps(s) + '\n' for s in scalars))
+    return run
+
+
+_HOOK_LOG = ('2026/12/04 13:55:15 - mmengine - INFO - Registered DDP '
+             "communication hook on MMDistributedDataParallel: type='bf16_"
+             "compress' (bf16_compress_hook), wrapper=None, state: "
+             'CompressState(divides by the world size before the bf16 cast,'
+             ' check_finite=False); process group: 2 ranks, backend gloo.\n')
+
+
+def test_demo_summary_names_validation_and_test(demo, tmp_path):
+    train = tmp_path / 'demo'
+    _fake_run(
+        train, [
+            dict(loss=0.2178, step=50),
+            dict(loss=0.0574, step=600),
+            dict(aAcc=98.15, mIoU=90.0512, mAcc=94.04, step=600),
+        ],
+        log=_HOOK_LOG)
+    run = _fake_run(train / 'eval', [], name='20261204_135610')
+    (run / '20261204_135610.json').write_text(
+        json.dumps(dict(aAcc=98.16, mIoU=90.12, mAcc=94.1, time=0.1)))
+    summary = demo.summarize(
+        str(train), str(train / 'eval'), 42.4,
+        str(train / 'iter_600.pth')).splitlines()
+    assert summary[2:9] == [
+        'Demo summary',
+        '  comm hook             : ' +
+        _HOOK_LOG.split(' - INFO - ')[1].strip(),
+        '  loss                  : 0.2178 (iter 50) -> 0.0574 (iter 600)',
+        "  validation (iter 600) : {'aAcc': 98.15, 'mIoU': 90.05, 'mAcc': "
+        '94.04} (during training)',
+        "  test                  : {'aAcc': 98.16, 'mIoU': 90.12, 'mAcc': "
+        '94.1} (tools/dist_test.sh of iter_600.pth)',
+        '  wall time             : 42.4 s (training and test)',
+        f'  work dir              : {train}',
+    ]
+
+
+def test_demo_summary_without_a_test_says_no_eval(demo, tmp_path):
+    # `--no-eval`: the validation during training is shown as such, and
+    # nothing is called eval or test.
+    train = tmp_path / 'mlp'
+    _fake_run(
+        train, [
+            dict(loss=0.3, step=50),
+            dict(loss=0.01, step=300),
+            {
+                'regression/mse': 0.009123,
+                'step': 300
+            },
+        ],
+        log=_HOOK_LOG)
+    summary = demo.summarize(str(train), None, 10.0)
+    assert ("  validation (iter 300) : {'regression/mse': 0.009123} (during "
+            'training)') in summary
+    labels = [line.split(' : ')[0].strip() for line in summary.splitlines()]
+    assert labels[3:] == [
+        'comm hook', 'loss', 'validation (iter 300)', 'wall time', 'work dir',
+        '=' * 72
+    ]
+    assert '  wall time             : 10.0 s (training)' in summary
+    # A config that never validated shows neither.
+    quiet = tmp_path / 'quiet'
+    _fake_run(quiet, [dict(loss=0.3, step=50)], log=_HOOK_LOG)
+    assert 'validation' not in demo.summarize(str(quiet), None, 1.0)
 
 
 def test_synthetic_validation_set_samples_the_training_function():
@@ -81,11 +170,12 @@ def test_mlp_demo_learns_the_function_in_its_own_work_dir(tmp_path):
         cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "type='powerSGD' (powersgd_hook), wrapper='fp16'" in out.stdout
-    # Evaluated by tools/test.py on the validation set, shown to four
+    # Tested by tools/dist_test.sh on the validation set, shown to four
     # significant digits (an MSE of 0.03 is not 0.0).
-    assert re.search(r"eval      : \{'regression/mse': 0\.0\d{3,4}\}",
-                     out.stdout), out.stdout
-    assert '(training and evaluation)' in out.stdout
+    assert re.search(
+        rf"  {'test':<21} : " + r"\{'regression/mse': 0\.0\d{3,4}\} "
+        r'\(tools/dist_test.sh of iter_100.pth\)', out.stdout), out.stdout
+    assert '(training and test)' in out.stdout
     # Not work_dirs/demo, where `make demo` keeps the segmenter.
     work_dir = tmp_path / 'work_dirs' / 'mlp_2xb32-300iter_synthetic'
     assert (work_dir / 'iter_100.pth').is_file()
