@@ -58,7 +58,10 @@ while true; do
         bash -c 'export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}; exec "${PYTHON:-python}" -u "$0" "$@" --launcher slurm' \
         "$HERE/train.py" "${CONFIG}" ${PY_ARGS}
     status=$?
-    if [ "$status" -eq 0 ] || [ "$attempt" -ge "$MAX_RESTARTS" ]; then
+    # 2: a usage or preflight error (a missing file, a bad value), which a
+    # restart would only print again.
+    if [ "$status" -eq 0 ] || [ "$status" -eq 2 ] ||
+        [ "$attempt" -ge "$MAX_RESTARTS" ]; then
         exit "$status"
     fi
     attempt=$((attempt + 1))
