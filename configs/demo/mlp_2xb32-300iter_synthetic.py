@@ -41,7 +41,7 @@ train_cfg = dict(by_epoch=False, max_iters=300, val_interval=300)
 val_cfg = dict()
 test_cfg = dict()
 default_hooks = dict(
-    logger=dict(type='LoggerHook', interval=50),
+    logger=dict(type='LoggerHook', interval=50, log_metric_by_epoch=False),
     checkpoint=dict(type='CheckpointHook', by_epoch=False, interval=300))
 log_processor = dict(by_epoch=False)
 randomness = dict(seed=0)

@@ -46,34 +46,41 @@ def test_unknown_variant_names_it_and_the_valid_ones(tmp_path):
     assert not os.listdir(tmp_path)  # nothing trained
 
 
-def test_bad_arguments_are_usage_errors(tmp_path):
+def test_bad_arguments_are_usage_errors(tool, tmp_path, monkeypatch, capsys):
+    # One case through the command line (the usage line, exit code 2) ...
     missing = str(tmp_path / 'nope.py')
     _usage_error(_tool(missing), missing, 'no such file')
-    _usage_error(
-        _tool(FCN, '--variants', 'int8_ef', 'int8_ef', '--work-dir',
-              str(tmp_path)), 'twice')
-    _usage_error(
-        _tool(FCN, '--block-size', '0', '--work-dir', str(tmp_path)),
-        '--block-size should be at least 1, but got 0')
-    _usage_error(
-        _tool(FCN, '--cfg-options', 'comm_hook.block_size=8', '--work-dir',
-              str(tmp_path)), 'comm_hook.block_size=8', '--variants')
+    # ... the rest through the tool's own parse_args, in this process.
+    parse = usage_errors(tool, TOOL, monkeypatch, capsys)
+
+    def _refused(args, *words):
+        code, last = parse(args)
+        assert code == 2, last
+        for word in words:
+            assert word in last, last
+
+    _refused(
+        [FCN, '--variants', 'int8_ef', 'int8_ef', '--work-dir',
+         str(tmp_path)], 'twice')
+    _refused([FCN, '--block-size', '0', '--work-dir',
+              str(tmp_path)], '--block-size should be at least 1, but got 0')
+    _refused([
+        FCN, '--cfg-options', 'comm_hook.block_size=8', '--work-dir',
+        str(tmp_path)
+    ], 'comm_hook.block_size=8', '--variants')
     plot = str(tmp_path / 'no_such_dir' / 'c.png')
-    _usage_error(
-        _tool(FCN, '--plot', plot, '--work-dir', str(tmp_path)), plot,
-        'cannot write there')
-    _usage_error(
-        _tool(FCN, '--json', str(tmp_path), '--work-dir', str(tmp_path)),
-        'is a directory')
+    _refused([FCN, '--plot', plot, '--work-dir',
+              str(tmp_path)], plot, 'cannot write there')
+    _refused([FCN, '--json',
+              str(tmp_path), '--work-dir',
+              str(tmp_path)], 'is a directory')
     # --from-work-dirs: a variant name checked as for --variants, and a
     # folder without a run is named.
-    _usage_error(
-        _tool(FCN, '--from-work-dirs', f'int4={tmp_path}'), "'int4'",
-        *(v for v in VALID))
-    _usage_error(
-        _tool(FCN, '--from-work-dirs', f'int8_ef={tmp_path}'), str(tmp_path),
-        'scalars.json')
-    _usage_error(_tool(FCN, '--from-work-dirs', str(tmp_path)), 'VARIANT=DIR')
+    _refused([FCN, '--from-work-dirs', f'int4={tmp_path}'], "'int4'",
+             *(v for v in VALID))
+    _refused([FCN, '--from-work-dirs', f'int8_ef={tmp_path}'], str(tmp_path),
+             'scalars.json')
+    _refused([FCN, '--from-work-dirs', str(tmp_path)], 'VARIANT=DIR')
     assert sorted(os.listdir(tmp_path)) == []
 
 
