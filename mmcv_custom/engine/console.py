@@ -70,17 +70,21 @@ _FILE_ONLY = [re.compile(pattern) for pattern, _ in FILE_ONLY]
 #: (message regex, category, issuing module regex, why). The analysis
 #: tools' list (:data:`~mmcv_custom.analysis.tool_warnings.TOOL_NOISE`)
 #: where it fits a training or test run, and two more.
-RUN_NOISE = tuple(entry for entry in TOOL_NOISE
-                  if 'Multi-processing start method' not in entry[0]) + (
-                      (r'The draw is False, it means that the hook for '
-                       r'visualization will not take effect', UserWarning,
-                       r'mmseg\.engine\.hooks\.visualization_hook',
-                       "the default of MMSegmentation's runtime config; "
-                       'tools/test.py --show-dir turns drawing on'),
-                      (r'pkg_resources is deprecated as an API', UserWarning,
-                       r'mmengine\.utils\.package_utils',
-                       'MMEngine finds the mmseg:: configs with it'),
-                  )
+RUN_NOISE = tuple(
+    entry
+    for entry in TOOL_NOISE if 'Multi-processing start method' not in entry[0]
+) + (
+    (r'The draw is False, it means that the hook for '
+     r'visualization will not take effect', UserWarning,
+     r'mmseg\.engine\.hooks\.visualization_hook',
+     "the default of MMSegmentation's runtime config; "
+     'tools/test.py --show-dir turns drawing on'),
+    # Reported from importlib when a config's mmseg::
+    # base makes MMEngine import pkg_resources.
+    (r'pkg_resources is deprecated as an API', UserWarning,
+     r'(mmengine\.utils\.package_utils|importlib)',
+     'MMEngine finds the mmseg:: configs with it'),
+)
 
 
 def _is_noise(message, category, filename: str) -> bool:
