@@ -38,9 +38,9 @@ from mmengine.config import Config
 from mmengine.registry import init_default_scope
 from mmengine.utils import import_modules_from_strings
 
+from ..comm.builder import check_comm_hook_cfg, hook_record
 from ..engine.fsdp2_strategy import (_DEFAULT_SHARD_MODULES, select_units,
                                      unit_parameters)
-from ..registry import check_comm_hook_cfg, hook_record
 
 __all__ = ['stats', 'fsdp2_units', 'fsdp2_memory', 'shard_numel']
 
