@@ -32,7 +32,9 @@ import os.path as osp
 import re
 import shutil
 import socket
+import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -45,10 +47,14 @@ from .integrity import CheckpointDamagedError
 
 __all__ = [
     'Problem', 'PreflightError', 'preflight', 'check_preflight',
-    'format_problems', 'estimate_checkpoint_bytes', 'preflight_report'
+    'format_problems', 'estimate_checkpoint_bytes', 'preflight_report',
+    'exit_on_problems'
 ]
 
 _GIB = 1024**3
+# How long a quiet rank waits before it exits on a preflight problem; see
+# exit_on_problems.
+_QUIET_RANK_GRACE_S = 3.0
 _MODES = ('train', 'test')
 # The loaders of .safetensors and Hugging Face shard indexes execute
 # nothing: only their presence is checked.
@@ -211,6 +217,24 @@ def preflight_report(error: PreflightError, prog: str,
         if rank not in ('', '0'):
             prog = f'{prog} (on {socket.gethostname()}, rank {rank})'
     return f'{prog}: error: {error}'
+
+
+def exit_on_problems(error: PreflightError, prog: str, launcher: str):
+    """Stop this process with exit code 2 (as for a usage error), saying
+    ``error`` where :func:`preflight_report` says this process speaks.
+
+    Every rank finds the same problems at about the same time. A quiet
+    rank waits a moment before it exits, so that the speaking one has
+    said why and exited first: the launcher (torchrun, Slurm) stops the
+    remaining ranks as soon as one exits, and a speaking rank stopped
+    mid-sentence would leave a failure without its cause.
+    """
+    report = preflight_report(error, prog, launcher)
+    if report:
+        print(report, file=sys.stderr, flush=True)
+    else:
+        time.sleep(_QUIET_RANK_GRACE_S)
+    sys.exit(2)
 
 
 # -- custom imports --------------------------------------------------------

@@ -96,7 +96,11 @@ def first_failure(failures: Dict[int, object]) -> Tuple[int, Optional[dict]]:
     own order has whole seconds), so a rank that failed because another
     one did first is not taken for the cause. Several ranks reporting the
     same error (a config every rank reads) show as the lowest of them.
-    Without any report, the earliest failure by torchrun's order.
+    Without any report, a rank that ended by itself (an exit code, or a
+    signal other than SIGTERM) comes before one torchrun stopped with
+    SIGTERM after that failure: torchrun stamps failures without a report
+    when it collects them, so their times rarely tell them apart. Then the
+    earliest by torchrun's order.
     """
     reports = {}
     for rank, failure in failures.items():
@@ -111,8 +115,16 @@ def first_failure(failures: Dict[int, object]) -> Tuple[int, Optional[dict]]:
         ]
         rank = min(same)
         return rank, reports[rank]
-    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+    rank = min(failures, key=lambda r: _cause_order(r, failures[r]))
     return rank, None
+
+
+def _cause_order(rank: int, failure) -> tuple:
+    """Sorts failures without a report, most likely cause first: a rank
+    stopped by SIGTERM (what torchrun sends the others once one failed)
+    last, then by torchrun's time stamp and rank."""
+    stopped = failure.exitcode == -signal.SIGTERM
+    return stopped, failure.timestamp, rank
 
 
 class _QuietAgent(logging.Filter):

@@ -32,7 +32,7 @@ from mmcv_custom.integrity import CheckpointDamagedError
 from mmcv_custom.launcher import (is_launch_rank0, load_config, prepare_launch,
                                   run_runner, uses_fsdp2)
 from mmcv_custom.preflight import (PreflightError, check_preflight,
-                                   preflight_report)
+                                   exit_on_problems)
 from mmcv_custom.sharded_checkpoint import consolidated_file
 
 
@@ -117,10 +117,7 @@ def main():
         check_preflight(cfg, 'test', test_checkpoint=args.checkpoint)
     except PreflightError as e:
         # Every rank stops; one per node says why (exit 2, as for usage).
-        report = preflight_report(e, 'test.py', args.launcher)
-        if report:
-            print(report, file=sys.stderr)
-        sys.exit(2)
+        exit_on_problems(e, 'test.py', args.launcher)
     cfg.load_from = args.checkpoint
     missing = [
         key for key in ('test_dataloader', 'test_cfg', 'test_evaluator')

@@ -56,7 +56,7 @@ from mmcv_custom.integrity import CheckpointDamagedError
 from mmcv_custom.launcher import (is_launch_rank0, load_config, prepare_launch,
                                   restart_count, run_runner, uses_fsdp2)
 from mmcv_custom.preflight import (PreflightError, check_preflight,
-                                   preflight_report)
+                                   exit_on_problems)
 from mmcv_custom.sharded_checkpoint import consolidated_file
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
@@ -189,10 +189,7 @@ def main():
         check_preflight(cfg, 'train', resume_checkpoint=resume_from)
     except PreflightError as e:
         # Every rank stops; one per node says why (exit 2, as for usage).
-        report = preflight_report(e, 'train.py', args.launcher)
-        if report:
-            print(report, file=sys.stderr)
-        sys.exit(2)
+        exit_on_problems(e, 'train.py', args.launcher)
     if resume_from:
         cfg.load_from = resume_from  # what MMEngine resumes from
     elif args.resume and not checkpoint:

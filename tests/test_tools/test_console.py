@@ -232,6 +232,16 @@ def test_the_first_report_wins_to_the_microsecond():
     # No report at all (killed): torchrun's order.
     failures = {1: _Failure(5, exitcode=-9), 0: _Failure(6, exitcode=-15)}
     assert first_failure(failures) == (1, None)
+    # Every rank exits 2 (one says why, the others quietly), one of them
+    # stopped by torchrun on its way out: the exit code is the cause, not
+    # torchrun's SIGTERM, whatever the (whole-second) stamps say.
+    failures = {0: _Failure(7, exitcode=-15), 1: _Failure(7, exitcode=2)}
+    assert first_failure(failures) == (1, None)
+    failures = {0: _Failure(6, exitcode=-15), 1: _Failure(7, exitcode=2)}
+    assert first_failure(failures) == (1, None)
+    # Only SIGTERMs (the whole job was stopped): torchrun's order.
+    failures = {1: _Failure(6, exitcode=-15), 0: _Failure(6, exitcode=-15)}
+    assert first_failure(failures) == (0, None)
 
 
 # ---------------------------------------------------------------------------
