@@ -19,10 +19,18 @@ about it, before any of that:
   MMEngine;
 * (training) every pretrained file of the model: ``pretrained`` keys and
   ``init_cfg=dict(type='Pretrained', checkpoint=...)`` anywhere in it;
+* ``comm_hook``: its names and values (:func:`check_comm_hook_cfg`, and
+  under FSDP2 whether the type has a sharded form), which the runner hook
+  would check only once the model is built;
+* the launcher's environment: ``--launcher pytorch``, ``slurm`` or ``mpi``
+  in a process that torchrun, ``srun`` or ``mpirun`` did not start;
 * the work dir: writable (nothing is left behind), and, for training, room
   on its disk for one checkpoint, estimated from the model built on the
   meta device (no memory; a second for InternViT-6B). When the estimate
   fails, the room is not checked.
+
+:func:`checked_config` reads the config itself, so that a missing or
+unreadable config file is reported the same way.
 
 Only configs and file systems are read; no model memory is allocated.
 """
@@ -47,8 +55,8 @@ from .integrity import CheckpointDamagedError
 
 __all__ = [
     'Problem', 'PreflightError', 'preflight', 'check_preflight',
-    'format_problems', 'estimate_checkpoint_bytes', 'preflight_report',
-    'exit_on_problems'
+    'checked_config', 'format_problems', 'estimate_checkpoint_bytes',
+    'preflight_report', 'exit_on_problems'
 ]
 
 _GIB = 1024**3
@@ -129,7 +137,8 @@ class PreflightError(RuntimeError):
 def preflight(cfg: Config,
               mode: str = 'train',
               resume_checkpoint: Optional[str] = None,
-              test_checkpoint: Optional[str] = None) -> List[Problem]:
+              test_checkpoint: Optional[str] = None,
+              launcher: str = 'none') -> List[Problem]:
     """Every problem that would stop ``cfg``'s run, without starting it.
 
     Args:
@@ -142,6 +151,8 @@ def preflight(cfg: Config,
         resume_checkpoint (str, optional): What ``--resume`` takes when
             ``load_from`` is not set.
         test_checkpoint (str, optional): ``tools/test.py``'s CHECKPOINT.
+        launcher (str): The tool's ``--launcher``, whose environment is
+            checked. Defaults to ``'none'``.
 
     Returns:
         list[Problem]: Empty when nothing was found.
@@ -152,7 +163,9 @@ def preflight(cfg: Config,
     if mode not in _MODES:
         raise ValueError(f"mode should be 'train' or 'test', but got "
                          f'{mode!r}')
-    problems = _import_problems(cfg)
+    problems = _launcher_problems(launcher)
+    problems += _import_problems(cfg)
+    problems += _comm_hook_problems(cfg)
     problems += _data_problems(cfg, mode)
     if mode == 'train':
         # Runner.train initialises the weights (loading these) even when
@@ -184,6 +197,44 @@ def check_preflight(cfg: Config, mode: str = 'train', **kwargs) -> None:
     problems = preflight(cfg, mode, **kwargs)
     if problems:
         raise PreflightError(problems)
+
+
+# Where a config cannot be read: the file system, the parser, or a value
+# --cfg-options or a _base_ merge refuses.
+_CONFIG_ERRORS = (OSError, SyntaxError, ValueError, KeyError, TypeError,
+                  AttributeError, ImportError)
+
+
+def checked_config(path: str,
+                   cfg_options: Optional[dict] = None,
+                   work_dir: Optional[str] = None,
+                   option: str = 'config') -> Config:
+    """The config at ``path`` as the tools read it
+    (:func:`mmcv_custom.launcher.load_config`), or a :class:`PreflightError`
+    naming the file and why: missing, not a config file, or one that does
+    not parse or merge.
+
+    Args:
+        path (str): The config file.
+        cfg_options (dict, optional): ``--cfg-options``, merged in.
+        work_dir (str, optional): ``--work-dir``.
+        option (str): How the command line names the file, for the
+            message, e.g. ``'config'`` or ``'--config'``.
+
+    Returns:
+        Config: The merged config.
+    """
+    from .launcher import load_config
+    if not osp.isfile(path):
+        raise PreflightError([Problem(f'{option} {path}: no such file')])
+    try:
+        return load_config(path, cfg_options, work_dir)
+    except _CONFIG_ERRORS as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise PreflightError([
+            Problem(f'{option} {path}: cannot read it as a config '
+                    f'({type(e).__name__}: {first})')
+        ]) from e
 
 
 _LOCAL_RANK_ENV = {
@@ -235,6 +286,65 @@ def exit_on_problems(error: PreflightError, prog: str, launcher: str):
     else:
         time.sleep(_QUIET_RANK_GRACE_S)
     sys.exit(2)
+
+
+# -- the launcher ----------------------------------------------------------
+
+# What each --launcher reads, and what starts processes with it.
+_LAUNCHER_ENV = {
+    'pytorch':
+    (('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'), 'torchrun',
+     'start it with tools/dist_train.sh CONFIG NPROC (torchrun), '
+     'or leave --launcher out to run one process'),
+    'slurm': (('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID'), 'srun',
+              'start it with tools/slurm_train.sh PARTITION JOB_NAME CONFIG '
+              '(srun), or leave --launcher out to run one process'),
+    'mpi': (('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
+             'OMPI_COMM_WORLD_LOCAL_RANK'), "Open MPI's mpirun",
+            'start it with mpirun -np N, or leave --launcher out to run one '
+            'process'),
+}
+
+
+def _launcher_problems(launcher: str) -> List[Problem]:
+    """A process given ``--launcher`` that its launcher did not start
+    would fail in the process group's start-up on a bare ``KeyError``."""
+    if launcher not in _LAUNCHER_ENV:
+        return []
+    names, starter, fix = _LAUNCHER_ENV[launcher]
+    missing = [n for n in names if not os.environ.get(n, '').strip()]
+    if not missing:
+        return []
+    return [
+        Problem(
+            f'--launcher {launcher}: {", ".join(missing)} '
+            f'{"is" if len(missing) == 1 else "are"} not set, so '
+            f'{starter} did not start this process', fix)
+    ]
+
+
+# -- comm_hook ---------------------------------------------------------------
+
+
+def _comm_hook_problems(cfg: Config) -> List[Problem]:
+    """``comm_hook`` checked as the runner hook will check it, but before
+    the model is built (minutes for InternViT-6B). Its messages name the
+    bad value and the valid ones."""
+    comm_hook = cfg.get('comm_hook')
+    if comm_hook is None:
+        return []
+    from .comm.builder import check_comm_hook_cfg
+    from .comm.sharded import build_sharded_comm
+    from .launcher import uses_fsdp2
+
+    # Under FSDP2, also whether the type has a sharded form.
+    check = build_sharded_comm if uses_fsdp2(cfg) else check_comm_hook_cfg
+    try:
+        check(comm_hook)
+    except (KeyError, TypeError, ValueError) as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        return [Problem(str(message))]
+    return []
 
 
 # -- custom imports --------------------------------------------------------

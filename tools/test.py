@@ -29,10 +29,10 @@ import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
 from mmcv_custom.checkpoint import is_sharded_checkpoint
 from mmcv_custom.engine.console import ToolConsole, report_failure
 from mmcv_custom.integrity import CheckpointDamagedError
-from mmcv_custom.launcher import (is_launch_rank0, load_config, prepare_launch,
-                                  run_runner, uses_fsdp2)
+from mmcv_custom.launcher import (is_launch_rank0, prepare_launch, run_runner,
+                                  uses_fsdp2)
 from mmcv_custom.preflight import (PreflightError, check_preflight,
-                                   exit_on_problems)
+                                   checked_config, exit_on_problems)
 from mmcv_custom.sharded_checkpoint import consolidated_file
 
 
@@ -108,13 +108,20 @@ def main():
     # A header, the progress and a summary; the rest in the log file.
     console = ToolConsole('test.py', verbose=args.verbose).start()
     console.work_dir = args.work_dir
-    cfg = load_config(args.config, args.cfg_options, args.work_dir)
+    try:
+        cfg = checked_config(args.config, args.cfg_options, args.work_dir)
+    except PreflightError as e:
+        exit_on_problems(e, 'test.py', args.launcher)
     console.work_dir = cfg.work_dir
 
     # The checkpoint, the test data and the work dir, all named at once,
     # before the model, the process group or the runner exists.
     try:
-        check_preflight(cfg, 'test', test_checkpoint=args.checkpoint)
+        check_preflight(
+            cfg,
+            'test',
+            test_checkpoint=args.checkpoint,
+            launcher=args.launcher)
     except PreflightError as e:
         # Every rank stops; one per node says why (exit 2, as for usage).
         exit_on_problems(e, 'test.py', args.launcher)

@@ -53,10 +53,10 @@ from mmcv_custom.checkpoint import (choose_resume_checkpoint,
                                     is_sharded_checkpoint)
 from mmcv_custom.engine.console import ToolConsole, report_failure
 from mmcv_custom.integrity import CheckpointDamagedError
-from mmcv_custom.launcher import (is_launch_rank0, load_config, prepare_launch,
+from mmcv_custom.launcher import (is_launch_rank0, prepare_launch,
                                   restart_count, run_runner, uses_fsdp2)
 from mmcv_custom.preflight import (PreflightError, check_preflight,
-                                   exit_on_problems)
+                                   checked_config, exit_on_problems)
 from mmcv_custom.sharded_checkpoint import consolidated_file
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
@@ -138,7 +138,10 @@ def main():
     # A header, the progress and a summary; the rest in the log file.
     console = ToolConsole('train.py', verbose=args.verbose).start()
     console.work_dir = args.work_dir
-    cfg = load_config(args.config, args.cfg_options, args.work_dir)
+    try:
+        cfg = checked_config(args.config, args.cfg_options, args.work_dir)
+    except PreflightError as e:
+        exit_on_problems(e, 'train.py', args.launcher)
     console.work_dir = cfg.work_dir
 
     if args.amp:
@@ -186,7 +189,11 @@ def main():
     # Data, pretrained files, that checkpoint and the work dir, all named
     # at once, before the model, the process group or the runner exists.
     try:
-        check_preflight(cfg, 'train', resume_checkpoint=resume_from)
+        check_preflight(
+            cfg,
+            'train',
+            resume_checkpoint=resume_from,
+            launcher=args.launcher)
     except PreflightError as e:
         # Every rank stops; one per node says why (exit 2, as for usage).
         exit_on_problems(e, 'train.py', args.launcher)

@@ -7,7 +7,8 @@ import os
 import os.path as osp
 from typing import Optional
 
-from mmcv_custom.launcher import check_writable, load_config
+from mmcv_custom.launcher import check_writable
+from mmcv_custom.preflight import PreflightError, checked_config
 
 __all__ = ['check_output', 'read_config', 'WORK_DIRS']
 
@@ -64,12 +65,7 @@ def read_config(parser,
     Returns:
         mmengine.Config: The config.
     """
-    if not osp.isfile(path):
-        parser.error(f'{option} {path}: no such file')
     try:
-        return load_config(path, cfg_options)
-    except (OSError, SyntaxError, ValueError, KeyError, TypeError,
-            AttributeError, ImportError) as e:
-        message = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        parser.error(f'{option} {path}: cannot read it as a config '
-                     f'({type(e).__name__}: {message})')
+        return checked_config(path, cfg_options, option=option)
+    except PreflightError as e:
+        parser.error(str(e))

@@ -302,3 +302,113 @@ def test_one_report_per_node(monkeypatch):
         error, 'train.py', 'slurm')
     with pytest.raises(ValueError, match="mode should be 'train' or 'test'"):
         preflight(None, 'val')
+
+
+def test_comm_hook_is_checked_with_the_rest(tmp_path):
+    """A bad comm_hook is named in the same message as missing data: the
+    runner hook would find it only after the model is built."""
+    cfg = load_config(
+        VIT_6B,
+        dict(comm_hook=dict(type='powerSGD', matrix_approximation_rank=0)),
+        work_dir=str(tmp_path / 'work'))
+    problems = preflight(cfg, 'train')
+    assert problems[0] == Problem('comm_hook powerSGD: '
+                                  'matrix_approximation_rank should be an '
+                                  'int >= 1, but got 0')
+    assert [p.what.split(':')[0] for p in problems[1:]] == [
+        'train_dataloader and val_dataloader',
+        "model.backbone.pretrained='pretrained/intern_vit_6b_224px.pth'"
+    ]
+    cfg = load_config(FCN, dict(comm_hook=dict(type='nope')))
+    [problem] = preflight(cfg, 'test')
+    assert problem.what.startswith(
+        "comm_hook type 'nope' is not in the mmcv_custom::DDP communication "
+        'hook registry. Valid types: allreduce, batched_powerSGD, ')
+    # Under FSDP2, only the types with a sharded form.
+    cfg = load_config(
+        VIT_TINY,
+        dict(
+            comm_hook=dict(type='powerSGD'),
+            runner_type='FlexibleRunner',
+            strategy=dict(type='FSDP2Strategy')))
+    [problem] = preflight(cfg, 'train')
+    assert problem.what.startswith(
+        "comm_hook type='powerSGD' has no sharded form: under FSDP2")
+    cfg.comm_hook = dict(type='bf16_compress')
+    assert preflight(cfg, 'train') == []
+
+
+@pytest.mark.parametrize('launcher, names, fix', [
+    ('pytorch', 'RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are',
+     'start it with tools/dist_train.sh CONFIG NPROC (torchrun)'),
+    ('slurm', 'SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID are',
+     'start it with tools/slurm_train.sh PARTITION JOB_NAME CONFIG (srun)'),
+    ('mpi', 'OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, '
+     'OMPI_COMM_WORLD_LOCAL_RANK are', 'start it with mpirun -np N'),
+])
+def test_a_launcher_that_did_not_start_the_process(launcher, names, fix,
+                                                   tmp_path, monkeypatch):
+    for variables in preflight_module._LAUNCHER_ENV.values():
+        for name in variables[0]:
+            monkeypatch.delenv(name, raising=False)
+    cfg = load_config(MLP, work_dir=str(tmp_path / 'work'))
+    [problem] = preflight(cfg, 'train', launcher=launcher)
+    assert problem.what.startswith(f'--launcher {launcher}: {names} not set')
+    assert problem.fix == (f'{fix}, or leave --launcher out to run one '
+                           'process')
+    assert preflight(cfg, 'train', launcher='none') == []
+    # One missing variable is named alone.
+    monkeypatch.setenv('RANK', '0')
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    monkeypatch.setenv('MASTER_ADDR', '127.0.0.1')
+    [problem] = preflight(cfg, 'test', launcher='pytorch')
+    assert problem.what.startswith(
+        '--launcher pytorch: MASTER_PORT is not set, so torchrun did not '
+        'start this process')
+    monkeypatch.setenv('MASTER_PORT', '29500')
+    assert preflight(cfg, 'test', launcher='pytorch') == []
+
+
+def test_the_tools_name_a_config_they_cannot_read(tmp_path):
+    """Through the real entry points: a usage error (exit 2), one line,
+    before any process group; the launcher's mistake said with the rest."""
+    broken = tmp_path / 'broken.py'
+    broken.write_text('model = dict(\n')
+    cases = [
+        (['train.py',
+          'nothere.py'], 'train.py: error: config nothere.py: no such file'),
+        (['test.py', str(broken), 'x.pth'],
+         f'test.py: error: config {broken}: cannot read it as a config '
+         "(SyntaxError: '(' was never closed"),
+    ]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ('RANK', 'WORLD_SIZE', 'OMPI_COMM_WORLD_RANK')
+    }
+    for args, expected in cases:
+        out = subprocess.run(
+            [sys.executable, osp.join(TOOLS, args[0])] + args[1:],
+            cwd=str(tmp_path),
+            env=env,
+            capture_output=True,
+            text=True)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert out.stderr.startswith(expected), out.stderr
+        assert len(out.stderr.splitlines()) == 1 and out.stdout == ''
+    out = subprocess.run([
+        sys.executable,
+        osp.join(TOOLS, 'train.py'), MLP, '--launcher', 'mpi', '--cfg-options',
+        'comm_hook.type=fp8_compress'
+    ],
+                         cwd=str(tmp_path),
+                         env=env,
+                         capture_output=True,
+                         text=True)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = _lines(out.stderr, 'train.py')
+    assert lines[0].endswith('2 problems, found before building the model '
+                             'or starting the process group:')
+    assert lines[1].startswith('  1. --launcher mpi: OMPI_COMM_WORLD_RANK, ')
+    assert lines[2].startswith("  2. comm_hook type 'fp8_compress' is not ")
+    assert not (tmp_path / 'work_dirs').exists()
