@@ -45,7 +45,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from mmengine.config import Config
 
@@ -237,15 +237,35 @@ def checked_config(path: str,
         ]) from e
 
 
-_LOCAL_RANK_ENV = {
-    'pytorch': 'LOCAL_RANK',
-    'slurm': 'SLURM_LOCALID',
-    'mpi': 'OMPI_COMM_WORLD_LOCAL_RANK',
-}
-_RANK_ENV = {
-    'pytorch': 'RANK',
-    'slurm': 'SLURM_PROCID',
-    'mpi': 'OMPI_COMM_WORLD_RANK',
+class _Launcher(NamedTuple):
+    """What a ``--launcher``'s starter sets in each process it starts, and
+    how a user starts processes with it."""
+    rank: str  # global rank
+    world: str  # world size
+    local: str  # rank on the node
+    others: Tuple[str, ...]  # the rest the process group needs
+    starter: str
+    fix: str
+
+
+_LAUNCHERS = {
+    'pytorch':
+    _Launcher(
+        'RANK', 'WORLD_SIZE', 'LOCAL_RANK', ('MASTER_ADDR', 'MASTER_PORT'),
+        'torchrun',
+        'start it with tools/dist_train.sh CONFIG NPROC (torchrun), '
+        'or leave --launcher out to run one process'),
+    'slurm':
+    _Launcher(
+        'SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID', (), 'srun',
+        'start it with tools/slurm_train.sh PARTITION JOB_NAME CONFIG '
+        '(srun), or leave --launcher out to run one process'),
+    'mpi':
+    _Launcher(
+        'OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
+        'OMPI_COMM_WORLD_LOCAL_RANK', (), "Open MPI's mpirun",
+        'start it with mpirun -np N, or leave --launcher out to run '
+        'one process'),
 }
 
 
@@ -260,11 +280,12 @@ def preflight_report(error: PreflightError, prog: str,
     which it is. Works before the process group exists, from the
     launcher's environment.
     """
-    if launcher in _LOCAL_RANK_ENV:
-        local = os.environ.get(_LOCAL_RANK_ENV[launcher], '0').strip()
+    if launcher in _LAUNCHERS:
+        starts = _LAUNCHERS[launcher]
+        local = os.environ.get(starts.local, '0').strip()
         if local not in ('', '0'):
             return None
-        rank = os.environ.get(_RANK_ENV[launcher], '0').strip()
+        rank = os.environ.get(starts.rank, '0').strip()
         if rank not in ('', '0'):
             prog = f'{prog} (on {socket.gethostname()}, rank {rank})'
     return f'{prog}: error: {error}'
@@ -290,28 +311,16 @@ def exit_on_problems(error: PreflightError, prog: str, launcher: str):
 
 # -- the launcher ----------------------------------------------------------
 
-# What each --launcher reads, and what starts processes with it.
-_LAUNCHER_ENV = {
-    'pytorch':
-    (('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'), 'torchrun',
-     'start it with tools/dist_train.sh CONFIG NPROC (torchrun), '
-     'or leave --launcher out to run one process'),
-    'slurm': (('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID'), 'srun',
-              'start it with tools/slurm_train.sh PARTITION JOB_NAME CONFIG '
-              '(srun), or leave --launcher out to run one process'),
-    'mpi': (('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
-             'OMPI_COMM_WORLD_LOCAL_RANK'), "Open MPI's mpirun",
-            'start it with mpirun -np N, or leave --launcher out to run one '
-            'process'),
-}
-
 
 def _launcher_problems(launcher: str) -> List[Problem]:
     """A process given ``--launcher`` that its launcher did not start
     would fail in the process group's start-up on a bare ``KeyError``."""
-    if launcher not in _LAUNCHER_ENV:
+    if launcher not in _LAUNCHERS:
         return []
-    names, starter, fix = _LAUNCHER_ENV[launcher]
+    starts = _LAUNCHERS[launcher]
+    # LOCAL_RANK: tools/train.py sets it from --local_rank when missing.
+    names = (starts.rank, starts.world) + (
+        (starts.local, ) if launcher != 'pytorch' else ()) + starts.others
     missing = [n for n in names if not os.environ.get(n, '').strip()]
     if not missing:
         return []
@@ -319,7 +328,7 @@ def _launcher_problems(launcher: str) -> List[Problem]:
         Problem(
             f'--launcher {launcher}: {", ".join(missing)} '
             f'{"is" if len(missing) == 1 else "are"} not set, so '
-            f'{starter} did not start this process', fix)
+            f'{starts.starter} did not start this process', starts.fix)
     ]
 
 

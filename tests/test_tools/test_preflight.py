@@ -348,8 +348,8 @@ def test_comm_hook_is_checked_with_the_rest(tmp_path):
 ])
 def test_a_launcher_that_did_not_start_the_process(launcher, names, fix,
                                                    tmp_path, monkeypatch):
-    for variables in preflight_module._LAUNCHER_ENV.values():
-        for name in variables[0]:
+    for starts in preflight_module._LAUNCHERS.values():
+        for name in (starts.rank, starts.world, starts.local) + starts.others:
             monkeypatch.delenv(name, raising=False)
     cfg = load_config(MLP, work_dir=str(tmp_path / 'work'))
     [problem] = preflight(cfg, 'train', launcher=launcher)
