@@ -15,7 +15,7 @@ import logging
 import os
 import tempfile
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,8 @@ __all__ = [
     'check_cpu_strategy', 'uses_fsdp2', 'build_runner', 'run_runner',
     'init_gloo', 'load_config', 'prepare_launch', 'is_launch_rank0',
     'shutdown_distributed', 'check_cpu_wrapper', 'check_writable',
-    'spawn_ranks', 'write_results', 'free_port', 'NothingToTrain'
+    'spawn_ranks', 'write_results', 'free_port', 'NothingToTrain', 'LaunchEnv',
+    'LAUNCH_ENV'
 ]
 
 #: MMEngine's DDP wrappers, named in errors. A CPU launch takes any
@@ -37,10 +38,26 @@ __all__ = [
 _CPU_WRAPPERS = ('MMDistributedDataParallel',
                  'MMSeparateDistributedDataParallel')
 
-_ENV_FROM_SLURM = {
-    'RANK': 'SLURM_PROCID',
-    'WORLD_SIZE': 'SLURM_NTASKS',
-    'LOCAL_RANK': 'SLURM_LOCALID',
+
+class LaunchEnv(NamedTuple):
+    """The variables a ``--launcher``'s starter sets in each process."""
+    rank: str  # global rank
+    world: str  # world size
+    local: str  # rank on the node
+    others: Tuple[str, ...]  # the rest the process group needs
+
+
+#: Per ``--launcher``: what torchrun, ``srun`` and Open MPI's ``mpirun``
+#: set. A gloo start copies the Slurm and MPI ones into torchrun's names.
+LAUNCH_ENV = {
+    'pytorch':
+    LaunchEnv('RANK', 'WORLD_SIZE', 'LOCAL_RANK',
+              ('MASTER_ADDR', 'MASTER_PORT')),
+    'slurm':
+    LaunchEnv('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID', ()),
+    'mpi':
+    LaunchEnv('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
+              'OMPI_COMM_WORLD_LOCAL_RANK', ()),
 }
 
 
@@ -165,9 +182,12 @@ def init_gloo(launcher: str) -> None:
     """Start a gloo process group from ``launcher``'s environment
     (``pytorch``: torchrun's; ``slurm``; ``mpi``), for CPU runs, where
     MMEngine's ``init_dist`` fails (it calls ``torch.cuda.set_device``)."""
+    if launcher in ('slurm', 'mpi'):
+        ours, theirs = LAUNCH_ENV['pytorch'], LAUNCH_ENV[launcher]
+        for field in ('rank', 'world', 'local'):
+            os.environ.setdefault(
+                getattr(ours, field), os.environ[getattr(theirs, field)])
     if launcher == 'slurm':
-        for ours, slurm in _ENV_FROM_SLURM.items():
-            os.environ.setdefault(ours, os.environ[slurm])
         os.environ.setdefault('MASTER_PORT', '29500')
         if 'MASTER_ADDR' not in os.environ:
             raise RuntimeError(
@@ -177,11 +197,6 @@ def init_gloo(launcher: str) -> None:
     elif launcher not in ('pytorch', 'mpi'):
         raise ValueError(f"launcher should be 'none', 'pytorch', 'slurm' or "
                          f"'mpi', but got {launcher!r}")
-    if launcher == 'mpi':
-        os.environ.setdefault('RANK', os.environ['OMPI_COMM_WORLD_RANK'])
-        os.environ.setdefault('WORLD_SIZE', os.environ['OMPI_COMM_WORLD_SIZE'])
-        os.environ.setdefault('LOCAL_RANK',
-                              os.environ['OMPI_COMM_WORLD_LOCAL_RANK'])
     restart = restart_count()
     if not restart:
         dist.init_process_group(backend='gloo', init_method='env://')

@@ -45,13 +45,14 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from mmengine.config import Config
 
 from .checkpoint import (UnsafeCheckpointError, check_checkpoint_file,
                          is_sharded_checkpoint)
 from .integrity import CheckpointDamagedError
+from .launcher import LAUNCH_ENV
 
 __all__ = [
     'Problem', 'PreflightError', 'preflight', 'check_preflight',
@@ -237,35 +238,17 @@ def checked_config(path: str,
         ]) from e
 
 
-class _Launcher(NamedTuple):
-    """What a ``--launcher``'s starter sets in each process it starts, and
-    how a user starts processes with it."""
-    rank: str  # global rank
-    world: str  # world size
-    local: str  # rank on the node
-    others: Tuple[str, ...]  # the rest the process group needs
-    starter: str
-    fix: str
-
-
-_LAUNCHERS = {
+# Per --launcher: what starts its processes, and how a user does that.
+_STARTERS = {
     'pytorch':
-    _Launcher(
-        'RANK', 'WORLD_SIZE', 'LOCAL_RANK', ('MASTER_ADDR', 'MASTER_PORT'),
-        'torchrun',
-        'start it with tools/dist_train.sh CONFIG NPROC (torchrun), '
-        'or leave --launcher out to run one process'),
+    ('torchrun', 'start it with tools/dist_train.sh CONFIG NPROC (torchrun), '
+     'or leave --launcher out to run one process'),
     'slurm':
-    _Launcher(
-        'SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID', (), 'srun',
-        'start it with tools/slurm_train.sh PARTITION JOB_NAME CONFIG '
-        '(srun), or leave --launcher out to run one process'),
-    'mpi':
-    _Launcher(
-        'OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
-        'OMPI_COMM_WORLD_LOCAL_RANK', (), "Open MPI's mpirun",
-        'start it with mpirun -np N, or leave --launcher out to run '
-        'one process'),
+    ('srun', 'start it with tools/slurm_train.sh PARTITION JOB_NAME CONFIG '
+     '(srun), or leave --launcher out to run one process'),
+    'mpi': ("Open MPI's mpirun",
+            'start it with mpirun -np N, or leave --launcher out to run '
+            'one process'),
 }
 
 
@@ -280,12 +263,12 @@ def preflight_report(error: PreflightError, prog: str,
     which it is. Works before the process group exists, from the
     launcher's environment.
     """
-    if launcher in _LAUNCHERS:
-        starts = _LAUNCHERS[launcher]
-        local = os.environ.get(starts.local, '0').strip()
+    if launcher in LAUNCH_ENV:
+        env = LAUNCH_ENV[launcher]
+        local = os.environ.get(env.local, '0').strip()
         if local not in ('', '0'):
             return None
-        rank = os.environ.get(starts.rank, '0').strip()
+        rank = os.environ.get(env.rank, '0').strip()
         if rank not in ('', '0'):
             prog = f'{prog} (on {socket.gethostname()}, rank {rank})'
     return f'{prog}: error: {error}'
@@ -315,20 +298,21 @@ def exit_on_problems(error: PreflightError, prog: str, launcher: str):
 def _launcher_problems(launcher: str) -> List[Problem]:
     """A process given ``--launcher`` that its launcher did not start
     would fail in the process group's start-up on a bare ``KeyError``."""
-    if launcher not in _LAUNCHERS:
+    if launcher not in LAUNCH_ENV:
         return []
-    starts = _LAUNCHERS[launcher]
+    env = LAUNCH_ENV[launcher]
     # LOCAL_RANK: tools/train.py sets it from --local_rank when missing.
-    names = (starts.rank, starts.world) + (
-        (starts.local, ) if launcher != 'pytorch' else ()) + starts.others
+    names = (env.rank, env.world) + (
+        (env.local, ) if launcher != 'pytorch' else ()) + env.others
     missing = [n for n in names if not os.environ.get(n, '').strip()]
     if not missing:
         return []
+    starter, fix = _STARTERS[launcher]
     return [
         Problem(
             f'--launcher {launcher}: {", ".join(missing)} '
             f'{"is" if len(missing) == 1 else "are"} not set, so '
-            f'{starts.starter} did not start this process', starts.fix)
+            f'{starter} did not start this process', fix)
     ]
 
 

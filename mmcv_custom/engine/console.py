@@ -153,12 +153,12 @@ def _rank_and_world() -> Tuple[int, int]:
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    from ..launcher import LAUNCH_ENV
     env = os.environ
-    for rank, world in (('RANK', 'WORLD_SIZE'), ('SLURM_PROCID',
-                                                 'SLURM_NTASKS'),
-                        ('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE')):
-        if env.get(rank, '').isdigit() and env.get(world, '').isdigit():
-            return int(env[rank]), int(env[world])
+    for launch in LAUNCH_ENV.values():
+        rank, world = env.get(launch.rank, ''), env.get(launch.world, '')
+        if rank.isdigit() and world.isdigit():
+            return int(rank), int(world)
     return 0, 1
 
 

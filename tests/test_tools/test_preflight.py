@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import mmcv_custom.preflight as preflight_module
-from mmcv_custom.launcher import load_config
+from mmcv_custom.launcher import LAUNCH_ENV, load_config
 from mmcv_custom.preflight import (PreflightError, Problem, check_preflight,
                                    format_problems, preflight,
                                    preflight_report)
@@ -348,8 +348,8 @@ def test_comm_hook_is_checked_with_the_rest(tmp_path):
 ])
 def test_a_launcher_that_did_not_start_the_process(launcher, names, fix,
                                                    tmp_path, monkeypatch):
-    for starts in preflight_module._LAUNCHERS.values():
-        for name in (starts.rank, starts.world, starts.local) + starts.others:
+    for env in LAUNCH_ENV.values():
+        for name in (env.rank, env.world, env.local) + env.others:
             monkeypatch.delenv(name, raising=False)
     cfg = load_config(MLP, work_dir=str(tmp_path / 'work'))
     [problem] = preflight(cfg, 'train', launcher=launcher)
