@@ -70,7 +70,7 @@ __all__ = [
     'ClusterUnavailable', 'ClusterError', 'NodesFailed', 'Interrupted', 'Node',
     'EmulatedCluster', 'RunResult', 'Calibration', 'check_available',
     'check_user_namespace', 'reexec_in_user_namespace', 'run_on_nodes',
-    'calibrate', 'signal_exit_code', 'shape_links'
+    'calibrate', 'signal_exit_code', 'shape_links', 'remove_leftovers'
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -387,8 +387,9 @@ class EmulatedCluster:
     when entered from the main thread) or a failure halfway through
     creation removes exactly what exists: every process still in a node
     is killed, every link and namespace deleted. Namespaces of other
-    runs are never touched. Only a SIGKILL of this process leaves its
-    namespaces behind (``ip netns list | grep mmcvc-<pid>``).
+    live runs are never touched. Only a SIGKILL of this process leaves its
+    namespaces behind (``ip netns list | grep mmcvc-<pid>``); the next
+    cluster to open removes them (:func:`remove_leftovers`) and says so.
 
     Nothing is created in the caller's network namespace: each veth pair
     is made inside the node's namespace with its peer sent straight to
@@ -493,6 +494,12 @@ class EmulatedCluster:
         self._install_signal_handlers()
         self.active = True
         try:
+            removed = remove_leftovers()
+            if removed:
+                _LOG.warning(
+                    'removed %d network namespace%s left by a killed '
+                    'run (its process is gone): %s', len(removed),
+                    '' if len(removed) == 1 else 's', ', '.join(removed))
             self._create()
         except BaseException:
             self.close()
@@ -615,6 +622,54 @@ class EmulatedCluster:
                         'could not delete network namespace %s: '
                         '%s', ns, _one_line(done.stderr))
         self._namespaces.clear()
+
+
+def _maker_pid(name: str) -> Optional[int]:
+    """The pid in a name this module gave (``mmcvc-<pid>-...``), else
+    None."""
+    if not name.startswith(NAME_PREFIX):
+        return None
+    pid = name[len(NAME_PREFIX):].split('-', 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def remove_leftovers() -> List[str]:
+    """Delete the namespaces of clusters whose process is gone.
+
+    A cluster removes what it made on every exit but one: a SIGKILL of
+    its process (a test runner's timeout, the OOM killer). What that
+    leaves, namespaces and the veth pairs in them, would stay until
+    reboot and accumulate. A namespace counts as left over only when its
+    name is one this module gives, the process named in it no longer
+    exists and nothing runs inside it, so a live cluster, or one whose
+    commands still run, is never touched.
+
+    Returns:
+        list[str]: The namespaces deleted, sorted.
+    """
+    root = '/run/netns'
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        pid = _maker_pid(name)
+        if pid is None or _alive(pid) or _namespace_pids(name):
+            continue
+        if _run(['ip', 'netns', 'del', name], check=False).returncode == 0:
+            removed.append(name)
+    return removed
 
 
 def _namespace_exists(name: str) -> bool:

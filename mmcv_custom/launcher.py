@@ -415,13 +415,26 @@ def run_runner(cfg: Config, method: str, notes=()) -> None:
 
 
 def shutdown_distributed() -> None:
-    """Destroy the process group before the interpreter exits.
+    """Destroy the process group before the interpreter exits; call it
+    once every DDP model is dropped.
 
     Left to interpreter shutdown, a DDP reducer holding a communication
     hook, its state and the group is destroyed after Python has begun to
     finalise; gloo's worker threads are then torn down while still joinable
     and a rank dies with "terminate called without an active exception"
-    after an otherwise finished run. The tools drop their runner first.
+    after an otherwise finished run.
+
+    The order matters too. A reducer that holds the last reference to a
+    gloo group destroys it with the GIL held (the reducer's Python binding
+    keeps the GIL in its destructor; the group's own releases it), and the
+    group's destructor joins its worker threads. A worker thread that is
+    still freeing a finished collective (a barrier's work holds the
+    all-gather before it, whose tensors are Python objects) needs the GIL
+    for that: both wait forever, a rare hang after the last barrier
+    (py-spy: ``~ProcessGroupGloo`` joining under ``~Reducer``, a gloo
+    thread in ``decref`` waiting for the GIL). So the reducers go first,
+    while the group is still registered, and the group last, from here.
+    The tools drop their runner (or their DDP models) before calling this.
     """
     import gc
     gc.collect()  # what still holds the group (DDP reducers, hook states)

@@ -192,3 +192,93 @@ def test_cpu_launch_takes_every_ddp_wrapper_on_two_ranks():
         assert out['MMFullyShardedDataParallel'].startswith(
             "model_wrapper_cfg type 'MMFullyShardedDataParallel' is not "
             'supported without CUDA')
+
+
+# Two ranks train a step with DDP; rank 0 then shuts down in the order the
+# tools use (DDP model dropped, then shutdown_distributed) or the other
+# way round. Rank 0 leaves a collective in flight whose tensor a gloo
+# thread frees once rank 1 joins it, slowly (its __del__ sleeps without
+# the GIL): the window in which the real hang was seen, made wide.
+_SHUTDOWN_SCRIPT = """
+import sys, threading, time
+import torch, torch.distributed as dist
+from torch import nn
+from mmcv_custom.launcher import shutdown_distributed
+
+store, rank, order = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+freeing = threading.Event()
+
+class Slow:
+    def __del__(self):
+        freeing.set()
+        time.sleep(1)
+
+def send():
+    left = torch.zeros(4)
+    left.slow = Slow()
+    dist.all_reduce(left, async_op=True)
+
+dist.init_process_group(
+    'gloo', store=dist.FileStore(store, 2), rank=rank, world_size=2)
+model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
+model(torch.ones(2, 4)).sum().backward()
+if rank == 0:
+    send()
+    assert freeing.wait(60)
+else:
+    time.sleep(1)
+    dist.all_reduce(torch.zeros(4))
+    order = 'tools'
+print('shutting down', flush=True)
+if order == 'tools':
+    del model
+    shutdown_distributed()
+else:
+    dist.destroy_process_group()
+    del model
+print('shut down', flush=True)
+"""
+
+
+@pytest.mark.parametrize('order, finishes', [('tools', True),
+                                             ('reducer last', False)])
+def test_shutdown_after_the_ddp_model_never_hangs(tmp_path, order, finishes):
+    """The tools' order finishes. The control shows the hang it avoids:
+    a reducer that holds the last reference to the group destroys it
+    with the GIL held, while a gloo thread waits for the GIL to free
+    what a collective left (see shutdown_distributed)."""
+    import subprocess
+    import sys
+    import time
+    root = os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ranks = [
+        subprocess.Popen([
+            sys.executable, '-c', _SHUTDOWN_SCRIPT,
+            str(tmp_path / 'store'),
+            str(rank), order
+        ],
+                         cwd=root,
+                         stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT,
+                         text=True) for rank in (0, 1)
+    ]
+    try:
+        lines = []
+        for line in ranks[0].stdout:  # until rank 0 begins to shut down
+            lines.append(line)
+            if line.startswith('shutting down'):
+                break
+        assert lines and lines[-1].startswith('shutting down'), lines
+        # The sleep in __del__ is 1 s; done or stuck for good after 4 s.
+        deadline = time.monotonic() + (60 if finishes else 4)
+        while ranks[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (ranks[0].poll() == 0) is finishes
+        if finishes:
+            assert ranks[0].stdout.read() == 'shut down\n'
+            assert ranks[1].wait(60) == 0
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.communicate()

@@ -15,6 +15,40 @@ ROOT = os.path.dirname(
 TOOL = os.path.join(ROOT, 'tools', 'analysis_tools', 'benchmark_step_time.py')
 bench = load_script(TOOL, 'benchmark_step_time')
 
+_REASON = emulated_cluster.check_available()
+needs_netns = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
+
+
+def _run_tool(*args, limit=600):
+    """Run the tool; (its CompletedProcess, its pid). Past ``limit`` it
+    gets SIGTERM, so that it removes its cluster, before the test fails."""
+    with subprocess.Popen([sys.executable, TOOL, *args],
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE,
+                          text=True,
+                          cwd=ROOT) as tool:
+        try:
+            stdout, stderr = tool.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            tool.terminate()
+            stdout, stderr = tool.communicate(timeout=60)
+            pytest.fail(f'no result after {limit} s:\n{stdout[-3000:]}'
+                        f'{stderr[-3000:]}')
+    return subprocess.CompletedProcess(tool.args, tool.returncode, stdout,
+                                       stderr), tool.pid
+
+
+def _namespaces_of(pid):
+    """The namespaces process ``pid``'s clusters left."""
+    listed = subprocess.run(['ip', 'netns', 'list'],
+                            capture_output=True,
+                            text=True).stdout
+    return [
+        ln.split()[0] for ln in listed.splitlines()
+        if ln.startswith(f'{emulated_cluster.NAME_PREFIX}{pid}-')
+    ]
+
+
 # Three buckets of 1 MB ready at 10, 20 and 30 ms; backward ends at 40 ms.
 BUCKETS = [
     dict(index=i, bytes=10**6, ready_s=0.01 * (i + 1)) for i in range(3)
@@ -176,22 +210,15 @@ def test_usage_errors_before_any_node_starts(args, message, monkeypatch,
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    emulated_cluster.check_available() is not None,
-    reason=str(emulated_cluster.check_available()))
+@needs_netns
 def test_real_run_on_two_emulated_nodes(tmp_path):
     out = tmp_path / 'bench.json'
     png = tmp_path / 'bench.png'
-    proc = subprocess.run([
-        sys.executable, TOOL, '--rates', '200', 'unshaped', '--hooks',
-        'int8_compress', 'powerSGD', '--steps', '2', '--rounds', '1', '--json',
-        str(out), '--plot',
-        str(png)
-    ],
-                          capture_output=True,
-                          text=True,
-                          cwd=ROOT,
-                          timeout=600)
+    proc, pid = _run_tool('--rates', '200', 'unshaped', '--hooks',
+                          'int8_compress', 'powerSGD', '--steps', '2',
+                          '--rounds', '1', '--timeout', '300', '--json',
+                          str(out), '--plot', str(png), '--work-dir',
+                          str(tmp_path / 'logs'))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert '| 200 Mbit/s | int8_compress |' in proc.stdout
     assert '200 Mbit/s, powerSGD: exposed' in proc.stdout
@@ -207,5 +234,21 @@ def test_real_run_on_two_emulated_nodes(tmp_path):
     assert 0.25 < ratio < 0.27
     assert [r['mbit'] for r in data['rates']] == [200.0, None]
     assert png.stat().st_size > 0
-    assert emulated_cluster.NAME_PREFIX not in subprocess.run(
-        ['ip', 'netns', 'list'], capture_output=True, text=True).stdout
+    assert not _namespaces_of(pid)
+
+
+@needs_netns
+def test_a_timeout_stops_the_nodes_and_says_where_each_was(tmp_path):
+    """Exit 124 and, for every node, the end of its log: the stacks it
+    dumped when stopped. Nothing is left behind."""
+    # Far more steps than 12 s allow: stopped while it trains.
+    proc, pid = _run_tool('--rates', 'unshaped', '--hooks', 'int8_compress',
+                          '--steps', '100000', '--timeout', '12', '--work-dir',
+                          str(tmp_path))
+    assert proc.returncode == 124, proc.stderr[-3000:]
+    assert 'benchmark_step_time: timed out after 12.' in proc.stderr
+    for node in (0, 1):
+        log = tmp_path / f'node{node}.log'
+        assert f'the end of {log}:' in proc.stderr
+        assert 'most recent call first' in log.read_text()
+    assert not _namespaces_of(pid)

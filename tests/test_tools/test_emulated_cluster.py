@@ -266,6 +266,50 @@ def test_a_failing_node_stops_the_others_and_everything_goes():
 
 
 @needs_netns
+def test_a_killed_runs_namespaces_go_with_the_next_cluster(caplog):
+    """SIGKILL leaves a cluster's namespaces; the next cluster removes
+    them, and only them: not a live process's, not one something still
+    runs in."""
+    child = subprocess.Popen([
+        sys.executable, '-c', 'import sys, time\n'
+        'from mmcv_custom.emulated_cluster import EmulatedCluster\n'
+        'with EmulatedCluster(2) as c:\n'
+        '    print(" ".join(c.namespaces), flush=True)\n'
+        '    time.sleep(600)\n'
+    ],
+                             cwd=ROOT,
+                             stdout=subprocess.PIPE,
+                             text=True)
+    killed = set(child.stdout.readline().split())
+    child.kill()
+    child.wait()
+    assert len(killed) == 3 and killed <= _netns()
+    live = f'mmcvc-{os.getpid()}-{secrets.token_hex(3)}-node0'
+    busy = f'mmcvc-{child.pid}-{secrets.token_hex(3)}-node0'
+    seconds = _unique_seconds()
+    sleeper = None
+    try:
+        for name in (live, busy):
+            _out('ip', 'netns', 'add', name)
+        sleeper = subprocess.Popen(
+            ['ip', 'netns', 'exec', busy, 'sleep', seconds])
+        with caplog.at_level('WARNING', logger=ec.__name__):
+            with ec.EmulatedCluster(2):
+                pass
+        assert not killed & _netns()
+        assert {live, busy} <= _netns()
+        assert (
+            'removed 3 network namespaces left by a killed run (its '
+            f'process is gone): {", ".join(sorted(killed))}') in caplog.text
+    finally:
+        if sleeper is not None:
+            sleeper.kill()
+            sleeper.wait()
+        for name in (live, busy):
+            subprocess.run(['ip', 'netns', 'del', name], capture_output=True)
+
+
+@needs_netns
 def test_a_failure_while_creating_removes_what_was_made(monkeypatch):
     """The third node's veth fails: the switch and the first nodes, made
     already, go."""

@@ -60,7 +60,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from mmcv_custom import ddp_hooks, int8_codec, int8_hooks
 from mmcv_custom.analysis import Progress, check_output
-from mmcv_custom.launcher import spawn_ranks, write_results
+from mmcv_custom.launcher import (shutdown_distributed, spawn_ranks,
+                                  write_results)
 from mmcv_custom.registry import hook_record
 
 MB = 2**20
@@ -301,84 +302,94 @@ def _worker(rank, world_size, folder, args):
     progress = Progress(
         len(steps), weights=[w for _, w in steps], enabled=rank == 0)
     notes = iter(note for note, _ in steps)
-    results = []
-    for size_mb in args.sizes_mb:
-        numel = int(size_mb * MB) // 4
-        x = _planted(rank, numel).to(device)
-        exact = torch.stack([
-            _planted(r, numel).double() for r in range(world_size)
-        ]).mean(0).to(device)
-        models = {}
-        for name, (hook, make_state) in HOOKS.items():
-            model = nn.parallel.DistributedDataParallel(
-                _OneBucket(numel).to(device),
-                device_ids=[rank] if use_cuda else None,
-                bucket_cap_mb=size_mb * 2 + 1,
-                gradient_as_bucket_view=True)
-            if hook is not None:
-                model.register_comm_hook(
-                    None if make_state is None else make_state(), hook)
-            models[name] = model
-
-        def step(model):
-            model.zero_grad(set_to_none=False)
-            model(x).backward()
-            if use_cuda:
-                torch.cuda.synchronize()
-
-        entry = dict(size_mb=size_mb, numel=numel, hooks={})
-        for name, model in models.items():
-            for _ in range(args.warmup):
-                step(model)
-            err = (model.module.p.grad.double() - exact)
-            counted = _wire_bytes(lambda: step(model))
-            # The int8 hook's segments may differ in size between ranks:
-            # the most any rank hands over is reported.
-            counted = torch.tensor([counted[c] for c in _COLLECTIVES],
-                                   dtype=torch.int64,
-                                   device=device)
-            dist.all_reduce(counted, op=dist.ReduceOp.MAX)
-            by_collective = dict(zip(_COLLECTIVES, counted.tolist()))
-            entry['hooks'][name] = dict(
-                # The tensor an all-reduce of the bucket would carry: the
-                # bucket, or for int8 the quantized bucket its all_to_all
-                # scatters (the all_gather brings the same back, one
-                # owner's segment from each rank).
-                wire_bytes=(by_collective['all_reduce'] +
-                            by_collective['all_to_all']),
-                wire_bytes_by_collective=by_collective,
-                rel_error=float(err.norm() / exact.norm()),
-                max_abs_error=float(err.abs().max()),
-                times=[])
-            progress.advance(next(notes))
-        for _ in range(args.repeat):
-            for name, model in models.items():
-                dist.barrier()
-                start = time.perf_counter()
-                step(model)
-                # On the rank's device: NCCL reduces no CPU tensor.
-                elapsed = torch.tensor([time.perf_counter() - start],
-                                       device=device)
-                # The slowest rank sets the step time.
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                entry['hooks'][name]['times'].append(float(elapsed))
-            progress.advance(next(notes))
-        noop = statistics.median(entry['hooks']['noop']['times'])
-        for name, data in entry['hooks'].items():
-            data['step_s'] = statistics.median(data['times'])
-            data['hook_s'] = max(data['step_s'] - noop, 0.0)
-        dist.barrier()
-        entry['codec_s'] = _time_codecs(numel, world_size, device, args.repeat)
-        progress.advance(next(notes))
-        # Asked in the rank, whose thread count decides it.
-        entry['int8_c_kernel'] = int8_codec.uses_c_kernel(
-            torch.empty(1, device=device), _INT8_BLOCK)
-        results.append(entry)
-        del models
+    # Each size's DDP models live in _measure_size's frame and are gone
+    # when it returns: see shutdown_distributed for why that must come
+    # first.
+    results = [
+        _measure_size(size_mb, rank, world_size, device, args, progress, notes)
+        for size_mb in args.sizes_mb
+    ]
     progress.close()
     if rank == 0:
         write_results(folder, results)
-    dist.destroy_process_group()
+    shutdown_distributed()
+
+
+def _measure_size(size_mb, rank, world_size, device, args, progress, notes):
+    """Every hook on one bucket of ``size_mb``: its error and bytes,
+    then ``args.repeat`` timed rounds and the codecs."""
+    use_cuda = device.type == 'cuda'
+    numel = int(size_mb * MB) // 4
+    x = _planted(rank, numel).to(device)
+    exact = torch.stack([
+        _planted(r, numel).double() for r in range(world_size)
+    ]).mean(0).to(device)
+    models = {}
+    for name, (hook, make_state) in HOOKS.items():
+        model = nn.parallel.DistributedDataParallel(
+            _OneBucket(numel).to(device),
+            device_ids=[rank] if use_cuda else None,
+            bucket_cap_mb=size_mb * 2 + 1,
+            gradient_as_bucket_view=True)
+        if hook is not None:
+            model.register_comm_hook(
+                None if make_state is None else make_state(), hook)
+        models[name] = model
+
+    def step(model):
+        model.zero_grad(set_to_none=False)
+        model(x).backward()
+        if use_cuda:
+            torch.cuda.synchronize()
+
+    entry = dict(size_mb=size_mb, numel=numel, hooks={})
+    for name, model in models.items():
+        for _ in range(args.warmup):
+            step(model)
+        err = (model.module.p.grad.double() - exact)
+        counted = _wire_bytes(lambda: step(model))
+        # The int8 hook's segments may differ in size between ranks:
+        # the most any rank hands over is reported.
+        counted = torch.tensor([counted[c] for c in _COLLECTIVES],
+                               dtype=torch.int64,
+                               device=device)
+        dist.all_reduce(counted, op=dist.ReduceOp.MAX)
+        by_collective = dict(zip(_COLLECTIVES, counted.tolist()))
+        entry['hooks'][name] = dict(
+            # The tensor an all-reduce of the bucket would carry: the
+            # bucket, or for int8 the quantized bucket its all_to_all
+            # scatters (the all_gather brings the same back, one
+            # owner's segment from each rank).
+            wire_bytes=(by_collective['all_reduce'] +
+                        by_collective['all_to_all']),
+            wire_bytes_by_collective=by_collective,
+            rel_error=float(err.norm() / exact.norm()),
+            max_abs_error=float(err.abs().max()),
+            times=[])
+        progress.advance(next(notes))
+    for _ in range(args.repeat):
+        for name, model in models.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step(model)
+            # On the rank's device: NCCL reduces no CPU tensor.
+            elapsed = torch.tensor([time.perf_counter() - start],
+                                   device=device)
+            # The slowest rank sets the step time.
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            entry['hooks'][name]['times'].append(float(elapsed))
+        progress.advance(next(notes))
+    noop = statistics.median(entry['hooks']['noop']['times'])
+    for name, data in entry['hooks'].items():
+        data['step_s'] = statistics.median(data['times'])
+        data['hook_s'] = max(data['step_s'] - noop, 0.0)
+    dist.barrier()
+    entry['codec_s'] = _time_codecs(numel, world_size, device, args.repeat)
+    progress.advance(next(notes))
+    # Asked in the rank, whose thread count decides it.
+    entry['int8_c_kernel'] = int8_codec.uses_c_kernel(
+        torch.empty(1, device=device), _INT8_BLOCK)
+    return entry
 
 
 def _ratio(a, b):

@@ -49,14 +49,17 @@ Examples:
 """
 import argparse
 import copy
+import faulthandler
 import json
 import math
 import os
 import os.path as osp
+import signal
 import statistics
 import sys
 import tempfile
 import time
+from datetime import timedelta
 
 from mmcv_custom.analysis import Progress, check_output, read_config
 
@@ -260,6 +263,9 @@ def _codec_times(model, cfg, spec, data, rank, world_size):
 
 
 def _node_worker(spec_path):
+    # Stopped for a timeout (SIGTERM), a node says where it was: every
+    # thread's stack goes to its log before it ends.
+    faulthandler.register(signal.SIGTERM, chain=True)
     import torch
     import torch.distributed as dist
 
@@ -273,7 +279,30 @@ def _node_worker(spec_path):
         LOCAL_RANK='0',
         MASTER_PORT=os.environ['PORT'])
     torch.set_num_threads(spec['threads'])
-    dist.init_process_group('gloo', init_method='env://')
+    timeout = spec.get('timeout')
+    dist.init_process_group(
+        'gloo',
+        init_method='env://',
+        timeout=None if timeout is None else timedelta(seconds=timeout))
+    from mmcv_custom.launcher import shutdown_distributed
+
+    # Every DDP model lives in _measure's frame and is gone when it
+    # returns: see shutdown_distributed for why that must come first.
+    result = _measure(spec, rank, world_size)
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        with open(spec['out'], 'w') as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    shutdown_distributed()
+
+
+def _measure(spec, rank, world_size):
+    """Build, warm up and time every hook at every rate, then the codecs;
+    what this node measured."""
+    import torch.distributed as dist
+
     from mmcv_custom.launcher import load_config
     cfg = load_config(spec['config'], spec.get('cfg_options'))
     model, data = _build(cfg)
@@ -338,14 +367,7 @@ def _node_worker(spec_path):
         buckets=_bucket_records(clock),
         codec_s=codec,
         grad_bytes=grad_bytes)
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        with open(spec['out'], 'w') as f:
-            json.dump(gathered, f)
-    dist.barrier()
-    del models
-    dist.destroy_process_group()
+    return result
 
 
 def _bucket_records(clock):
@@ -771,6 +793,14 @@ def parse_args(argv=None):
         help='torch threads per node (default: cores / '
         'nodes, at least 1)')
     parser.add_argument(
+        '--timeout',
+        type=_positive_float,
+        default=None,
+        metavar='SEC',
+        help='stop every node and exit 124 after SEC seconds, with the '
+        "end of each node's log (where each one was); also the nodes' "
+        'collective timeout (default: no limit)')
+    parser.add_argument(
         '--calibrate',
         action='store_true',
         help='measure a plain all-reduce at each rate too')
@@ -821,6 +851,25 @@ def parse_args(argv=None):
     return args
 
 
+def _log_tails(result, work_dir, lines=15):
+    """The end of the failed node's log; after a timeout, of every
+    node's (which one is stuck, and where, is the question)."""
+    nodes = (
+        range(len(result.returncodes))
+        if result.failed_node is None else [result.failed_node])
+    out = []
+    for node in nodes:
+        log = osp.join(work_dir, f'node{node}.log')
+        try:
+            with open(log, errors='replace') as f:
+                tail = f.readlines()[-lines:]
+        except OSError as e:
+            out.append(f'; cannot read {log}: {e.strerror}')
+            continue
+        out.append(f'; the end of {log}:\n' + ''.join(tail))
+    return ''.join(out)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.node_worker:
@@ -854,6 +903,7 @@ def main(argv=None):
             bucket_cap_mb=args.bucket_cap_mb,
             steps=args.steps,
             rounds=args.rounds,
+            timeout=args.timeout,
             threads=threads,
             links=[list(link) for link in cluster.shaped_links],
             out=osp.join(folder, 'results.json'))
@@ -872,15 +922,12 @@ def main(argv=None):
                 cluster,
                 command,
                 log_dir=args.work_dir,
+                timeout=args.timeout,
                 stream=_ProgressOnly(progress))
         if result.returncode != 0:
-            failed = result.failed_node or 0
-            log = osp.join(args.work_dir, f'node{failed}.log')
-            with open(log, errors='replace') as f:
-                tail = f.readlines()[-15:]
             print(
-                f'benchmark_step_time: {result.describe()}; the end of '
-                f'{log}:\n' + ''.join(tail),
+                f'benchmark_step_time: {result.describe()}' +
+                _log_tails(result, args.work_dir),
                 file=sys.stderr)
             return result.returncode
         with open(spec['out']) as f:
