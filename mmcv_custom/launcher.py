@@ -15,6 +15,7 @@ import logging
 import os
 import tempfile
 import time
+import traceback
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
@@ -405,13 +406,27 @@ def run_runner(cfg: Config, method: str, notes=()) -> None:
             runner.logger.info(
                 summary_text(runner, method, result,
                              time.time() - start))
-    except BaseException:
+    except BaseException as exc:
         if console:
             console.note_failure()
+        # The traceback's frames (the loops', the hooks') hold the runner:
+        # drop their locals, or the model would outlive the group.
+        _clear_frames(exc)
         raise
     finally:
         del runner
         shutdown_distributed()
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames in ``exc``'s traceback and
+    in those of the exceptions it was raised from or during (their code
+    and line numbers, all a report shows, stay)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def shutdown_distributed() -> None:
@@ -434,7 +449,9 @@ def shutdown_distributed() -> None:
     (py-spy: ``~ProcessGroupGloo`` joining under ``~Reducer``, a gloo
     thread in ``decref`` waiting for the GIL). So the reducers go first,
     while the group is still registered, and the group last, from here.
-    The tools drop their runner (or their DDP models) before calling this.
+    The tools drop their runner (or their DDP models) before calling this;
+    after a failure :func:`run_runner` first clears the traceback's frames,
+    which would otherwise keep the runner alive.
     """
     import gc
     gc.collect()  # what still holds the group (DDP reducers, hook states)

@@ -47,7 +47,8 @@ def _entry(rank: int, world_size: int, folder: str, fn: Callable,
         world = getattr(dist.distributed_c10d, '_world', None)
         _KEPT.extend(getattr(world, 'pg_map', {}).keys())
         gc.collect()
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have shut it down itself
+            dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable,

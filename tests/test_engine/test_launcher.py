@@ -1,14 +1,16 @@
 """tools' start-up on a CPU-only machine: gloo, CPU DDP settings, BN."""
 import os
 import socket
+import weakref
 
 import pytest
 import torch.distributed as dist
 from mmengine.config import Config
-from mmengine.registry import MODEL_WRAPPERS
+from mmengine.hooks import Hook
+from mmengine.registry import HOOKS, MODEL_WRAPPERS
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from mmcv_custom.launcher import prepare_launch
+from mmcv_custom.launcher import prepare_launch, run_runner
 from mmcv_custom.testing import run_ranks
 
 
@@ -282,3 +284,52 @@ def test_shutdown_after_the_ddp_model_never_hangs(tmp_path, order, finishes):
         for proc in ranks:
             proc.kill()
             proc.communicate()
+
+
+# Per rank (a forked process): the DDP model of the run that failed.
+_MODELS: list = []
+
+
+@HOOKS.register_module(force=True)
+class _FailsInTraining(Hook):
+    """Remembers the model (weakly) and fails after the first step."""
+
+    def before_train(self, runner):
+        _MODELS.append(weakref.ref(runner.model))
+
+    def after_train_iter(self, runner, *args, **kwargs):
+        raise RuntimeError('planted failure')
+
+
+def _fail_in_training(rank, world_size, work_dir):
+    import mmcv_custom.demo  # noqa: F401  (registers MLPRegressor & co.)
+    cfg = Config(
+        dict(
+            model=dict(type='MLPRegressor', hidden=8, depth=1),
+            work_dir=work_dir,
+            train_dataloader=dict(
+                dataset=dict(
+                    type='SyntheticRegressionDataset', num_samples=16),
+                sampler=dict(type='InfiniteSampler'),
+                batch_size=4,
+                num_workers=0),
+            optim_wrapper=dict(optimizer=dict(type='SGD', lr=0.1)),
+            train_cfg=dict(by_epoch=False, max_iters=3),
+            launcher='pytorch',
+            env_cfg=dict(dist_cfg=dict(backend='gloo')),
+            model_wrapper_cfg=dict(
+                type='MMDistributedDataParallel', device_ids=None),
+            custom_hooks=[dict(type='_FailsInTraining')]))
+    try:
+        run_runner(cfg, 'train')
+    except RuntimeError as e:
+        return (str(e), type(_MODELS[-1]()).__name__, dist.is_initialized())
+
+
+def test_a_failed_run_frees_its_model_before_the_group(tmp_path):
+    """The error still propagates, with its traceback, yet the frames it
+    passed no longer hold the runner: the DDP model is gone by the time
+    the group is destroyed, as on success (see shutdown_distributed)."""
+    assert run_ranks(
+        _fail_in_training,
+        str(tmp_path)) == [('planted failure', 'NoneType', False)] * 2
