@@ -624,6 +624,10 @@ class EmulatedCluster:
         self._namespaces.clear()
 
 
+#: Where ``ip netns add`` puts a named namespace.
+_NETNS_DIR = '/run/netns'
+
+
 def _maker_pid(name: str) -> Optional[int]:
     """The pid in a name this module gave (``mmcvc-<pid>-...``), else
     None."""
@@ -657,9 +661,8 @@ def remove_leftovers() -> List[str]:
     Returns:
         list[str]: The namespaces deleted, sorted.
     """
-    root = '/run/netns'
     try:
-        names = sorted(os.listdir(root))
+        names = sorted(os.listdir(_NETNS_DIR))
     except OSError:
         return []
     removed = []
@@ -673,7 +676,7 @@ def remove_leftovers() -> List[str]:
 
 
 def _namespace_exists(name: str) -> bool:
-    return os.path.exists(os.path.join('/run/netns', name))
+    return os.path.exists(os.path.join(_NETNS_DIR, name))
 
 
 def _namespace_pids(ns: str) -> List[int]:

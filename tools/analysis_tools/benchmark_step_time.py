@@ -279,11 +279,11 @@ def _node_worker(spec_path):
         LOCAL_RANK='0',
         MASTER_PORT=os.environ['PORT'])
     torch.set_num_threads(spec['threads'])
-    timeout = spec.get('timeout')
     dist.init_process_group(
         'gloo',
         init_method='env://',
-        timeout=None if timeout is None else timedelta(seconds=timeout))
+        timeout=None if spec['timeout'] is None else timedelta(
+            seconds=spec['timeout']))
     from mmcv_custom.launcher import shutdown_distributed
 
     # Every DDP model lives in _measure's frame and is gone when it
