@@ -22,6 +22,9 @@ about it, before any of that:
 * ``comm_hook``: its names and values (:func:`check_comm_hook_cfg`, and
   under FSDP2 whether the type has a sharded form), which the runner hook
   would check only once the model is built;
+* ``custom_hooks``: a list of hook configs whose types are registered
+  (the runner builds them only after the model; a dict written through
+  ``--cfg-options`` stays a string);
 * the launcher's environment: ``--launcher pytorch``, ``slurm`` or ``mpi``
   in a process that torchrun, ``srun`` or ``mpirun`` did not start;
 * the work dir: writable (nothing is left behind), and, for training, room
@@ -165,7 +168,10 @@ def preflight(cfg: Config,
         raise ValueError(f"mode should be 'train' or 'test', but got "
                          f'{mode!r}')
     problems = _launcher_problems(launcher)
-    problems += _import_problems(cfg)
+    imports = _import_problems(cfg)
+    problems += imports
+    # Hook types are looked up only once their modules are imported.
+    problems += _custom_hooks_problems(cfg, registered=not imports)
     problems += _comm_hook_problems(cfg)
     problems += _data_problems(cfg, mode)
     if mode == 'train':
@@ -338,6 +344,66 @@ def _comm_hook_problems(cfg: Config) -> List[Problem]:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         return [Problem(str(message))]
     return []
+
+
+_CLI_DICT_FIX = (
+    '--cfg-options cannot write a dict inside a list (it stays a string): '
+    "set custom_hooks in a config that inherits this one (_base_ = ['...'] "
+    "and custom_hooks = [dict(type='...')])")
+
+
+def _custom_hooks_problems(cfg: Config, registered: bool) -> List[Problem]:
+    """``custom_hooks``: a list of ``dict(type=...)`` (or Hook objects),
+    each type registered (when ``registered``), as the runner will need
+    them after building the model."""
+    from mmengine.hooks import Hook
+    hooks = cfg.get('custom_hooks')
+    if hooks is None:
+        return []
+    if not isinstance(hooks, (list, tuple)):
+        return [
+            Problem(
+                'custom_hooks should be a list of hook configs such as '
+                f"[dict(type='...')], but got {hooks!r}",
+                _CLI_DICT_FIX if isinstance(hooks, str) else '')
+        ]
+    problems = []
+    for i, hook in enumerate(hooks):
+        if isinstance(hook, Hook):
+            continue
+        if not isinstance(hook, dict) or 'type' not in hook:
+            problems.append(
+                Problem(
+                    f'custom_hooks[{i}] should be a hook config such as '
+                    f"dict(type='...'), but got {hook!r}",
+                    _CLI_DICT_FIX if isinstance(hook, str) else ''))
+        elif registered and isinstance(hook['type'], str):
+            unknown = _unknown_hook(cfg, hook['type'])
+            if unknown:
+                problems.append(
+                    Problem(
+                        f'custom_hooks[{i}]: {unknown}',
+                        'correct the type, or import the module that '
+                        'registers it in custom_imports'))
+    return problems
+
+
+def _unknown_hook(cfg: Config, name: str) -> Optional[str]:
+    """Why the runner would not find hook type ``name`` in the config's
+    scope (with close matches), or None when it would."""
+    import difflib
+
+    from mmengine.registry import HOOKS
+    with HOOKS.switch_scope_and_registry(cfg.get('default_scope')) as found:
+        if found.get(name) is not None:
+            return None
+        names, registry = set(), found
+        while registry is not None:
+            names.update(registry.module_dict)
+            registry = registry.parent
+    close = difflib.get_close_matches(name, sorted(names), n=3)
+    hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ''
+    return f'{name!r} is not a registered hook{hint}'
 
 
 # -- custom imports --------------------------------------------------------

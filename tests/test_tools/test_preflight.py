@@ -338,6 +338,51 @@ def test_comm_hook_is_checked_with_the_rest(tmp_path):
     assert preflight(cfg, 'train') == []
 
 
+def test_custom_hooks_are_checked_with_the_rest(tmp_path):
+    """The runner builds custom_hooks only after the model: a hook that is
+    not a config (what --cfg-options makes of a dict in a list) or whose
+    type is not registered is named first, with the nearest names."""
+    cfg = load_config(
+        FCN,
+        dict(custom_hooks=[
+            "dict(type='EMAHook')",
+            dict(type='CommHookRegistrationHoook'),
+            dict(type='EMAHook'),
+            dict(priority='LOW'),
+            dict(type='NoSuchHookAtAll'),
+        ]),
+        work_dir=str(tmp_path / 'work'))
+    assert [str(p) for p in preflight(cfg, 'train')] == [
+        'custom_hooks[0] should be a hook config such as dict(type=\'...\'), '
+        'but got "dict(type=\'EMAHook\')". Fix: --cfg-options cannot write '
+        'a dict inside a list (it stays a string): set custom_hooks in a '
+        "config that inherits this one (_base_ = ['...'] and custom_hooks "
+        "= [dict(type='...')])",
+        "custom_hooks[1]: 'CommHookRegistrationHoook' is not a registered "
+        "hook (did you mean 'CommHookRegistrationHook'?). Fix: correct the "
+        'type, or import the module that registers it in custom_imports',
+        "custom_hooks[3] should be a hook config such as dict(type='...'), "
+        "but got {'priority': 'LOW'}",
+        "custom_hooks[4]: 'NoSuchHookAtAll' is not a registered hook. Fix: "
+        'correct the type, or import the module that registers it in '
+        'custom_imports',
+    ]
+    cfg.custom_hooks = 'EMAHook'
+    [problem] = preflight(cfg, 'train')
+    assert problem.what == ('custom_hooks should be a list of hook configs '
+                            "such as [dict(type='...')], but got 'EMAHook'")
+    # A type its custom_imports would register is not judged when they
+    # fail: that failure is the problem.
+    cfg = load_config(
+        FCN,
+        dict(
+            custom_imports=dict(imports=['no_such_module_x']),
+            custom_hooks=[dict(type='HookOfNoSuchModule')]),
+        work_dir=str(tmp_path / 'work'))
+    [problem] = preflight(cfg, 'train')
+    assert problem.what.startswith('custom_imports: ')
+
+
 @pytest.mark.parametrize('launcher, names, fix', [
     ('pytorch', 'RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are',
      'start it with tools/dist_train.sh CONFIG NPROC (torchrun)'),
@@ -380,6 +425,10 @@ def test_the_tools_name_a_config_they_cannot_read(tmp_path):
         (['test.py', str(broken), 'x.pth'],
          f'test.py: error: config {broken}: cannot read it as a config '
          "(SyntaxError: '(' was never closed"),
+        (['train.py', MLP, '--cfg-options', "custom_hooks=[dict(type='X')]"],
+         "train.py: error: custom_hooks[0] should be a hook config such as "
+         "dict(type='...'), but got \"dict(type='X')\". Fix: --cfg-options "
+         'cannot write a dict inside a list'),
     ]
     env = {
         k: v
