@@ -105,12 +105,21 @@ def parse_args():
     return args
 
 
+def _hook_type(hook) -> str:
+    """A custom_hooks entry's type name: a config's ``type``, or the
+    class name of a Hook object (which MMEngine takes as well)."""
+    if isinstance(hook, dict):
+        kind = hook.get('type')
+        return kind if isinstance(kind, str) else getattr(kind, '__name__', '')
+    return type(hook).__name__
+
+
 def add_random_state_hook(cfg: Config) -> None:
     """Keep every rank's random generators with the checkpoints (see
     :mod:`mmcv_custom.engine.random_state`), unless the config has it."""
     hooks = cfg.get('custom_hooks') or []
     if not any(
-            h.get('type') in ('RandomStateHook', 'mmcv_custom.RandomStateHook')
+            _hook_type(h) in ('RandomStateHook', 'mmcv_custom.RandomStateHook')
             for h in hooks):
         cfg.custom_hooks = list(hooks) + [dict(type='RandomStateHook')]
 
@@ -121,7 +130,7 @@ def add_comm_hook_runner_hook(cfg: Config) -> None:
         return
     hooks = cfg.get('custom_hooks') or []
     if any(
-            h.get('type') in (RUNNER_HOOK, f'mmcv_custom.{RUNNER_HOOK}')
+            _hook_type(h) in (RUNNER_HOOK, f'mmcv_custom.{RUNNER_HOOK}')
             for h in hooks):
         return
     cfg.custom_hooks = list(hooks) + [dict(type=RUNNER_HOOK)]

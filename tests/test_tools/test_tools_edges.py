@@ -349,3 +349,35 @@ def test_resume_checkpoint_is_the_work_dirs_own(tmp_path):
     assert resolve_resume_checkpoint(str(here), 'x.pth') == ('x.pth', None)
     (here / 'last_checkpoint').write_text(f'{here}/iter_8.pth')
     assert resolve_resume_checkpoint(str(here)) == (f'{here}/iter_8.pth', None)
+
+
+def test_train_adds_its_hooks_once_whatever_form_the_config_gives():
+    """train.py adds RandomStateHook, and the runner hook when comm_hook
+    is set, unless custom_hooks has them: by name, by class or as Hook
+    objects (all of which MMEngine takes)."""
+    from mmengine.config import Config
+
+    from mmcv_custom.engine import CommHookRegistrationHook
+    from mmcv_custom.engine.random_state import RandomStateHook
+    from tests.tool_utils import load_script
+    train = load_script(osp.join(TOOLS, 'train.py'), 'train_tool')
+
+    def added(hooks):
+        cfg = Config(
+            dict(custom_hooks=list(hooks), comm_hook=dict(type='allreduce')))
+        train.add_comm_hook_runner_hook(cfg)
+        train.add_random_state_hook(cfg)
+        return cfg.custom_hooks[len(hooks):]
+
+    assert added([]) == [
+        dict(type='CommHookRegistrationHook'),
+        dict(type='RandomStateHook')
+    ]
+    for hooks in ([
+            dict(type='RandomStateHook'),
+            dict(type='mmcv_custom.CommHookRegistrationHook')
+    ], [dict(type=RandomStateHook),
+            dict(type=CommHookRegistrationHook)],
+                  [RandomStateHook(),
+                   CommHookRegistrationHook()]):
+        assert added(hooks) == []
