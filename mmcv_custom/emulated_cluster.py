@@ -37,8 +37,8 @@ Creating namespaces needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN).
 :func:`check_available` says whether this process can;
 :func:`reexec_in_user_namespace` re-executes a non-root program inside an
 unprivileged user namespace where it can. This module imports only the
-standard library; torch is imported by the calibration's child processes
-alone.
+standard library (and :mod:`mmcv_custom.integrity`, which does too);
+torch is imported by the calibration's child processes alone.
 
 Examples:
     >>> with EmulatedCluster(2, bandwidth_mbit=100) as cluster:
@@ -63,6 +63,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import IO, Dict, List, Optional, Sequence, Tuple, Union
+
+from .integrity import process_alive
 
 __all__ = [
     'NAME_PREFIX', 'SUBNET', 'DEFAULT_PORT', 'MAX_NODES', 'TIMEOUT_EXIT_CODE',
@@ -637,16 +639,6 @@ def _maker_pid(name: str) -> Optional[int]:
     return int(pid) if pid.isdigit() else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
 def remove_leftovers() -> List[str]:
     """Delete the namespaces of clusters whose process is gone.
 
@@ -668,7 +660,7 @@ def remove_leftovers() -> List[str]:
     removed = []
     for name in names:
         pid = _maker_pid(name)
-        if pid is None or _alive(pid) or _namespace_pids(name):
+        if pid is None or process_alive(pid) or _namespace_pids(name):
             continue
         if _run(['ip', 'netns', 'del', name], check=False).returncode == 0:
             removed.append(name)
