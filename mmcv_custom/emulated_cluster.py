@@ -37,8 +37,8 @@ Creating namespaces needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN).
 :func:`check_available` says whether this process can;
 :func:`reexec_in_user_namespace` re-executes a non-root program inside an
 unprivileged user namespace where it can. This module imports only the
-standard library (and :mod:`mmcv_custom.integrity`, which does too);
-torch is imported by the calibration's child processes alone.
+standard library; torch is imported by the calibration's child processes
+alone.
 
 Examples:
     >>> with EmulatedCluster(2, bandwidth_mbit=100) as cluster:
@@ -63,8 +63,6 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import IO, Dict, List, Optional, Sequence, Tuple, Union
-
-from .integrity import process_alive
 
 __all__ = [
     'NAME_PREFIX', 'SUBNET', 'DEFAULT_PORT', 'MAX_NODES', 'TIMEOUT_EXIT_CODE',
@@ -639,6 +637,19 @@ def _maker_pid(name: str) -> Optional[int]:
     return int(pid) if pid.isdigit() else None
 
 
+def _alive(pid: int) -> bool:
+    # integrity's process_alive, written again on purpose: this module
+    # also runs as a file (the calibration's children; a bare python3
+    # when not root), so it imports nothing of the package.
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
 def remove_leftovers() -> List[str]:
     """Delete the namespaces of clusters whose process is gone.
 
@@ -660,7 +671,7 @@ def remove_leftovers() -> List[str]:
     removed = []
     for name in names:
         pid = _maker_pid(name)
-        if pid is None or process_alive(pid) or _namespace_pids(name):
+        if pid is None or _alive(pid) or _namespace_pids(name):
             continue
         if _run(['ip', 'netns', 'del', name], check=False).returncode == 0:
             removed.append(name)

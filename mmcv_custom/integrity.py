@@ -40,7 +40,7 @@ __all__ = [
     'atomic_write_bytes', 'atomic_write_stream', 'atomic_write_text',
     'digest_path', 'write_digest', 'file_sha256', 'verify_file',
     'require_intact', 'temporary_name', 'is_temporary_name',
-    'remove_stale_temporaries', 'checkpoint_candidates', 'process_alive'
+    'remove_stale_temporaries', 'checkpoint_candidates'
 ]
 
 #: What a digest file's name adds to the file it vouches for.
@@ -109,7 +109,7 @@ def _sync_to_disk() -> bool:
     return os.environ.get('MMCV_CUSTOM_FSYNC', '0') not in ('', '0')
 
 
-def process_alive(pid: int) -> bool:
+def _process_alive(pid: int) -> bool:
     """Whether a process ``pid`` runs on this machine (one we may not
     signal counts: it exists)."""
     try:
@@ -148,7 +148,7 @@ def remove_stale_temporaries(path: str) -> List[str]:
         if not match:
             continue
         pid = int(match.group(1))
-        if pid == os.getpid() or process_alive(pid):
+        if pid == os.getpid() or _process_alive(pid):
             continue
         stale = osp.join(folder, name)
         try:
