@@ -1,11 +1,12 @@
 """Tools (scripts under tools/, not a package) loaded into the test process,
-and their argument checks read back."""
+their argument checks read back, and the network namespaces they leave."""
 import importlib.util
+import subprocess
 import sys
 
 import pytest
 
-__all__ = ['load_script', 'usage_errors']
+__all__ = ['load_script', 'usage_errors', 'netns_names']
 
 
 def load_script(path: str, name: str):
@@ -31,3 +32,12 @@ def usage_errors(tool, path: str, monkeypatch, capsys):
         return exited.value.code, captured.err.splitlines()[-1]
 
     return parse
+
+
+def netns_names() -> set:
+    """Names in ``ip netns list`` (this process's view)."""
+    listed = subprocess.run(['ip', 'netns', 'list'],
+                            capture_output=True,
+                            text=True,
+                            check=True).stdout
+    return {ln.split()[0] for ln in listed.splitlines() if ln.strip()}

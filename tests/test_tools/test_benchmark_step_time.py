@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from mmcv_custom import emulated_cluster
-from tests.tool_utils import load_script, usage_errors
+from tests.tool_utils import load_script, netns_names, usage_errors
 
 ROOT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,13 +40,8 @@ def _run_tool(*args, limit=600):
 
 def _namespaces_of(pid):
     """The namespaces process ``pid``'s clusters left."""
-    listed = subprocess.run(['ip', 'netns', 'list'],
-                            capture_output=True,
-                            text=True).stdout
-    return [
-        ln.split()[0] for ln in listed.splitlines()
-        if ln.startswith(f'{emulated_cluster.NAME_PREFIX}{pid}-')
-    ]
+    prefix = f'{emulated_cluster.NAME_PREFIX}{pid}-'
+    return [name for name in netns_names() if name.startswith(prefix)]
 
 
 # Three buckets of 1 MB ready at 10, 20 and 30 ms; backward ends at 40 ms.

@@ -22,7 +22,7 @@ import time
 import pytest
 
 from mmcv_custom import emulated_cluster as ec
-from tests.tool_utils import load_script, usage_errors
+from tests.tool_utils import load_script, netns_names, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOL = osp.join(ROOT, 'tools', 'emulated_cluster.py')
@@ -42,14 +42,6 @@ needs_tool = pytest.mark.skipif(
 def _out(*cmd) -> str:
     return subprocess.run(
         cmd, capture_output=True, text=True, check=True).stdout
-
-
-def _netns() -> set:
-    """Names in ``ip netns list`` (this process's view)."""
-    return {
-        ln.split()[0]
-        for ln in _out('ip', 'netns', 'list').splitlines() if ln.strip()
-    }
 
 
 def _links() -> set:
@@ -93,10 +85,10 @@ def _tool(*args, timeout=120, **kwargs):
 # The library ----------------------------------------------------------
 @needs_netns
 def test_cluster_makes_namespaces_and_links_then_removes_them():
-    netns_before, links_before = _netns(), _links()
+    netns_before, links_before = netns_names(), _links()
     with ec.EmulatedCluster(3, bandwidth_mbit=100) as cluster:
         made = set(cluster.namespaces)
-        assert len(made) == 4 and made <= _netns()
+        assert len(made) == 4 and made <= netns_names()
         assert all(n.startswith(f'mmcvc-{os.getpid()}-') for n in made)
         # Nothing in the caller's namespace: the veths are born inside.
         assert _links() == links_before
@@ -120,8 +112,8 @@ def test_cluster_makes_namespaces_and_links_then_removes_them():
             assert 'unreachable' in out.stderr
         assert [n.address for n in cluster.nodes
                 ] == ['198.18.0.1', '198.18.0.2', '198.18.0.3']
-    assert not made & _netns()
-    assert _netns() - netns_before == set()
+    assert not made & netns_names()
+    assert netns_names() - netns_before == set()
     assert _links() == links_before
 
 
@@ -262,7 +254,7 @@ def test_a_failing_node_stops_the_others_and_everything_goes():
     assert result.returncode == 3
     assert result.returncodes == (-signal.SIGKILL, 3, -signal.SIGTERM)
     assert result.describe().startswith('node1 exited with code 3 after ')
-    assert not names & _netns()
+    assert not names & netns_names()
 
 
 @needs_netns
@@ -283,7 +275,7 @@ def test_a_killed_runs_namespaces_go_with_the_next_cluster(caplog):
     killed = set(child.stdout.readline().split())
     child.kill()
     child.wait()
-    assert len(killed) == 3 and killed <= _netns()
+    assert len(killed) == 3 and killed <= netns_names()
     live = f'mmcvc-{os.getpid()}-{secrets.token_hex(3)}-node0'
     busy = f'mmcvc-{child.pid}-{secrets.token_hex(3)}-node0'
     seconds = _unique_seconds()
@@ -296,8 +288,8 @@ def test_a_killed_runs_namespaces_go_with_the_next_cluster(caplog):
         with caplog.at_level('WARNING', logger=ec.__name__):
             with ec.EmulatedCluster(2):
                 pass
-        assert not killed & _netns()
-        assert {live, busy} <= _netns()
+        assert not killed & netns_names()
+        assert {live, busy} <= netns_names()
         assert (
             'removed 3 network namespaces left by a killed run (its '
             f'process is gone): {", ".join(sorted(killed))}') in caplog.text
@@ -329,7 +321,7 @@ def test_a_failure_while_creating_removes_what_was_made(monkeypatch):
             r'no-such` failed with exit code \d+: '):
         with cluster:
             pass
-    assert not set(cluster.namespaces) & _netns()
+    assert not set(cluster.namespaces) & netns_names()
     assert signal.getsignal(signal.SIGTERM) is handler
     assert not cluster.active
 
@@ -441,7 +433,7 @@ def test_tool_exits_with_the_failing_nodes_code_and_cleans_up(tmp_path):
         r'stopped the other nodes; removed the cluster\n', out.stderr)
     assert (tmp_path / 'logs' / 'node0.log').read_text() == 'started\n'
     names = _tool_namespaces(out.stdout)
-    assert len(names) == 3 and not names & _netns()
+    assert len(names) == 3 and not names & netns_names()
 
 
 @needs_tool
@@ -454,7 +446,7 @@ def test_tool_timeout_stops_everything_with_124():
         r'emulated_cluster\.py: timed out after \d+\.\d s; '
         r'stopped all nodes; removed the cluster\n', out.stderr)
     names = _tool_namespaces(out.stdout)
-    assert len(names) == 3 and not names & _netns()
+    assert len(names) == 3 and not names & netns_names()
 
 
 @needs_tool
@@ -495,7 +487,7 @@ def test_tool_signal_stops_everything(signum, code, words):
                    'removed the cluster\n')
     assert _sleeping(marker) == []
     names = _tool_namespaces(''.join(seen))
-    assert len(names) == 3 and not names & _netns()
+    assert len(names) == 3 and not names & netns_names()
 
 
 @needs_tool
@@ -515,7 +507,7 @@ def test_calibration_measures_a_gloo_all_reduce():
     assert 0 < busbw < 150
     assert ratio == pytest.approx(busbw / 100, abs=0.01)
     assert busbw == pytest.approx(4 * 2**20 * 8 / seconds / 1e6, rel=0.02)
-    assert not _tool_namespaces(out.stdout) & _netns()
+    assert not _tool_namespaces(out.stdout) & netns_names()
 
 
 # Without root ----------------------------------------------------------
@@ -666,4 +658,4 @@ def test_two_node_training_and_resume_through_the_tool(tmp_path):
     assert not re.search(r'Iter\(train\) \[[12]/4\]', log)
     assert (tmp_path / 'work' / 'iter_4.pth').is_file()
     for out in (first, resumed):
-        assert not _tool_namespaces(out.stdout) & _netns()
+        assert not _tool_namespaces(out.stdout) & netns_names()
