@@ -311,7 +311,7 @@ def test_converter_refuses_dst_over_src_and_leaves_nothing(
     }[where]
     before = {p: os.listdir(p) for p in (work, src)}
     code, out, err = _tool_run(capsys, src, dst)
-    assert code == 1 and out == ''
+    assert code == 2 and out == ''  # refused: a usage error
     assert err.count('\n') == 1
     expected = {
         'same':
@@ -325,7 +325,7 @@ def test_converter_refuses_dst_over_src_and_leaves_nothing(
         f'DST {dst} is an existing directory; DST should be the '
         'path of the .pth file to write'
     }[where]
-    assert err.startswith(f'fsdp2_to_pth: error: {expected}')
+    assert err.startswith(f'fsdp2_to_pth.py: error: {expected}')
     assert {p: os.listdir(p) for p in (work, src)} == before
     assert verify_sharded_checkpoint(src).status == 'ok'
 
@@ -336,8 +336,8 @@ def test_converter_names_a_damaged_shard(saved, tmp_path, capsys):
     _flip(shard)
     dst = str(tmp_path / 'model.pth')
     code, out, err = _tool_run(capsys, str(work / 'iter_4.pth'), dst)
-    assert code == 1
-    assert err.startswith(f'fsdp2_to_pth: error: {shard} is damaged: ')
+    assert code == 2  # refused input
+    assert err.startswith(f'fsdp2_to_pth.py: error: {shard} is damaged: ')
     assert err.endswith('; the newest intact checkpoint beside it is '
                         f'{work}/iter_2.pth\n')
     assert err.count('\n') == 1

@@ -6,7 +6,9 @@ Hugging Face, InternVL-Chat ``vision_model.``, a whole segmentor under
 ``pretrained=`` or through ``tools/model_converters/internvit2mmseg.py``
 must give the same outputs, bit for bit.
 """
+import hashlib
 import json
+import os
 import os.path as osp
 import subprocess
 import sys
@@ -86,6 +88,11 @@ def _layout(state, layout):
     return {'meta': {'mmseg_version': '0.30.0'}, 'state_dict': seg}
 
 
+def _digest(path) -> str:
+    """What a publisher lists for the file (Hugging Face: "SHA256")."""
+    return hashlib.sha256(open(path, 'rb').read()).hexdigest()
+
+
 def _write(checkpoint, path):
     if path.endswith('.safetensors'):
         flat = checkpoint
@@ -129,7 +136,7 @@ def test_every_layout_loads_via_pretrained_and_the_converter(
         assert torch.equal(out, ref)
 
     dst = str(tmp_path / 'converted.pth')
-    summary = _tool().convert(path, dst)
+    summary = _tool().convert(path, dst, sha256=[_digest(path)])
     assert f'{EXPECTED[layout]} layout' in summary
     converted = torch.load(dst, weights_only=True)
     assert converted['meta']['layout'] == EXPECTED[layout]
@@ -189,7 +196,8 @@ def test_a_whole_segmentor_converts_for_load_from(tmp_path):
     src = str(tmp_path / 'internvl_seg.pth')
     torch.save({'meta': {}, 'state_dict': state}, src)
     dst = str(tmp_path / 'ours.pth')
-    assert 'segmentor layout' in _tool().convert(src, dst)
+    assert 'segmentor layout' in _tool().convert(
+        src, dst, sha256=[_digest(src)])
 
     torch.manual_seed(1)
     ours = MODELS.build(cfg.model)
@@ -273,10 +281,12 @@ def test_converter_as_a_command(tmp_path):
         _layout(_source().state_dict(), 'chat'),
         str(tmp_path / 'chat.safetensors'))
     dst = str(tmp_path / 'out' / 'backbone.pth')
-    out = subprocess.run([sys.executable, TOOL, path, dst],
-                         capture_output=True,
-                         text=True,
-                         cwd=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, TOOL, path, dst, '--sha256',
+         _digest(path)],
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert 'chat layout' in out.stdout and '2 other tensors left out' in \
         out.stdout
@@ -284,28 +294,29 @@ def test_converter_as_a_command(tmp_path):
 
     bad = str(tmp_path / 'other.pth')
     torch.save({'foo.weight': torch.zeros(2)}, bad)
-    out = subprocess.run([sys.executable, TOOL, bad, dst],
+    out = subprocess.run([sys.executable, TOOL, bad, dst, '--unverified'],
                          capture_output=True,
                          text=True)
-    assert out.returncode == 1
+    assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1
     assert lines[0].startswith(
-        'internvit2mmseg: error: unknown checkpoint layout')
+        'internvit2mmseg.py: error: unknown checkpoint layout')
 
 
 def test_converter_names_a_missing_file(tmp_path, capsys):
     missing = str(tmp_path / 'nowhere.pth')
-    assert _tool().main([missing, str(tmp_path / 'out.pth')]) == 1
+    assert _tool().main([missing, str(tmp_path / 'out.pth')]) == 2
     err = capsys.readouterr().err
-    assert err == (f'internvit2mmseg: error: checkpoint {missing} does not '
+    assert err == (f'internvit2mmseg.py: error: checkpoint {missing} does not '
                    'exist\n')
     assert not osp.exists(tmp_path / 'out.pth')
     broken = tmp_path / 'broken.safetensors'
     broken.write_bytes(b'not a safetensors file')
-    assert _tool().main([str(broken), str(tmp_path / 'out.pth')]) == 1
+    assert _tool().main(
+        [str(broken), str(tmp_path / 'out.pth'), '--unverified']) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f'internvit2mmseg: error: {broken} is not a '
+    assert err.startswith(f'internvit2mmseg.py: error: {broken} is not a '
                           'readable safetensors file')
     assert err.count('\n') == 1
 
@@ -336,10 +347,112 @@ def test_sharded_chat_checkpoint_reads_only_the_vision_model(tmp_path, ext):
     model.init_weights()
     x = torch.randn(1, 3, 56, 56)
     assert torch.equal(model.eval()(x)[3], source(x)[3])
-    summary = _tool().convert(str(index), str(tmp_path / 'out.pth'))
+    summary = _tool().convert(
+        str(index),
+        str(tmp_path / 'out.pth'),
+        sha256=[_digest(tmp_path / name) for name in shards])
     # The language model and projector are not even read.
     first_line = summary.splitlines()[0]
     assert first_line.endswith(f'{len(source.state_dict())} backbone tensors')
+
+
+def _chat_download(tmp_path):
+    """A sharded InternVL-Chat download: the vision model in two shards,
+    the language model and projector in a third; its index and shards."""
+    chat = _layout(_source().state_dict(), 'chat')
+    vision = sorted(k for k in chat if k.startswith('vision_model.'))
+    parts = [
+        vision[0::2], vision[1::2],
+        [k for k in chat if not k.startswith('vision_model.')]
+    ]
+    shards = []
+    for i, keys in enumerate(parts, 1):
+        shard = tmp_path / f'model-0000{i}-of-00003.safetensors'
+        _write({k: chat[k] for k in keys}, str(shard))
+        shards.append(shard)
+    index = tmp_path / 'model.safetensors.index.json'
+    index.write_text(
+        json.dumps({
+            'metadata': {},
+            'weight_map': {
+                k: shard.name
+                for shard, keys in zip(shards, parts)
+                for k in keys
+            }
+        }))
+    return str(index), shards
+
+
+def test_a_sharded_download_is_verified_shard_by_shard(tmp_path, capsys):
+    index, shards = _chat_download(tmp_path)
+    dst = tmp_path / 'out' / 'vit.pth'
+
+    def run(*args):
+        code = _tool().main([index, str(dst), *args])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    # Nothing to verify the two shards it reads against: refused, naming
+    # them (not the language model's, which it never reads).
+    code, out, err = run()
+    assert (code, out) == (2, '')
+    assert err == (
+        f'internvit2mmseg.py: error: {index}: 2 of the shards it reads have '
+        'no digest to verify them against (model-00001-of-00003.safetensors, '
+        'model-00002-of-00003.safetensors): give the SHA-256 its publisher '
+        "lists for each (--sha256 HEX once per shard; Hugging Face shows it "
+        "on each file's page), or put SHARD.sha256 beside each (sha256sum's "
+        'format), or convert it unverified (--unverified: DST then gets no '
+        'digest)\n')
+    # One shard's digest given, the other's forgotten.
+    code, _, err = run('--sha256', _digest(shards[0]))
+    assert code == 2
+    assert err.startswith(
+        f'internvit2mmseg.py: error: {shards[1]} matches none '
+        'of the SHA-256 given: its SHA-256 is ')
+    assert not dst.parent.exists()
+    # Every shard's digest, as the download page lists them, in any order:
+    # the third is never read, so never hashed.
+    code, out, err = run(*[
+        arg for shard in reversed(shards)
+        for arg in ('--sha256', _digest(shard))
+    ])
+    assert code == 0, err
+    assert (f'{index}: the SHA-256 of its 2 shards read match --sha256\n'
+            in out)
+    assert sorted(os.listdir(dst.parent)) == ['vit.pth', 'vit.pth.sha256']
+    # Or a digest beside each shard it reads, as sha256sum writes them.
+    for shard in shards[:2]:
+        (tmp_path / f'{shard.name}.sha256'
+         ).write_text(f'{_digest(shard)}  {shard.name}\n')
+    code, out, err = run()
+    assert code == 0, err
+    assert (f'{index}: the SHA-256 of its 2 shards read match their .sha256 '
+            'files\n' in out)
+    # A flipped byte in a shard (same size): named, whatever is given.
+    data = bytearray(shards[1].read_bytes())
+    data[-5] ^= 0xFF
+    digest = _digest(shards[1])
+    shards[1].write_bytes(bytes(data))
+    for args in ([], ['--unverified']):
+        code, _, err = run(*args)
+        assert code == 2
+        assert err.startswith(f'internvit2mmseg.py: error: {shards[1]} is '
+                              'damaged: its SHA-256 is ')
+    os.remove(tmp_path / f'{shards[1].name}.sha256')
+    code, _, err = run('--sha256', _digest(shards[0]), '--sha256', digest)
+    assert code == 2
+    assert f'{shards[1]} matches none of the SHA-256 given' in err
+    # An index that names no shards, or is not JSON: one line.
+    for text, why in (('{"weight_map": ["a"]}', 'should map tensor names '
+                       "to shard files under 'weight_map', but does not"),
+                      ('{"weight_map": {', 'is not a readable index (JSON): '
+                       'Expecting property name')):
+        with open(index, 'w') as f:
+            f.write(text)
+        code, _, err = run('--unverified')
+        assert code == 2
+        assert err.startswith(f'internvit2mmseg.py: error: {index} {why}')
 
 
 INTERNVL_PYRAMID_INIT = dict(

@@ -12,9 +12,18 @@ non-tensor contents are read with torch's safe loader.
 
 SRC_DIR is checked against its ``SHA256SUMS`` first: a missing, truncated
 or altered shard is named, with the newest intact checkpoint beside it.
-DST is written whole or not at all (a temporary name, then a rename), with
-its digest ``DST.sha256`` beside it; DST may be neither SRC_DIR nor inside
-it, nor an existing directory.
+A SRC_DIR without ``SHA256SUMS`` (written before sharded checkpoints had
+digests, or copied without it) cannot be verified: it is refused unless
+``--unverified`` is given, and then DST is written without a digest, so
+that no digest vouches for bytes nobody checked (its missing or truncated
+shards are still found, from the sizes DCP's ``.metadata`` records). DST
+is written whole or not at all (a temporary name, then a rename), with its
+digest ``DST.sha256`` beside it when SRC_DIR was verified; DST may be
+neither SRC_DIR nor inside it, nor an existing directory.
+
+Exit status 2, with one line and nothing written: a bad command line, or
+a SRC_DIR refused (missing, not a sharded checkpoint, damaged, unverified,
+unsafe); 1: writing DST failed (a full disk), nothing left behind.
 
 ``tools/test.py`` also takes SRC_DIR directly.
 """
@@ -25,8 +34,20 @@ import sys
 
 import torch
 
-from mmcv_custom.integrity import atomic_write_stream
-from mmcv_custom.sharded_checkpoint import consolidate_sharded_checkpoint
+from mmcv_custom.integrity import (CheckpointDamagedError, atomic_write_stream,
+                                   digest_path)
+from mmcv_custom.sharded_checkpoint import (MANIFEST_FILE,
+                                            consolidate_sharded_checkpoint,
+                                            damaged_message,
+                                            verify_sharded_checkpoint)
+
+__all__ = ['convert', 'UnverifiedSourceError', 'main']
+
+PROG = osp.basename(__file__)  # as argparse names it, for every error
+
+
+class UnverifiedSourceError(ValueError):
+    """SRC_DIR has no ``SHA256SUMS`` and ``--unverified`` was not given."""
 
 
 def _check_destination(src: str, dst: str) -> None:
@@ -49,35 +70,121 @@ def _check_destination(src: str, dst: str) -> None:
             f'{osp.join(dst, "model.pth")}')
 
 
-def convert(src: str, dst: str) -> str:
-    """Consolidate ``src`` into ``dst``; returns the summary line."""
+def _verifiable(src: str, unverified: bool) -> bool:
+    """Whether ``src`` has a ``SHA256SUMS`` (checked, shard by shard, by
+    the consolidation); without one, its shards' presence and sizes are
+    checked here (no shard is hashed: there is nothing to compare with),
+    and it is refused unless ``unverified``.
+
+    Raises:
+        CheckpointDamagedError: A shard that ``.metadata`` names is
+            missing or truncated.
+        UnverifiedSourceError: No ``SHA256SUMS``, and not ``unverified``.
+    """
+    if not osp.isdir(src) or osp.exists(osp.join(src, MANIFEST_FILE)):
+        return True  # the consolidation names what is wrong, if anything
+    found = verify_sharded_checkpoint(src)
+    if found.status == 'damaged':
+        raise CheckpointDamagedError(damaged_message(found, src))
+    if found.status != 'no_digest':
+        return True  # 'missing': not a sharded checkpoint, said later
+    if not unverified:
+        raise UnverifiedSourceError(
+            f'{src} has no {MANIFEST_FILE} (written before sharded '
+            'checkpoints had digests, or copied without it), so its shards '
+            f'cannot be verified: copy {MANIFEST_FILE} from where it was '
+            'written, or consolidate it unverified (--unverified: DST then '
+            'gets no digest)')
+    return False
+
+
+def _prepare(src: str, dst: str, unverified: bool = False):
+    """Check DST, verify and read SRC: everything that may refuse the
+    command, before anything is written. ``(checkpoint, verified)``."""
     _check_destination(src, dst)
-    checkpoint = consolidate_sharded_checkpoint(src)
+    verified = _verifiable(src, unverified)
+    return consolidate_sharded_checkpoint(src), verified
+
+
+def _write(src: str, dst: str, checkpoint: dict, verified: bool) -> str:
+    """Write DST (with a digest only when SRC was verified); returns the
+    summary."""
     state = checkpoint['state_dict']
     folder = osp.dirname(osp.abspath(dst))
     os.makedirs(folder, exist_ok=True)
+    if not verified:
+        # An older conversion's digest must not vouch for these bytes.
+        try:
+            os.remove(digest_path(dst))
+        except FileNotFoundError:
+            pass
     # Whole or not at all, with its digest: the bytes are hashed on their
     # way to the disk, never held in memory.
-    atomic_write_stream(dst, lambda f: torch.save(checkpoint, f))
+    atomic_write_stream(
+        dst, lambda f: torch.save(checkpoint, f), digest=verified)
     numel = sum(v.numel() for v in state.values())
     saved_by = checkpoint['meta'].get('sharded', {}).get('world_size', '?')
+    wrote = (f'wrote {dst} (and its digest {dst}.sha256)' if verified else
+             f'wrote {dst} without a digest: {src} has no {MANIFEST_FILE}, '
+             'so nothing vouches for its shards (--unverified)')
     return (f'{src}: {len(state)} tensors, {numel:,} numbers, saved by '
             f'{saved_by} ranks at iteration {checkpoint["meta"].get("iter")}'
-            f'\nwrote {dst} (and its digest {dst}.sha256); use it as '
-            f'load_from={dst!r}')
+            f'\n{wrote}; use it as load_from={dst!r}')
+
+
+def convert(src: str, dst: str, unverified: bool = False) -> str:
+    """Consolidate ``src`` into ``dst``; returns the summary.
+
+    Raises:
+        UnverifiedSourceError: ``src`` has no ``SHA256SUMS`` and
+            ``unverified`` is False; also ``CheckpointDamagedError`` and
+            the reader's errors, before anything is written.
+        OSError: Writing ``dst`` failed; nothing is left behind.
+    """
+    checkpoint, verified = _prepare(src, dst, unverified)
+    return _write(src, dst, checkpoint, verified)
+
+
+def _why(error: BaseException) -> str:
+    """Why a write failed: the OSError behind ``error`` (``torch.save``
+    reports one as a RuntimeError of its own, "unexpected pos ...")."""
+    cause = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return cause.strerror or str(cause)
+
+
+def _fail(error, code: int) -> int:
+    message = str(error).strip().splitlines() or [type(error).__name__]
+    print(f'{PROG}: error: {message[0]}', file=sys.stderr)
+    return code
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument('src', help='sharded checkpoint directory')
     parser.add_argument('dst', help='output .pth')
+    parser.add_argument(
+        '--unverified',
+        action='store_true',
+        help=f'consolidate a SRC without {MANIFEST_FILE} (its shards cannot '
+        'be verified); DST is then written without a digest')
     args = parser.parse_args(argv)
     try:
-        print(convert(args.src, args.dst))
+        checkpoint, verified = _prepare(args.src, args.dst, args.unverified)
     except (OSError, EOFError, ValueError, RuntimeError) as e:
-        message = str(e).strip().splitlines() or [type(e).__name__]
-        print(f'fsdp2_to_pth: error: {message[0]}', file=sys.stderr)
-        return 1
+        # Refused: missing, damaged, unverified, unsafe, not a sharded
+        # checkpoint, a DST over SRC. One line, nothing written.
+        return _fail(e, 2)
+    try:
+        print(_write(args.src, args.dst, checkpoint, verified))
+    except (OSError, RuntimeError) as e:
+        # A full disk, say: the temporary file is removed, DST untouched.
+        return _fail(f'cannot write {args.dst} ({_why(e)}): nothing written',
+                     1)
     return 0
 
 
