@@ -22,7 +22,7 @@ import logging
 import os
 import os.path as osp
 import pickle
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -35,7 +35,8 @@ __all__ = [
     'check_checkpoint', 'check_checkpoint_file', 'load_checkpoint_file',
     'resolve_resume_checkpoint', 'is_sharded_checkpoint', 'SHARDED_META_FILE',
     'UnsafeCheckpointError', 'readable_checkpoint', 'newest_intact',
-    'choose_resume_checkpoint', 'say_unverified_once'
+    'choose_resume_checkpoint', 'say_unverified_once', 'checkpoint_folder',
+    'unusable_reason', 'ResumeChoice', 'find_resume_checkpoint'
 ]
 
 
@@ -195,16 +196,24 @@ def load_checkpoint_file(path: str, map_location='cpu'):
 
 def resolve_resume_checkpoint(
         work_dir: str,
-        load_from: Optional[str] = None
-) -> Tuple[Optional[str], Optional[str]]:
+        load_from: Optional[str] = None,
+        folder: Optional[str] = None) -> Tuple[Optional[str], Optional[str]]:
     """The checkpoint ``--resume`` should continue from, and why if moved.
 
     MMEngine resumes from ``load_from`` or, without it, from the absolute
     path its CheckpointHook wrote into ``<work_dir>/last_checkpoint``. A
     work dir that was moved or copied still names the original location
     there: a moved one fails to load, and a copied one silently continues
-    the *original* run. A checkpoint of that name inside ``work_dir`` is
-    what the user means, so it wins when the recorded one lies elsewhere.
+    the *original* run. A checkpoint of that name inside the run's
+    checkpoint folder is what the user means, so it wins when the recorded
+    one lies elsewhere.
+
+    Args:
+        work_dir (str): The run's work dir (holds ``last_checkpoint``).
+        load_from (str, optional): Returned as it is when given.
+        folder (str, optional): Where the run's checkpoints are: the work
+            dir, unless the CheckpointHook has an ``out_dir`` (see
+            :func:`checkpoint_folder`). Defaults to ``work_dir``.
 
     Returns:
         tuple: ``(path or None, note or None)``; the note says what was
@@ -212,6 +221,7 @@ def resolve_resume_checkpoint(
     """
     if load_from:
         return load_from, None
+    folder = folder or work_dir
     recorded_file = osp.join(work_dir, 'last_checkpoint')
     if not osp.isfile(recorded_file):
         return None, None
@@ -219,8 +229,8 @@ def resolve_resume_checkpoint(
         recorded = f.read().strip()
     if not recorded:
         return None, None
-    local = osp.join(work_dir, osp.basename(recorded))
-    same_dir = osp.abspath(osp.dirname(recorded)) == osp.abspath(work_dir)
+    local = osp.join(folder, osp.basename(recorded))
+    same_dir = osp.abspath(osp.dirname(recorded)) == osp.abspath(folder)
     if same_dir or '://' in recorded:
         return recorded, None
     if not osp.exists(local):
@@ -233,6 +243,19 @@ def resolve_resume_checkpoint(
            'is a copy of another run (which is left alone)')
     return local, (f'{recorded_file} names {recorded}, outside this work dir; '
                    f'the work dir {how}, so resuming from {local}.')
+
+
+def checkpoint_folder(cfg) -> str:
+    """Where ``cfg``'s run writes its checkpoints: MMEngine's
+    CheckpointHook writes into ``<out_dir>/<last folder of work_dir>``
+    when ``default_hooks.checkpoint.out_dir`` is set, else into the work
+    dir (``last_checkpoint`` stays in the work dir either way)."""
+    work_dir = cfg.get('work_dir')
+    hook = (cfg.get('default_hooks') or {}).get('checkpoint') or {}
+    out_dir = hook.get('out_dir') if isinstance(hook, dict) else None
+    if not out_dir or '://' in str(out_dir):
+        return work_dir
+    return osp.join(str(out_dir), osp.basename(osp.abspath(work_dir)))
 
 
 _UNVERIFIED_SAID = set()
@@ -268,8 +291,11 @@ def newest_intact(path: str) -> Optional[str]:
     return newest_intact_checkpoint(path)
 
 
-def _unusable(path: str) -> Optional[str]:
-    """Why ``path`` cannot be resumed from; None if it can."""
+def unusable_reason(path: str) -> Optional[str]:
+    """Why ``path`` cannot be resumed from (missing, damaged, without the
+    digest its siblings have, unreadable); None if it can."""
+    if not osp.exists(path):
+        return f'{path}: no such file'
     if osp.isdir(path):
         if not is_sharded_checkpoint(path):
             return f'{path} is an incomplete sharded checkpoint'
@@ -284,48 +310,77 @@ def _unusable(path: str) -> Optional[str]:
     return None
 
 
-def choose_resume_checkpoint(work_dir: str) -> Tuple[Optional[str], List[str]]:
-    """What ``--resume`` continues from, and the warnings that explain it.
+class ResumeChoice(NamedTuple):
+    """What :func:`find_resume_checkpoint` found.
+
+    Attributes:
+        path (str, optional): The checkpoint to resume from; None when
+            there is none to take.
+        notes (list[str]): Warnings that explain the choice.
+        refused (list[tuple[str, str]]): ``(checkpoint, why)`` of each
+            checkpoint of the folder that cannot be resumed from, newest
+            first; when every one is refused, ``path`` is None and these
+            say why.
+    """
+    path: Optional[str]
+    notes: List[str]
+    refused: List[Tuple[str, str]]
+
+
+def find_resume_checkpoint(work_dir: str,
+                           folder: Optional[str] = None) -> ResumeChoice:
+    """What ``--resume`` continues from, and why.
 
     MMEngine's own choice is what ``<work_dir>/last_checkpoint`` names
     (:func:`resolve_resume_checkpoint` corrects it for moved and copied
     work dirs). When that file is missing or empty, or names a checkpoint
     that is missing, fails its digest or cannot be read, the newest intact
-    ``iter_N.pth``/``epoch_N.pth`` in the work dir is taken instead, and a
-    warning says so. Every rank reads the same files and decides alike.
+    ``iter_N.pth``/``epoch_N.pth`` in ``folder`` is taken instead, and a
+    note says so. Every rank reads the same files and decides alike.
 
-    Returns:
-        tuple: ``(path or None, warnings)``. None: nothing to resume from
-        (the run starts at iteration 0, as Slurm requeues expect).
+    Args:
+        work_dir (str): The run's work dir.
+        folder (str, optional): Its checkpoint folder
+            (:func:`checkpoint_folder`). Defaults to ``work_dir``.
     """
+    folder = folder or work_dir
     notes: List[str] = []
+    refused: List[Tuple[str, str]] = []
     recorded_file = osp.join(work_dir, 'last_checkpoint')
-    path, moved = resolve_resume_checkpoint(work_dir)
+    path, moved = resolve_resume_checkpoint(work_dir, folder=folder)
     if moved:
         notes.append(moved)
     if path is None and osp.isfile(recorded_file):
         notes.append(f'{recorded_file} is empty (a save interrupted while '
                      'writing it?)')
     elif path is not None and '://' not in path:
-        why = (
-            _unusable(path) if osp.exists(path) else f'{path}: no such file')
+        why = unusable_reason(path)
         if why is None:
-            return path, notes
+            return ResumeChoice(path, notes, refused)
+        refused.append((path, why))
         notes.append(f'the latest checkpoint cannot be resumed from: {why}')
     elif path is not None:
-        return path, notes
-    fallback = None
-    for candidate in checkpoint_candidates(
-            work_dir, exclude=[path] if path else []):
-        if _unusable(candidate) is None:
-            fallback = candidate
-            break
-    if fallback is not None:
-        notes.append(f'resuming from {fallback}, the newest intact '
-                     'checkpoint in the work dir')
-    elif notes:
-        notes.append(f'no intact checkpoint in {work_dir}: starting at '
-                     'iteration 0')
+        return ResumeChoice(path, notes, refused)
+    seen = {osp.abspath(path)} if path else set()
+    for candidate in checkpoint_candidates(folder):
+        if osp.abspath(candidate) in seen:
+            continue
+        why = unusable_reason(candidate)
+        if why is None:
+            notes.append(f'resuming from {candidate}, the newest intact '
+                         'checkpoint in the work dir')
+            return ResumeChoice(candidate, notes, refused)
+        refused.append((candidate, why))
+    if refused:
+        notes.append(f'no intact checkpoint in {folder}')
     else:
-        notes.append(f'no checkpoint in {work_dir}: starting at iteration 0')
-    return fallback, notes
+        notes.append(f'no checkpoint in {folder}: starting at iteration 0')
+    return ResumeChoice(None, notes, refused)
+
+
+def choose_resume_checkpoint(
+        work_dir: str,
+        folder: Optional[str] = None) -> Tuple[Optional[str], List[str]]:
+    """:func:`find_resume_checkpoint` as ``(path or None, notes)``."""
+    choice = find_resume_checkpoint(work_dir, folder)
+    return choice.path, choice.notes

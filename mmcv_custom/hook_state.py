@@ -26,6 +26,23 @@ class HookStateKeeper(abc.ABC):
 
     #: What a restore brings back, for the log (e.g. ``'error feedback'``).
     RESTORED: str = ''
+    #: The state key that turns error feedback off when False (None: it
+    #: is always kept), for :meth:`file_bytes`.
+    FEEDBACK_KEY = None
+
+    @classmethod
+    def file_bytes(cls, params, state_kwargs: dict) -> int:
+        """About how many bytes one rank's state file takes for
+        ``params``: one copy of the trainable gradients (error feedback,
+        in their dtype), or none when ``state_kwargs`` turns feedback off.
+        The preflight counts it, times the ranks, in the room a checkpoint
+        needs; what else a keeper saves (PowerSGD's warm start) is small
+        beside it."""
+        if cls.FEEDBACK_KEY and state_kwargs.get(cls.FEEDBACK_KEY,
+                                                 True) is False:
+            return 0
+        return sum(p.numel() * p.element_size() for p in params
+                   if p.requires_grad)
 
     @abc.abstractmethod
     def wrap(self, hook: Callable) -> Callable:

@@ -431,6 +431,7 @@ class Int8StateKeeper(HookStateKeeper):
 
     #: What a restore brings back, for the log.
     RESTORED = 'error feedback'
+    FEEDBACK_KEY = 'error_feedback'
 
     def __init__(self, state: Int8State, names: Dict[torch.Tensor,
                                                      str]) -> None:

@@ -24,8 +24,18 @@ wrong weights without a word:
   project's machines (1.7 against 2.4 GB/s) and detects every corruption
   a weaker checksum would.
 
-A file written before digests existed (no ``.sha256`` beside it) still
-loads; callers say so once (INFO). Only the standard library is used here.
+A file without a digest loads only where no digests are kept: an external
+file (a ``load_from`` from elsewhere, one written before digests existed)
+loads, and callers say so once (INFO). In a folder whose other checkpoints
+carry digests, a checkpoint without one is refused like a damaged file
+(:func:`digest_kept_beside`): its digest was lost with a bad copy or a crash
+between the file and its digest, or the file was put there by hand, and
+nothing can tell its bytes from damaged ones.
+
+What the digests protect against: accidents (bit rot, a truncated or
+partial copy, a torn write, a swapped file). They do not protect against
+someone who can write the files: whoever can change a checkpoint can write
+its digest too. Only the standard library is used here.
 """
 import hashlib
 import os
@@ -40,11 +50,14 @@ __all__ = [
     'atomic_write_bytes', 'atomic_write_stream', 'atomic_write_text',
     'digest_path', 'write_digest', 'file_sha256', 'verify_file',
     'require_intact', 'temporary_name', 'is_temporary_name',
-    'remove_stale_temporaries', 'checkpoint_candidates'
+    'remove_stale_temporaries', 'checkpoint_candidates', 'MANIFEST_FILE',
+    'digest_kept_beside', 'unverified_refusal', 'process_alive'
 ]
 
 #: What a digest file's name adds to the file it vouches for.
 DIGEST_SUFFIX = '.sha256'
+#: The digest list inside a sharded checkpoint directory, one line per file.
+MANIFEST_FILE = 'SHA256SUMS'
 _CHUNK = 16 << 20
 _TMP_RE = re.compile(r'^\..+\.\d+-[0-9a-f]{8}\.tmp$')
 
@@ -58,9 +71,10 @@ class Verification(NamedTuple):
 
     Attributes:
         status (str): ``'ok'`` (matches its digest), ``'no_digest'``
-            (nothing to check against: written before digests, or by
-            another tool), ``'damaged'`` (differs from its digest, or the
-            digest file is unreadable) or ``'missing'``.
+            (nothing to check against, where no digests are kept: written
+            before digests, or by another tool), ``'damaged'`` (differs
+            from its digest, the digest file is unreadable, or it has none
+            where its siblings have one) or ``'missing'``.
         message (str): One line that names the file and what was found.
     """
     status: str
@@ -109,7 +123,7 @@ def _sync_to_disk() -> bool:
     return os.environ.get('MMCV_CUSTOM_FSYNC', '0') not in ('', '0')
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether a process ``pid`` runs on this machine (one we may not
     signal counts: it exists)."""
     try:
@@ -148,7 +162,7 @@ def remove_stale_temporaries(path: str) -> List[str]:
         if not match:
             continue
         pid = int(match.group(1))
-        if pid == os.getpid() or _process_alive(pid):
+        if pid == os.getpid() or process_alive(pid):
             continue
         stale = osp.join(folder, name)
         try:
@@ -305,6 +319,9 @@ def verify_file(path: str) -> Verification:
             'damaged', f'{path}: its digest file {digest_path(path)} is '
             f'damaged ({e})')
     if recorded is None:
+        refused = unverified_refusal(path)
+        if refused is not None:
+            return refused
         return Verification(
             'no_digest', f'{path} has no {DIGEST_SUFFIX} digest beside it '
             '(written before checkpoints had digests, or by another tool): '
@@ -333,6 +350,51 @@ def require_intact(
                 if other else '')
         raise CheckpointDamagedError(result.message + hint)
     return result
+
+
+def digest_kept_beside(path: str) -> Optional[str]:
+    """A checkpoint beside ``path`` (in its folder, not ``path`` itself)
+    that carries a digest: a ``.pth`` file with its ``.sha256``, or a
+    ``.pth`` directory with its :data:`MANIFEST_FILE`; None if there is
+    none. Where one is found, the folder keeps digests, and a file there
+    without one cannot be told from a damaged one."""
+    path = osp.normpath(os.fspath(path))
+    folder, own = osp.split(path)
+    try:
+        names = sorted(os.listdir(folder or '.'))
+    except OSError:
+        return None
+    present = set(names)
+    # A checkpoint's own name first (iter_8.pth before the hook state
+    # files beside it), so that a message names one.
+    names.sort(key=lambda n: not _STEP_RE.match(n))
+    for name in names:
+        if name == own or not name.endswith('.pth'):
+            continue
+        entry = osp.join(folder, name)
+        if name + DIGEST_SUFFIX in present or (osp.isdir(entry) and osp.isfile(
+                osp.join(entry, MANIFEST_FILE))):
+            return entry
+    return None
+
+
+def unverified_refusal(path: str) -> Optional[Verification]:
+    """The refusal of ``path``, which has no digest, when its siblings
+    have one (see :func:`digest_kept_beside`); None where none do."""
+    witness = digest_kept_beside(path)
+    if witness is None:
+        return None
+    name = osp.basename(osp.normpath(path))
+    what = (MANIFEST_FILE if osp.isdir(path) else f'{DIGEST_SUFFIX} digest')
+    trust = (f'cd {osp.dirname(osp.normpath(path)) or "."} && sha256sum '
+             f'{name} > {name}{DIGEST_SUFFIX}' if not osp.isdir(path) else
+             f'write its {MANIFEST_FILE} with sha256sum')
+    return Verification(
+        'damaged', f'{path} has no {what}, but the checkpoints beside it '
+        f'carry digests (e.g. {osp.basename(witness)}), so it cannot be '
+        'verified: its digest was lost (a copy without it, a crash between '
+        'the file and its digest) or it was put there by hand. Refused as '
+        f'if damaged; if you trust its bytes, {trust}')
 
 
 _STEP_RE = re.compile(r'^(?:iter|epoch)_(\d+)\.pth$')

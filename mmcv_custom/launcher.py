@@ -310,9 +310,12 @@ def prepare_launch(cfg: Config,
 
 def restart_count() -> int:
     """How many times this run was restarted after a failure: torchrun's
-    ``TORCHELASTIC_RESTART_COUNT`` (``--max-restarts``), or
-    ``MMCV_CUSTOM_RESTART_COUNT`` (``tools/slurm_train.sh``'s loop)."""
-    for name in ('TORCHELASTIC_RESTART_COUNT', 'MMCV_CUSTOM_RESTART_COUNT'):
+    ``TORCHELASTIC_RESTART_COUNT`` (``--max-restarts``),
+    ``MMCV_CUSTOM_RESTART_COUNT`` (``tools/slurm_train.sh``'s loop), or
+    ``SLURM_RESTART_COUNT`` (a job Slurm requeued: ``scontrol requeue``,
+    ``--requeue`` after a node failure)."""
+    for name in ('TORCHELASTIC_RESTART_COUNT', 'MMCV_CUSTOM_RESTART_COUNT',
+                 'SLURM_RESTART_COUNT'):
         value = os.environ.get(name, '').strip()
         if value.isdigit() and int(value) > 0:
             return int(value)
@@ -366,11 +369,13 @@ def run_runner(cfg: Config, method: str, notes=()) -> None:
     On rank 0 the console (see :mod:`mmcv_custom.engine.console`) opens
     with a header (config, work dir, log file, ranks) and closes with a
     summary (metrics, checkpoints, what the comm hook saved, wall time).
-    ``notes`` are warnings decided before the runner existed (e.g. which
-    checkpoint ``--resume`` fell back to), logged once on rank 0 into the
-    run's log file. A ``load_from`` that is not a resume is first compared
-    with the model (:mod:`mmcv_custom.engine.load_report`). Training
-    resumed at its end says there is nothing left to train and returns.
+    ``notes`` are what was decided before the runner existed (e.g. which
+    checkpoint ``--resume`` fell back to): lines logged as warnings, or
+    ``(logging level, line)``; logged once on rank 0, into the run's log
+    file and on the console. A ``load_from`` that is not a resume is first
+    compared with the model (:mod:`mmcv_custom.engine.load_report`).
+    Training resumed at its end says there is nothing left to train and
+    returns.
     """
     from .engine.console import current_console, header_text, summary_text
     from .engine.load_report import load_from_min_match, report_load_from
@@ -389,7 +394,9 @@ def run_runner(cfg: Config, method: str, notes=()) -> None:
             runner.logger.info(header)
         if main_process:
             for note in notes:
-                runner.logger.warning(note)
+                level, text = ((logging.WARNING,
+                                note) if isinstance(note, str) else note)
+                runner.logger.log(level, text)
         load_from = cfg.get('load_from')
         if load_from and not cfg.get('resume') and '://' not in str(
                 load_from) and os.path.isfile(load_from):
@@ -409,6 +416,7 @@ def run_runner(cfg: Config, method: str, notes=()) -> None:
     except BaseException as exc:
         if console:
             console.note_failure()
+        _after_failure(runner)
         # The traceback's frames (the loops', the hooks') hold the runner:
         # drop their locals, or the model would outlive the group.
         _clear_frames(exc)
@@ -416,6 +424,22 @@ def run_runner(cfg: Config, method: str, notes=()) -> None:
     finally:
         del runner
         shutdown_distributed()
+
+
+def _after_failure(runner) -> None:
+    """Let the hooks that have an ``after_failure(runner)`` method (this
+    project's; MMEngine has no such stage) undo what the failure left
+    half done, e.g. the hook state files of a checkpoint whose save
+    failed. Their own errors are logged, not raised over the failure."""
+    for hook in getattr(runner, 'hooks', ()):
+        undo = getattr(hook, 'after_failure', None)
+        if not callable(undo):
+            continue
+        try:
+            undo(runner)
+        except Exception as e:  # the run's failure is what to report
+            runner.logger.warning(f'{type(hook).__name__}.after_failure '
+                                  f'failed too: {e!r}')
 
 
 def _clear_frames(exc: BaseException) -> None:

@@ -291,6 +291,7 @@ class PowerSGDRelayout(HookStateKeeper):
 
     #: What a restore brings back, for the log.
     RESTORED = 'error feedback, warm start, iteration counter'
+    FEEDBACK_KEY = 'use_error_feedback'
 
     def fresh_note(self, steps_done: int) -> str:
         """What :meth:`start_fresh` means for the run, for the log."""

@@ -48,19 +48,20 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from mmengine.config import Config
 
 from .checkpoint import (UnsafeCheckpointError, check_checkpoint_file,
                          is_sharded_checkpoint)
 from .integrity import CheckpointDamagedError
-from .launcher import LAUNCH_ENV
+from .launcher import LAUNCH_ENV, uses_fsdp2
 
 __all__ = [
     'Problem', 'PreflightError', 'preflight', 'check_preflight',
     'checked_config', 'format_problems', 'estimate_checkpoint_bytes',
-    'preflight_report', 'exit_on_problems'
+    'checkpoint_size', 'CheckpointSize', 'format_size', 'preflight_report',
+    'exit_on_problems'
 ]
 
 _GIB = 1024**3
@@ -138,11 +139,13 @@ class PreflightError(RuntimeError):
         super().__init__(format_problems(self.problems))
 
 
-def preflight(cfg: Config,
-              mode: str = 'train',
-              resume_checkpoint: Optional[str] = None,
-              test_checkpoint: Optional[str] = None,
-              launcher: str = 'none') -> List[Problem]:
+def preflight(
+    cfg: Config,
+    mode: str = 'train',
+    resume_checkpoint: Optional[str] = None,
+    test_checkpoint: Optional[str] = None,
+    launcher: str = 'none',
+    first: Sequence[Problem] = ()) -> List[Problem]:
     """Every problem that would stop ``cfg``'s run, without starting it.
 
     Args:
@@ -152,11 +155,14 @@ def preflight(cfg: Config,
             validation data when validation is configured, ``load_from``,
             pretrained files, room for a checkpoint) or ``'test'``
             (``tools/test.py``: the test data). Defaults to ``'train'``.
-        resume_checkpoint (str, optional): What ``--resume`` takes when
-            ``load_from`` is not set.
+        resume_checkpoint (str, optional): The checkpoint the run resumes
+            from (``load_from`` itself is then not checked a second time).
         test_checkpoint (str, optional): ``tools/test.py``'s CHECKPOINT.
         launcher (str): The tool's ``--launcher``, whose environment is
             checked. Defaults to ``'none'``.
+        first (Sequence[Problem]): Problems the caller found already (where
+            the run would start, see :mod:`mmcv_custom.run_start`), said
+            first.
 
     Returns:
         list[Problem]: Empty when nothing was found.
@@ -167,7 +173,7 @@ def preflight(cfg: Config,
     if mode not in _MODES:
         raise ValueError(f"mode should be 'train' or 'test', but got "
                          f'{mode!r}')
-    problems = _launcher_problems(launcher)
+    problems = list(first) + _launcher_problems(launcher)
     imports = _import_problems(cfg)
     problems += imports
     # Hook types are looked up only once their modules are imported.
@@ -178,7 +184,7 @@ def preflight(cfg: Config,
         # Runner.train initialises the weights (loading these) even when
         # it then resumes; Runner.test does not.
         problems += _pretrained_problems(cfg.get('model'))
-        if cfg.get('load_from'):
+        if cfg.get('load_from') and cfg.load_from != resume_checkpoint:
             problems += _checkpoint_problems(
                 cfg.load_from, 'load_from',
                 'correct the path, or leave load_from out')
@@ -191,7 +197,7 @@ def preflight(cfg: Config,
             test_checkpoint, 'checkpoint',
             'give a checkpoint file (or sharded checkpoint directory) '
             'that tools/train.py wrote')
-    problems += _work_dir_problems(cfg, mode)
+    problems += _work_dir_problems(cfg, mode, launcher)
     return problems
 
 
@@ -332,17 +338,22 @@ def _comm_hook_problems(cfg: Config) -> List[Problem]:
     comm_hook = cfg.get('comm_hook')
     if comm_hook is None:
         return []
-    from .comm.builder import check_comm_hook_cfg
+    from .comm.builder import CommHookConfigError, check_comm_hook_cfg
     from .comm.sharded import build_sharded_comm
-    from .launcher import uses_fsdp2
 
     # Under FSDP2, also whether the type has a sharded form.
     check = build_sharded_comm if uses_fsdp2(cfg) else check_comm_hook_cfg
     try:
         check(comm_hook)
     except (KeyError, TypeError, ValueError) as e:
-        message = e.args[0] if isinstance(e, KeyError) and e.args else e
-        return [Problem(str(message))]
+        # Every bad value, one problem each.
+        errors = e.errors if isinstance(e, CommHookConfigError) else [e]
+        return [
+            Problem(
+                str(err.args[0]
+                    if isinstance(err, KeyError) and err.args else err))
+            for err in errors
+        ]
     return []
 
 
@@ -695,10 +706,59 @@ def _optimizer_states(cfg: Config) -> int:
     return _OPTIMIZER_STATES.get(name, 0)
 
 
-def estimate_checkpoint_bytes(cfg: Config) -> Optional[int]:
-    """About how large one checkpoint of ``cfg``'s run is: the model's
-    parameters and buffers in their dtypes, plus the optimizer's state per
-    trainable parameter (two for Adam/AdamW).
+class CheckpointSize(NamedTuple):
+    """What one save of a run writes, in bytes (see
+    :func:`checkpoint_size`)."""
+    weights: int  # parameters and buffers, in their dtypes
+    optimizer: int  # the optimizer's state per trainable parameter
+    hook_state: int  # every rank's communication-hook state file
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.optimizer + self.hook_state
+
+    def describe(self) -> str:
+        parts = [f'weights {format_size(self.weights)}']
+        if self.optimizer:
+            parts.append(f'optimizer state {format_size(self.optimizer)}')
+        if self.hook_state:
+            parts.append('communication-hook state files '
+                         f'{format_size(self.hook_state)}')
+        return ', '.join(parts)
+
+
+def format_size(size: float) -> str:
+    """``size`` bytes for a message: GiB from 1 GiB, MiB below (so that a
+    small model's checkpoint is not "0.0 GiB")."""
+    if size >= _GIB:
+        return f'{size / _GIB:.1f} GiB'
+    return f'{size / 2**20:.1f} MiB'
+
+
+def _hook_state_bytes(cfg: Config, params, world_size: int) -> int:
+    """Every rank's hook state file for one save: the keeper of the
+    ``comm_hook``'s record says how large one is (no table by hook)."""
+    comm_hook = cfg.get('comm_hook')
+    if not isinstance(comm_hook, dict) or uses_fsdp2(cfg):
+        return 0
+    try:
+        from .comm.builder import check_comm_hook_cfg, hook_record
+        keeper = hook_record(comm_hook.get('type')).state_keeper
+        if keeper is None:
+            return 0
+        state_kwargs = check_comm_hook_cfg(comm_hook)['state_kwargs']
+    except (KeyError, TypeError, ValueError):
+        return 0  # said as a comm_hook problem
+    return world_size * keeper.file_bytes(params, state_kwargs)
+
+
+def checkpoint_size(cfg: Config,
+                    world_size: int = 1) -> Optional[CheckpointSize]:
+    """About how large one save of ``cfg``'s run is: the model's
+    parameters and buffers in their dtypes, the optimizer's state per
+    trainable parameter (two for Adam/AdamW), and the state file every one
+    of ``world_size`` ranks writes beside it for a stateful ``comm_hook``
+    (int8's and PowerSGD's error feedback).
 
     The model is built on the meta device, so no memory is allocated
     (InternViT-6B: about a second). Returns None when it cannot be built
@@ -724,46 +784,90 @@ def estimate_checkpoint_bytes(cfg: Config) -> Optional[int]:
                         if p.requires_grad)
     except Exception:
         return None
-    return size + _optimizer_states(cfg) * trainable
+    return CheckpointSize(size,
+                          _optimizer_states(cfg) * trainable,
+                          _hook_state_bytes(cfg, params, world_size))
 
 
-def _work_dir_problems(cfg: Config, mode: str) -> List[Problem]:
-    work_dir = cfg.get('work_dir')
-    if not isinstance(work_dir, str) or not work_dir or '://' in work_dir:
-        return []
-    fix = 'choose another --work-dir'
-    existing = osp.abspath(work_dir)
+def estimate_checkpoint_bytes(cfg: Config,
+                              world_size: int = 1) -> Optional[int]:
+    """:func:`checkpoint_size`'s total; None where it is unknown."""
+    size = checkpoint_size(cfg, world_size)
+    return None if size is None else size.total
+
+
+def _world_size(launcher: str) -> int:
+    """The ranks of this launch, from its launcher's environment (1 when
+    it says none)."""
+    env = LAUNCH_ENV.get(launcher)
+    value = os.environ.get(env.world, '') if env else ''
+    return int(value) if value.strip().isdigit() else 1
+
+
+def _folder_problems(key: str,
+                     folder: str) -> Tuple[List[Problem], Optional[str]]:
+    """Whether ``folder`` (a work dir, or the checkpoint folder) can be
+    made and written; returns the problems and its nearest existing
+    folder (None with a problem)."""
+    fix = ('choose another --work-dir' if key == 'work_dir' else
+           f'set {key} to another folder (--cfg-options {key}=PATH)')
+    what = 'work dir' if key == 'work_dir' else 'folder'
+    existing = osp.abspath(folder)
     while not osp.exists(existing):
         existing = osp.dirname(existing)
     if not osp.isdir(existing):
         return [
             Problem(
-                f'work_dir {work_dir!r}: {existing} is a file, not a '
-                'folder, so the work dir cannot be '
-                f'{"used" if existing == osp.abspath(work_dir) else "made"}',
+                f'{key} {folder!r}: {existing} is a file, not a folder, so '
+                f'the {what} cannot be '
+                f'{"used" if existing == osp.abspath(folder) else "made"}',
                 fix)
-        ]
+        ], None
     try:
         # A real write (read-only mounts, ACLs), removed at once.
         os.rmdir(tempfile.mkdtemp(prefix='.preflight-', dir=existing))
     except OSError as e:
         return [
             Problem(
-                f'work_dir {work_dir!r}: cannot write in {existing} '
+                f'{key} {folder!r}: cannot write in {existing} '
                 f'({e.strerror})', f'{fix} (one you can write to)')
-        ]
-    if mode != 'train':
+        ], None
+    return [], existing
+
+
+def _work_dir_problems(cfg: Config,
+                       mode: str,
+                       launcher: str = 'none') -> List[Problem]:
+    """The work dir, and the checkpoint folder (``out_dir``) when it is
+    elsewhere: writable, and (training) room for one save."""
+    work_dir = cfg.get('work_dir')
+    if not isinstance(work_dir, str) or not work_dir or '://' in work_dir:
         return []
-    need = estimate_checkpoint_bytes(cfg)
+    problems, existing = _folder_problems('work_dir', work_dir)
+    if problems or mode != 'train':
+        return problems
+    key = 'work_dir'
+    hook = (cfg.get('default_hooks') or {}).get('checkpoint') or {}
+    out_dir = hook.get('out_dir') if isinstance(hook, dict) else None
+    if out_dir and '://' not in str(out_dir):
+        key = 'default_hooks.checkpoint.out_dir'
+        problems, existing = _folder_problems(key, str(out_dir))
+        if problems:
+            return problems
+        fix = f'free space there, or set {key} to a disk with room'
+    else:
+        fix = 'free space there, or choose another --work-dir on a disk ' \
+              'with room'
+    need = checkpoint_size(cfg, _world_size(launcher))
     if need is None:
         return []
     free = shutil.disk_usage(existing).free
-    if need <= free:
+    if need.total <= free:
         return []
+    where = work_dir if key == 'work_dir' else out_dir
     return [
         Problem(
-            f'work_dir {work_dir!r}: {free / _GIB:.1f} GiB free on its '
-            f'disk, but one checkpoint of this model takes about '
-            f'{need / _GIB:.1f} GiB (weights and optimizer state)',
-            f'free space there, or {fix} on a disk with room')
+            f'{key} {where!r}: {format_size(free)} free on its disk, but '
+            f'one checkpoint of this run takes about '
+            f'{format_size(need.total)} ({need.describe()})', fix)
     ]

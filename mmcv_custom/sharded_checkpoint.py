@@ -36,9 +36,9 @@ import torch
 from .checkpoint import (SHARDED_META_FILE, UnsafeCheckpointError,
                          is_sharded_checkpoint, load_checkpoint_file,
                          say_unverified_once)
-from .integrity import (CheckpointDamagedError, Verification,
+from .integrity import (MANIFEST_FILE, CheckpointDamagedError, Verification,
                         atomic_write_text, checkpoint_candidates, file_sha256,
-                        verify_file)
+                        unverified_refusal, verify_file)
 
 __all__ = [
     'safe_load_planner', 'safe_dcp_load', 'consolidate_sharded_checkpoint',
@@ -47,9 +47,6 @@ __all__ = [
     'require_intact_sharded'
 ]
 
-#: The file of a sharded checkpoint directory that holds the SHA-256 of
-#: every other file in it, in ``sha256sum``'s format.
-MANIFEST_FILE = 'SHA256SUMS'
 _MANIFEST_LINE = re.compile(r'^([0-9a-f]{64}) [ *](\S.*)$')
 _DCP_METADATA = '.metadata'
 
@@ -176,7 +173,8 @@ def verify_sharded_checkpoint(
         bad file (missing, or not its recorded SHA-256: truncated or
         flipped bytes) or the unreadable manifest; ``no_digest`` for a
         directory without a manifest (written before manifests) whose
-        shards are all there at their recorded sizes; ``missing`` when
+        shards are all there at their recorded sizes, where no checkpoint
+        beside it carries digests (else it is ``damaged``); ``missing`` when
         ``path`` is not a directory, or holds neither a manifest nor DCP's
         ``.metadata`` (the caller says what it expected).
     """
@@ -195,6 +193,9 @@ def verify_sharded_checkpoint(
         damage = _structural_damage(path)
         if damage is not None:
             return Verification('damaged', damage)
+        refused = unverified_refusal(path)
+        if refused is not None:
+            return refused
         return Verification(
             'no_digest', f'{path} has no {MANIFEST_FILE} (written before '
             'sharded checkpoints had digests): loaded unverified')

@@ -40,11 +40,12 @@ class KillOnceHook(Hook):
 @HOOKS.register_module()
 class KillAtRandomHook(Hook):
     """SIGKILL one rank at a random moment in each attempt of a run that
-    torchrun restarts, one kill per entry of ``moments``.
+    dist_train.sh restarts, one kill per entry of ``moments``.
 
-    Attempt ``n`` (``TORCHELASTIC_RESTART_COUNT``) dies as ``moments[n]``
-    says, at a rank, an iteration (one to three past where the attempt
-    resumed) and a delay drawn from ``random.Random(seed * 1000 + n)``:
+    Attempt ``n`` (:func:`mmcv_custom.launcher.restart_count`) dies as
+    ``moments[n]`` says, at a rank, an iteration (one to three past where
+    the attempt resumed) and a delay drawn from
+    ``random.Random(seed * 1000 + n)``:
 
     * ``timer``: a timer fires up to ``max_delay`` seconds into that
       iteration: in the forward or backward pass, the hooks'
@@ -72,7 +73,9 @@ class KillAtRandomHook(Hook):
 
     def before_train(self, runner):
         import random
-        attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
+
+        from mmcv_custom.launcher import restart_count
+        attempt = restart_count()
         if attempt >= len(self.moments):
             return
         rng = random.Random(self.seed * 1000 + attempt)
@@ -124,3 +127,36 @@ class KillAtRandomHook(Hook):
                 self._die(f': {osp.basename(path)} without its digest')
 
             integrity.write_digest = renamed
+
+
+@HOOKS.register_module()
+class FillDiskHook(Hook):
+    """Fill the disk of ``folder`` on rank 0 just before the checkpoint of
+    iteration ``at_iter`` is saved (a real ``ENOSPC``: the test mounts a
+    small tmpfs there), so that the save fails as on a full disk."""
+
+    priority = 'HIGHEST'  # before the hook state files and the save
+
+    def __init__(self, at_iter: int, folder: str):
+        self.at_iter, self.folder = at_iter, folder
+
+    def after_train_iter(self,
+                         runner,
+                         batch_idx,
+                         data_batch=None,
+                         outputs=None):
+        if runner.iter + 1 != self.at_iter or get_rank() != 0:
+            return
+        import shutil
+
+        # Leave room for the hook state files (written first), not for
+        # the checkpoint: the save of iter_N.pth itself fails.
+        keep = int(os.environ.get('FILL_DISK_KEEP', '0'))
+        with open(osp.join(self.folder, 'filler'), 'wb') as f:
+            while shutil.disk_usage(self.folder).free > keep:
+                want = shutil.disk_usage(self.folder).free - keep
+                try:
+                    f.write(b'\0' * min(want, 1 << 20))
+                    f.flush()
+                except OSError:
+                    break

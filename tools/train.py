@@ -43,21 +43,24 @@ import contextlib
 import logging
 import os
 import sys
+from typing import Optional
 
 import torch
 from mmengine.config import Config, DictAction
 from mmengine.logging import print_log
 
 import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
-from mmcv_custom.checkpoint import (choose_resume_checkpoint,
-                                    is_sharded_checkpoint)
+from mmcv_custom.checkpoint import checkpoint_folder, is_sharded_checkpoint
 from mmcv_custom.engine.console import ToolConsole, report_failure
+from mmcv_custom.engine.hook_state_files import remove_orphan_state_files
 from mmcv_custom.integrity import CheckpointDamagedError
 from mmcv_custom.launcher import (is_launch_rank0, prepare_launch,
                                   restart_count, run_runner, uses_fsdp2)
-from mmcv_custom.preflight import (PreflightError, check_preflight,
+from mmcv_custom.preflight import (PreflightError, Problem, check_preflight,
                                    checked_config, exit_on_problems)
+from mmcv_custom.run_start import apply_start_plan, plan_start
 from mmcv_custom.sharded_checkpoint import consolidated_file
+from mmcv_custom.work_dir_lock import WorkDirBusy, WorkDirLock
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
 
@@ -71,6 +74,14 @@ def parse_args():
         action='store_true',
         default=False,
         help='resume from the latest checkpoint in the work_dir automatically')
+    parser.add_argument(
+        '--overwrite',
+        action='store_true',
+        default=False,
+        help='start again in a work dir that holds checkpoints of an earlier '
+        'run: they are moved into superseded_<newest>/ there (with '
+        '--resume and an older load_from: go back to it, moving the '
+        'checkpoints after it)')
     parser.add_argument(
         '--amp',
         action='store_true',
@@ -171,52 +182,91 @@ def main():
                                       'CPUAmpOptimWrapper')
             cfg.optim_wrapper.loss_scale = 'dynamic'
 
-    restart = restart_count()
-    if restart and not args.resume:
-        # A restart after a failure (torchrun's --max-restarts, or the
-        # Slurm script's loop) continues the run it restarts.
-        args.resume = True
-    cfg.resume = args.resume
-    # What the runner will load: load_from (fine-tuning, or the checkpoint
-    # to resume from), else with --resume the latest one in the work dir.
-    checkpoint = cfg.get('load_from')
-    notes = []
-    resume_from = None
-    if not checkpoint and args.resume:
-        # MMEngine's choice (what <work_dir>/last_checkpoint names), unless
-        # the work dir was moved or copied (then its own copy), or that
-        # checkpoint is missing, damaged or unreadable (then the newest
-        # intact one); none: a fresh start, said as a warning.
-        checkpoint, notes = choose_resume_checkpoint(cfg.work_dir)
-        if restart:
-            notes.insert(
-                0, f'restart {restart} after a failure: resuming '
-                'from the newest intact checkpoint')
-        resume_from = checkpoint
-        # The notes go to the log file (and console) once the runner's
-        # logger exists: run_runner logs them on rank 0.
-    # Data, pretrained files, that checkpoint and the work dir, all named
-    # at once, before the model, the process group or the runner exists.
+    # Where the run starts (its own newest checkpoint wins over load_from;
+    # a new run does not overwrite an older one): read the same way on
+    # every rank, before the process group exists.
+    plan = plan_start(cfg, args.resume, restart_count(), args.overwrite)
+    # One run per work dir, held by global rank 0 (which writes it) until
+    # the run ends.
+    lock = WorkDirLock(cfg.work_dir) if is_launch_rank0() else None
     try:
+        busy = _take(lock)
+        # Data, pretrained files, the checkpoint to load and the work dir,
+        # all named at once, before the model, the process group or the
+        # runner exists.
+        if busy is not None:
+            raise PreflightError([busy])
+        cfg.load_from = plan.load_from
         check_preflight(
             cfg,
             'train',
-            resume_checkpoint=resume_from,
-            launcher=args.launcher)
+            resume_checkpoint=plan.load_from if plan.resume else None,
+            launcher=args.launcher,
+            first=plan.problems)
     except PreflightError as e:
+        if lock is not None:
+            lock.release()
         # Every rank stops; one per node says why (exit 2, as for usage).
         exit_on_problems(e, 'train.py', args.launcher)
-    if resume_from:
-        cfg.load_from = resume_from  # what MMEngine resumes from
-    elif args.resume and not checkpoint:
-        cfg.resume = False
+    try:
+        _train(cfg, args, plan, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _take(lock: Optional[WorkDirLock]) -> Optional[Problem]:
+    """Take the work dir's lock; the problem when another run holds it."""
+    if lock is None:
+        return None
+    try:
+        lock.acquire()
+    except WorkDirBusy as e:
+        return Problem(
+            str(e), 'wait for that run to end or stop it, or choose another '
+            '--work-dir')
+    return None
+
+
+def _lock_notes(lock: Optional[WorkDirLock], restart: int) -> list:
+    """What the log says about the lock: a file system without locks, or
+    a holder that never released it (an earlier attempt of this run, on a
+    restart)."""
+    if lock is None:
+        return []
+    notes = []
+    if lock.unsupported:
+        notes.append((logging.WARNING, lock.unsupported))
+    stale = lock.stale_note()
+    if stale:
+        notes.append((logging.INFO if restart else logging.WARNING, stale))
+    return notes
+
+
+def _train(cfg: Config, args, plan, lock: Optional[WorkDirLock]) -> None:
+    """Everything after the preflight: the launch, the start plan's
+    moves, the runner."""
+    cfg.resume = plan.resume
     add_comm_hook_runner_hook(cfg)
     add_random_state_hook(cfg)
     prepare_launch(cfg, args.launcher)
+    apply_start_plan(plan, is_launch_rank0())
+    checkpoint = cfg.load_from = plan.load_from
+    notes = _lock_notes(lock, restart_count()) + plan.notes
+    if lock is not None and lock.held:
+        # What a save that failed or was killed left (the lock keeps any
+        # other run from saving here now).
+        orphans = remove_orphan_state_files(checkpoint_folder(cfg))
+        if orphans:
+            notes.append(
+                (logging.WARNING,
+                 (f'removed {len(orphans)} communication-hook state files '
+                  'whose checkpoint is missing (a save that failed or was '
+                  f'killed): {", ".join(map(os.path.basename, orphans))}')))
     sharded = (
         checkpoint and is_sharded_checkpoint(checkpoint)
         and not uses_fsdp2(cfg))
-    if sharded and args.resume:
+    if sharded and plan.resume:
         raise ValueError(
             f'{checkpoint} is a sharded checkpoint of FSDP2Strategy: it '
             'resumes under an FSDP2 config only (its optimizer state is '

@@ -15,7 +15,7 @@ runner hook calls it at the start of every run, distributed or not);
 """
 import dataclasses
 import inspect
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from .telemetry import CommCounter, _count_baseline, _count_wire
 
 __all__ = [
     'CommHookSpec', 'check_comm_hook_cfg', 'build_comm_hook', 'hook_record',
-    'describe_sent_as_they_are'
+    'describe_sent_as_they_are', 'CommHookConfigError'
 ]
 
 _WRAPPERS: Dict[str, Callable] = {
@@ -157,51 +157,97 @@ def _factory_args(factory: Callable, state_kwargs: dict) -> dict:
     return args
 
 
-def _run_args_check(factory: Callable, hook_type: str,
-                    state_kwargs: dict) -> None:
+def _run_args_check(factory: Callable, hook_type: str, state_kwargs: dict,
+                    given: Sequence[str]) -> List[Exception]:
+    """The errors of the factory's ``check_args``, every bad value named.
+
+    The ``given`` keys are checked together first; when that fails, each
+    is checked beside the defaults, and one that fails alone is checked
+    again beside the other given keys that do not (a rule between keys,
+    such as PowerSGD's ``start_powerSGD_iter=1`` that needs
+    ``use_error_feedback=False``, may need them). Then the good keys
+    together, for the rules between them.
+    """
     check = getattr(factory, 'check_args', None)
     if check is None:
-        return
-    try:
-        check(_factory_args(factory, state_kwargs))
-    except TypeError as e:
-        raise TypeError(f'comm_hook {hook_type}: {e}') from e
-    except ValueError as e:
-        raise ValueError(f'comm_hook {hook_type}: {e}') from e
+        return []
+
+    def run(kwargs: dict) -> Optional[Exception]:
+        try:
+            check(_factory_args(factory, kwargs))
+        except TypeError as e:
+            return TypeError(f'comm_hook {hook_type}: {e}')
+        except ValueError as e:
+            return ValueError(f'comm_hook {hook_type}: {e}')
+        return None
+
+    whole = run(state_kwargs)
+    if whole is None:
+        return []
+    defaults = {k: v for k, v in state_kwargs.items() if k not in given}
+    alone = {}
+    for key in given:
+        error = run(dict(defaults, **{key: state_kwargs[key]}))
+        if error is not None:
+            alone[key] = error
+    errors, bad = [], set()
+    for key, error in alone.items():
+        others = {k: v for k, v in state_kwargs.items() if k not in alone}
+        if run(dict(others, **{key: state_kwargs[key]})) is not None:
+            errors.append(error)
+            bad.add(key)
+    good = {k: v for k, v in state_kwargs.items() if k not in bad}
+    together = run(good) if bad else whole
+    if together is not None and str(together) not in map(str, errors):
+        errors.append(together)
+    return errors
 
 
-def _check_wrapper(hook_type: Any, wrapper: Any, record: HookRecord) -> None:
-    """A known wrapper, and none around a hook that already rounds."""
+def _check_wrapper(hook_type: Any, wrapper: Any,
+                   record: Optional[HookRecord]) -> List[Exception]:
+    """A known wrapper, and none around a hook that already rounds
+    (``record``: None while the hook is unknown)."""
     if wrapper is not None and wrapper not in _WRAPPERS:
-        raise ValueError(
-            "comm_hook wrapper should be 'fp16', 'bf16' or None, but got "
-            f'{wrapper!r}')
-    if wrapper is not None and record.half_precision:
-        raise ValueError(
-            f"comm_hook type {hook_type!r} already reduces in "
-            f'{record.wire}, so wrapper={wrapper!r} would '
-            "round twice. Use type='allreduce' with the wrapper, or drop "
-            'the wrapper.')
-    if wrapper is not None and record.quantizes:
-        raise ValueError(f"comm_hook type {hook_type!r} already quantizes to "
-                         f'{record.wire}, so wrapper={wrapper!r} would '
-                         'round twice. Drop the wrapper.')
+        return [
+            ValueError(
+                "comm_hook wrapper should be 'fp16', 'bf16' or None, but got "
+                f'{wrapper!r}')
+        ]
+    if wrapper is not None and record is not None and record.half_precision:
+        return [
+            ValueError(
+                f"comm_hook type {hook_type!r} already reduces in "
+                f'{record.wire}, so wrapper={wrapper!r} would '
+                "round twice. Use type='allreduce' with the wrapper, or drop "
+                'the wrapper.')
+        ]
+    if wrapper is not None and record is not None and record.quantizes:
+        return [
+            ValueError(f"comm_hook type {hook_type!r} already quantizes to "
+                       f'{record.wire}, so wrapper={wrapper!r} would '
+                       'round twice. Drop the wrapper.')
+        ]
+    return []
 
 
 def _check_state_keys(hook_type: Any, wrapper: Optional[str],
-                      record: HookRecord, state_kwargs: dict) -> tuple:
+                      record: HookRecord,
+                      state_kwargs: dict) -> Tuple[tuple, List[Exception]]:
     """Check the state keys by the factory's signature and its
     ``check_args``, after adding the defaults the record sets (in place).
-    Returns the names of the defaults added."""
+    Returns the names of the defaults added and every error found."""
     factory = _lookup_state_factory(hook_type)
     if factory is None:
         if state_kwargs:
-            raise TypeError(
-                f'comm_hook type {hook_type!r} takes no arguments besides '
-                f'type and wrapper, but got {sorted(state_kwargs)}. Register '
-                f'a state factory in COMM_HOOK_STATES under {hook_type!r} '
-                'for a stateful hook.')
-        return ()
+            return (), [
+                TypeError(
+                    f'comm_hook type {hook_type!r} takes no arguments '
+                    f'besides type and wrapper, but got '
+                    f'{sorted(state_kwargs)}. Register a state factory in '
+                    f'COMM_HOOK_STATES under {hook_type!r} for a stateful '
+                    'hook.')
+            ]
+        return (), []
     params = inspect.signature(factory).parameters
     valid = [
         n for n, p in params.items()
@@ -210,18 +256,51 @@ def _check_state_keys(hook_type: Any, wrapper: Optional[str],
     ]
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     unknown = sorted(k for k in state_kwargs if k not in valid)
+    errors: List[Exception] = []
     if 'process_group' in state_kwargs or (unknown and not takes_any):
-        raise TypeError(
-            f'comm_hook type {hook_type!r} got unexpected keys '
-            f'{unknown}. Valid keys: type, wrapper, {", ".join(valid)} '
-            '(the process group is the DDP model\'s own).')
+        errors.append(
+            TypeError(f'comm_hook type {hook_type!r} got unexpected keys '
+                      f'{unknown}. Valid keys: type, wrapper, '
+                      f'{", ".join(valid)} (the process group is the DDP '
+                      "model's own)."))
+        for key in unknown:
+            state_kwargs.pop(key)
+        state_kwargs.pop('process_group', None)
+    given = list(state_kwargs)
     defaults_set = []
     for key, value in record.defaults.get(wrapper, {}).items():
         if key not in state_kwargs:
             state_kwargs[key] = value
             defaults_set.append(key)
-    _run_args_check(factory, hook_type, state_kwargs)
-    return tuple(defaults_set)
+    errors += _run_args_check(factory, hook_type, state_kwargs, given)
+    return tuple(defaults_set), errors
+
+
+class CommHookConfigError(ValueError):
+    """A ``comm_hook`` config with several problems; ``errors`` holds
+    each (a ``TypeError``, ``KeyError`` or ``ValueError`` of its own), and
+    the message names them all."""
+
+    def __init__(self, errors: Sequence[Exception]) -> None:
+        self.errors = list(errors)
+        lines = '; '.join(f'({i}) {_text(e)}'
+                          for i, e in enumerate(self.errors, 1))
+        super().__init__(f'comm_hook has {len(self.errors)} problems: '
+                         f'{lines}')
+
+
+def _text(error: Exception) -> str:
+    """An error's message (a KeyError's without the quotes it adds)."""
+    if isinstance(error, KeyError) and error.args:
+        return str(error.args[0])
+    return str(error)
+
+
+def _raise_all(errors: Sequence[Exception]) -> None:
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise CommHookConfigError(errors)
 
 
 def check_comm_hook_cfg(cfg: Any) -> dict:
@@ -245,6 +324,10 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
         defaults this project sets, under ``state_kwargs`` and the names
         of those defaults under ``defaults_set``.
 
+    Every problem is found before one is raised: a config with several
+    raises :class:`CommHookConfigError` naming each (its ``errors``), one
+    with a single problem raises that problem's own error:
+
     Raises:
         TypeError: ``cfg`` is not a dict, carries keys the hook's state
             does not take, or a state value of the wrong type (e.g.
@@ -260,16 +343,23 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
         raise TypeError(
             "comm_hook should be a dict such as dict(type='bf16_compress'), "
             f'but got {type(cfg).__name__}: {cfg!r}')
+    given = dict(cfg)
     cfg = dict(cfg)
-    if 'type' not in cfg:
-        raise KeyError(
-            f'comm_hook needs a `type` key, but got {cfg!r}. Valid types: '
-            f'{_valid_types()}')
-    hook_type = cfg.pop('type')
     wrapper = cfg.pop('wrapper', None)
-    record = record_of(_lookup_hook(hook_type))
-    _check_wrapper(hook_type, wrapper, record)
-    defaults_set = _check_state_keys(hook_type, wrapper, record, cfg)
+    if 'type' not in cfg:
+        _raise_all([
+            KeyError(f'comm_hook needs a `type` key, but got {given!r}. '
+                     f'Valid types: {_valid_types()}')
+        ] + _check_wrapper(None, wrapper, None))
+    hook_type = cfg.pop('type')
+    try:
+        record = record_of(_lookup_hook(hook_type))
+    except (KeyError, TypeError) as e:
+        # The keys depend on the type: only the wrapper can be judged.
+        _raise_all([e] + _check_wrapper(hook_type, wrapper, None))
+    errors = _check_wrapper(hook_type, wrapper, record)
+    defaults_set, found = _check_state_keys(hook_type, wrapper, record, cfg)
+    _raise_all(errors + found)
     return dict(
         type=hook_type,
         wrapper=wrapper,

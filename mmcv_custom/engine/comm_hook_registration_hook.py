@@ -1,4 +1,5 @@
 """The MMEngine runner hook that puts a config's ``comm_hook`` on the model."""
+import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -335,6 +336,22 @@ class CommHookRegistrationHook(Hook):
     def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
         if self._state_files is not None:
             self._state_files.record(checkpoint)
+
+    def after_failure(self, runner) -> None:
+        """Called by :func:`mmcv_custom.launcher.run_runner` when the run
+        fails: a save that failed (a full disk) leaves no state files."""
+        if self._state_files is None:
+            return
+        removed = self._state_files.discard_unsaved()
+        files = [
+            os.path.basename(p) for p in removed if not p.endswith('.sha256')
+        ]
+        if files:
+            ranks = f'{len(files)} rank{"s" if len(files) > 1 else ""}'
+            runner.logger.warning(
+                'The checkpoint save failed: removed the communication-hook '
+                f'state files of {ranks} written for it '
+                f'({", ".join(files)}) and their digests.')
 
     @staticmethod
     def _resumed_checkpoint(runner) -> Optional[str]:

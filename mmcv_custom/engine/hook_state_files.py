@@ -27,12 +27,17 @@ Rules, each for a failure seen in practice:
   saving never leaves a truncated file under the real name, and its
   ``.sha256`` is checked when it is read: a damaged file is refused, by
   name, like any other.
+* **No files without their checkpoint.** The files are written before the
+  checkpoint: when its save then fails (a full disk), the run removes them
+  as it stops (:meth:`HookStateFiles.discard_unsaved`), and the next run
+  removes any a killed save left (:func:`remove_orphan_state_files`).
 """
 import io
 import os
 import os.path as osp
+import re
 import uuid
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,16 +48,57 @@ from ..checkpoint import UnsafeCheckpointError, load_checkpoint_file
 from ..hook_state import HookStateKeeper
 from ..integrity import CheckpointDamagedError, atomic_write_bytes, digest_path
 
-__all__ = ['HookStateFiles', 'state_file_path']
+__all__ = [
+    'HookStateFiles', 'state_file_path', 'remove_orphan_state_files',
+    'STATE_FILE_PATTERN'
+]
 
 # Version of the record in the checkpoint and of the files. Version 1
 # (absolute paths, no identity) is refused with a warning.
 _FORMAT = 2
 
+#: A state file's name: the checkpoint's, then the rank (and ``.sha256``
+#: for its digest).
+STATE_FILE_PATTERN = re.compile(
+    r'^(?P<checkpoint>.+)\.comm_hook_rank\d+\.pth(?:\.sha256)?$')
+
 
 def state_file_path(checkpoint: str, rank: int) -> str:
     """Where ``rank`` keeps its hook state for ``checkpoint``: beside it."""
     return f'{checkpoint}.comm_hook_rank{rank}.pth'
+
+
+def _remove(paths) -> List[str]:
+    removed = []
+    for path in paths:
+        try:
+            os.remove(path)
+        except OSError:
+            continue  # gone already, or not ours to remove
+        removed.append(path)
+    return removed
+
+
+def remove_orphan_state_files(folder: str) -> List[str]:
+    """Remove the state files (and their digests) in ``folder`` whose
+    checkpoint is not there: what a save that failed or was killed after
+    them left. Returns the paths removed.
+
+    Call it only while no save is under way in ``folder``: at the start of
+    a run that holds the work dir's lock
+    (:mod:`mmcv_custom.work_dir_lock`), before training.
+    """
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    present = set(names)
+    orphans = []
+    for name in sorted(names):
+        found = STATE_FILE_PATTERN.match(name)
+        if found and found.group('checkpoint') not in present:
+            orphans.append(osp.join(folder, name))
+    return _remove(orphans)
 
 
 class _Refused(Exception):
@@ -127,6 +173,23 @@ class HookStateFiles:
         buffer = io.BytesIO()
         torch.save(payload, buffer)
         atomic_write_bytes(path, buffer.getvalue())
+
+    def discard_unsaved(self) -> List[str]:
+        """Remove every rank's state files of the save under way when its
+        checkpoint was not written (the run failed while saving it: a full
+        disk); returns the paths removed. What another rank writes after
+        this, the next run removes (:func:`remove_orphan_state_files`)."""
+        if self._due is None:
+            return []
+        checkpoint, _ = self._due
+        self._due = None
+        if osp.exists(checkpoint):
+            return []
+        paths = []
+        for rank in range(get_world_size()):
+            path = state_file_path(checkpoint, rank)
+            paths += [path, digest_path(path)]
+        return _remove(paths)
 
     def record(self, checkpoint: dict) -> None:
         """Put the record of this save's files into ``checkpoint``.

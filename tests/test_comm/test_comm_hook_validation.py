@@ -10,6 +10,7 @@ from mmcv_custom import (COMM_HOOK_STATES, COMM_HOOKS, CommCounter,
                          CompressState, allreduce_hook, build_comm_hook,
                          check_comm_hook_cfg, require_bool, require_int,
                          require_real, with_args_check)
+from mmcv_custom.comm.builder import CommHookConfigError
 from mmcv_custom.testing import run_ranks
 from tests.runner_utils import build_runner
 
@@ -133,11 +134,50 @@ def test_bad_values_are_rejected_with_key_rule_and_value(cfg, error, message):
     assert str(info.value) == message
 
 
-def test_names_are_checked_before_values():
-    with pytest.raises(TypeError) as info:
+def test_every_problem_is_named_at_once():
+    # One problem: its own error, as before.
+    with pytest.raises(TypeError, match=r"unexpected keys \['rank'\]"):
+        check_comm_hook_cfg(dict(type='powerSGD', rank=2))
+    # Several: one error naming each, in the order of the config.
+    with pytest.raises(CommHookConfigError) as info:
         check_comm_hook_cfg(
-            dict(type='powerSGD', rank=2, matrix_approximation_rank=0))
-    assert "unexpected keys ['rank']" in str(info.value)
+            dict(
+                type='powerSGD',
+                wrapper='fp8',
+                rank=2,
+                matrix_approximation_rank=0,
+                min_compression_rate='high'))
+    assert [type(e) for e in info.value.errors
+            ] == [ValueError, TypeError, ValueError, TypeError]
+    assert str(info.value) == (
+        "comm_hook has 4 problems: (1) comm_hook wrapper should be 'fp16', "
+        "'bf16' or None, but got 'fp8'; (2) comm_hook type 'powerSGD' got "
+        "unexpected keys ['rank']. Valid keys: type, wrapper, "
+        'matrix_approximation_rank, start_powerSGD_iter, '
+        'min_compression_rate, use_error_feedback, warm_start, '
+        'orthogonalization_epsilon, random_seed, '
+        'compression_stats_logging_frequency, batch_tensors_with_same_shape '
+        "(the process group is the DDP model's own).; (3) comm_hook "
+        'powerSGD: matrix_approximation_rank should be an int >= 1, but got '
+        '0; (4) comm_hook powerSGD: min_compression_rate should be a '
+        "finite real number > 0, but got str: 'high'")
+    # A rule between keys is not taken for a bad value of one of them:
+    # start_powerSGD_iter=1 is right beside use_error_feedback=False.
+    with pytest.raises(ValueError) as info:
+        check_comm_hook_cfg(
+            dict(
+                type='batched_powerSGD',
+                start_powerSGD_iter=1,
+                use_error_feedback=False,
+                warm_start=False,
+                matrix_approximation_rank=0))
+    assert str(info.value) == ('comm_hook batched_powerSGD: '
+                               'matrix_approximation_rank should be an int '
+                               '>= 1, but got 0')
+    # An unknown type: the keys cannot be judged, the wrapper can.
+    with pytest.raises(CommHookConfigError) as info:
+        check_comm_hook_cfg(dict(type='int9', wrapper='fp8', rank=2))
+    assert [type(e) for e in info.value.errors] == [KeyError, ValueError]
 
 
 @pytest.mark.parametrize(

@@ -230,13 +230,17 @@ def _checkpoints(work_dir, steps=(2, 4, 6)):
         f.write(osp.join(work_dir, f'iter_{steps[-1]}.pth'))
 
 
-@pytest.mark.parametrize('damage, why', [
-    ('flip', 'is damaged: its SHA-256 is'),
-    ('truncate', 'is damaged: its SHA-256 is'),
-    ('empty', 'is damaged: its SHA-256 is'),
-    ('delete', 'iter_6.pth: no such file'),
-    ('truncate, no digest', 'is not a readable torch checkpoint'),
-])
+@pytest.mark.parametrize(
+    'damage, why',
+    [
+        ('flip', 'is damaged: its SHA-256 is'),
+        ('truncate', 'is damaged: its SHA-256 is'),
+        ('empty', 'is damaged: its SHA-256 is'),
+        ('delete', 'iter_6.pth: no such file'),
+        # Where its siblings have digests, one without is not trusted.
+        ('truncate, no digest', 'has no .sha256 digest, but the checkpoints '
+         'beside it carry digests'),
+    ])
 def test_resume_falls_back_to_the_newest_intact_checkpoint(
         tmp_path, damage, why):
     work = str(tmp_path)
@@ -261,6 +265,19 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(
     assert why in notes[0]
     assert notes[1] == (f'resuming from {path}, the newest intact '
                         'checkpoint in the work dir')
+
+
+def test_resume_skips_an_unreadable_file_where_no_digests_are_kept(tmp_path):
+    work = str(tmp_path)
+    _checkpoints(work)
+    for step in (2, 4, 6):
+        os.remove(osp.join(work, f'iter_{step}.pth.sha256'))
+    os.truncate(osp.join(work, 'iter_6.pth'), 100)
+    path, notes = choose_resume_checkpoint(work)
+    assert path == osp.join(work, 'iter_4.pth')
+    assert notes[0] == ('the latest checkpoint cannot be resumed from: '
+                        f'{work}/iter_6.pth is not a readable torch '
+                        'checkpoint (truncated?)')
 
 
 def test_resume_with_an_empty_last_checkpoint_or_none(tmp_path):
@@ -324,9 +341,11 @@ def test_train_resumes_from_the_newest_intact_and_says_so(trained, tmp_path):
 
 def test_train_with_nothing_to_resume_warns_and_starts(tmp_path):
     work = tmp_path / 'fresh'
+    os.makedirs(work)
     code, log = _train(work, 'train_cfg.max_iters=2', resume=True)
     assert code == 0, log[-3000:]
-    line = f'WARNING - no checkpoint in {work}: starting at iteration 0'
+    line = (f'WARNING - --resume: no checkpoint in {work}: starting at '
+            'iteration 0')
     assert line in log and line in _log_file(work)
     assert 'Auto resumed' not in log
     assert (work / 'iter_2.pth').is_file()
@@ -348,14 +367,28 @@ def test_load_from_a_damaged_file_names_it_and_the_alternative(
 
 def test_an_old_checkpoint_without_digest_loads_with_one_info(
         trained, tmp_path):
+    """Where no digests are kept (a load_from from elsewhere, an older
+    run), a file without one loads, said once; beside checkpoints that
+    carry digests it is refused like a damaged one."""
     work = _copy(trained, tmp_path)
     os.remove(work / 'iter_6.pth.sha256')
     code, log = _train(tmp_path / 'other', f'load_from={work}/iter_6.pth',
                        'train_cfg.max_iters=1')
+    assert code == 2
+    assert (f'train.py: error: load_from: {work}/iter_6.pth has no .sha256 '
+            'digest, but the checkpoints beside it carry digests (e.g. '
+            'iter_2.pth), so it cannot be verified') in log
+    assert f'the newest intact checkpoint beside it is {work}/iter_4.pth' \
+        in log
+    elsewhere = tmp_path / 'downloads'
+    os.makedirs(elsewhere)
+    os.replace(work / 'iter_6.pth', elsewhere / 'iter_6.pth')
+    code, log = _train(tmp_path / 'other', f'load_from={elsewhere}/iter_6.pth',
+                       'train_cfg.max_iters=1')
     assert code == 0, log[-3000:]
-    assert log.count(f'INFO - {work}/iter_6.pth has no .sha256 digest '
+    assert log.count(f'INFO - {elsewhere}/iter_6.pth has no .sha256 digest '
                      'beside it') == 1
-    assert (f'load_from {work}/iter_6.pth: 8 of the model\'s 8 tensors '
+    assert (f'load_from {elsewhere}/iter_6.pth: 8 of the model\'s 8 tensors '
             'found (100%)') in _log_file(tmp_path / 'other')
 
 

@@ -201,7 +201,9 @@ def test_dataset_wrappers_are_looked_into(tmp_path):
 
 
 def test_weights_and_checkpoints_are_collected_not_raised(tmp_path):
-    unsafe = str(tmp_path / 'unsafe.pth')
+    # (Apart from the checkpoints, which keep digests.)
+    os.makedirs(tmp_path / 'pretrained')
+    unsafe = str(tmp_path / 'pretrained' / 'unsafe.pth')
     torch.save({'meta': argparse.Namespace(lr=1)}, unsafe)
     damaged = tmp_path / 'iter_4.pth'
     torch.save({'state_dict': {}}, damaged)
@@ -257,29 +259,95 @@ def test_a_work_dir_under_a_file_is_reported(tmp_path):
     assert os.listdir(tmp_path) == ['plain']  # nothing left behind
 
 
-def test_room_for_a_checkpoint(tmp_path, monkeypatch):
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 8 MiB disk: a tmpfs (root only), unmounted afterwards."""
+    mount = tmp_path / 'disk'
+    mount.mkdir()
+    made = subprocess.run(
+        ['mount', '-t', 'tmpfs', '-o', 'size=8m', 'tmpfs',
+         str(mount)],
+        capture_output=True,
+        text=True)
+    if made.returncode != 0:
+        pytest.skip(f'cannot mount a tmpfs here: {made.stderr.strip()}')
+    try:
+        yield mount
+    finally:
+        subprocess.run(['umount', str(mount)], check=False)
+
+
+def test_what_one_save_writes(tmp_path):
     cfg = load_config(FCN, work_dir=str(tmp_path / 'work'))
-    need = preflight_module.estimate_checkpoint_bytes(cfg)
-    # The FCN's 0.9 M fp32 parameters, and AdamW's two moments of each.
-    assert 3 * 0.9e6 * 4 < need < 3 * 1.0e6 * 4
-
-    class Usage:
-        free = 1000
-
-    monkeypatch.setattr(preflight_module.shutil, 'disk_usage',
-                        lambda path: Usage)
-    [problem] = preflight(cfg, 'train')
-    assert problem.what == (
-        f"work_dir '{tmp_path}/work': 0.0 GiB free on its disk, but one "
-        'checkpoint of this model takes about 0.0 GiB (weights and '
-        'optimizer state)')
-    assert problem.fix == ('free space there, or choose another --work-dir '
-                           'on a disk with room')
-    assert preflight(cfg, 'test') == []  # writes no checkpoint
-    # A model that cannot be built on the meta device: not checked.
+    size = preflight_module.checkpoint_size(cfg)
+    # The FCN's 0.9 M fp32 parameters (and BN buffers), AdamW's two
+    # moments of each; bf16_compress keeps no state.
+    assert 0.9e6 * 4 < size.weights < 1.0e6 * 4
+    trainable = size.optimizer // 2
+    assert 0.9e6 * 4 < trainable <= size.weights
+    assert size.hook_state == 0
+    assert size.total == preflight_module.estimate_checkpoint_bytes(cfg)
+    # int8 on 2 ranks: each rank's error feedback, one fp32 copy of the
+    # gradients; none without error feedback. PowerSGD alike.
+    cfg.comm_hook = dict(type='int8_compress')
+    assert preflight_module.checkpoint_size(cfg, 2).hook_state == \
+        2 * trainable
+    cfg.comm_hook = dict(type='int8_compress', error_feedback=False)
+    assert preflight_module.checkpoint_size(cfg, 2).hook_state == 0
+    cfg.comm_hook = dict(type='powerSGD')
+    assert preflight_module.checkpoint_size(cfg, 4).hook_state == \
+        4 * trainable
+    # A model that cannot be built on the meta device: unknown.
     cfg.model = dict(type='NoSuchModel')
     assert preflight_module.estimate_checkpoint_bytes(cfg) is None
     assert preflight(cfg, 'train') == []
+    assert preflight_module.format_size(1.5 * 2**30) == '1.5 GiB'
+    assert preflight_module.format_size(18.7 * 2**20) == '18.7 MiB'
+
+
+def test_room_for_a_checkpoint_on_a_small_disk(tmp_path, small_disk,
+                                               monkeypatch):
+    """The tester's case: 14 MB free passed where a save takes 18.7 MB
+    (the hook state files were not counted), and said "0.0 GiB"."""
+    for name, value in (('RANK', '0'), ('LOCAL_RANK', '0'),
+                        ('WORLD_SIZE', '2'), ('MASTER_ADDR', '127.0.0.1'),
+                        ('MASTER_PORT', '29500')):
+        monkeypatch.setenv(name, value)
+    work = small_disk / 'work'
+    cfg = load_config(
+        FCN, {'comm_hook': dict(type='int8_compress')}, work_dir=str(work))
+    size = preflight_module.checkpoint_size(cfg, 2)
+    [problem] = preflight(cfg, 'train', launcher='pytorch')
+    mib = preflight_module.format_size
+    assert problem.what == (
+        f"work_dir '{work}': 8.0 MiB free on its disk, but one checkpoint of "
+        f'this run takes about {mib(size.total)} (weights '
+        f'{mib(size.weights)}, optimizer state {mib(size.optimizer)}, '
+        f'communication-hook state files {mib(size.hook_state)})')
+    assert problem.fix == ('free space there, or choose another --work-dir '
+                           'on a disk with room')
+    assert preflight(cfg, 'test', launcher='pytorch') == []  # no save
+    # The checkpoints in out_dir: its disk is the one that counts.
+    cfg.work_dir = str(tmp_path / 'work')
+    cfg.default_hooks.checkpoint.out_dir = str(small_disk)
+    [problem] = preflight(cfg, 'train', launcher='pytorch')
+    assert problem.what.startswith(
+        f"default_hooks.checkpoint.out_dir '{small_disk}': 8.0 MiB free on "
+        'its disk, but one checkpoint of this run takes about ')
+    assert problem.fix == ('free space there, or set '
+                           'default_hooks.checkpoint.out_dir to a disk with '
+                           'room')
+    # An out_dir that cannot be made is named like a work dir.
+    (tmp_path / 'plain').write_text('')
+    cfg.default_hooks.checkpoint.out_dir = str(tmp_path / 'plain' / 'ckpt')
+    assert preflight(cfg, 'train', launcher='pytorch') == [
+        Problem(
+            "default_hooks.checkpoint.out_dir "
+            f"'{tmp_path}/plain/ckpt': {tmp_path}/plain is a file, not a "
+            'folder, so the folder cannot be made',
+            'set default_hooks.checkpoint.out_dir to another folder '
+            '(--cfg-options default_hooks.checkpoint.out_dir=PATH)')
+    ]
 
 
 def test_one_report_per_node(monkeypatch):
