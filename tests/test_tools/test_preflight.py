@@ -340,14 +340,15 @@ def test_room_for_a_checkpoint_on_a_small_disk(tmp_path, small_disk,
     # An out_dir that cannot be made is named like a work dir.
     (tmp_path / 'plain').write_text('')
     cfg.default_hooks.checkpoint.out_dir = str(tmp_path / 'plain' / 'ckpt')
-    assert preflight(cfg, 'train', launcher='pytorch') == [
-        Problem(
-            "default_hooks.checkpoint.out_dir "
-            f"'{tmp_path}/plain/ckpt': {tmp_path}/plain is a file, not a "
-            'folder, so the folder cannot be made',
-            'set default_hooks.checkpoint.out_dir to another folder '
-            '(--cfg-options default_hooks.checkpoint.out_dir=PATH)')
-    ]
+    assert preflight(
+        cfg, 'train', launcher='pytorch') == [
+            Problem(
+                "default_hooks.checkpoint.out_dir "
+                f"'{tmp_path}/plain/ckpt': {tmp_path}/plain is a file, not a "
+                'folder, so the folder cannot be made',
+                'set default_hooks.checkpoint.out_dir to another folder '
+                '(--cfg-options default_hooks.checkpoint.out_dir=PATH)')
+        ]
 
 
 def test_one_report_per_node(monkeypatch):
