@@ -11,6 +11,11 @@ calls this.
 The work dir is ``--work-dir``, else ``work_dirs/demo`` for the default
 config and ``work_dirs/<config name>`` for any other (as tools/train.py
 names it), so that two demos never share checkpoints.
+
+Both runs rendezvous on ``PORT`` when it is set (``PORT=29600 make
+demo``, as ``tools/dist_train.sh`` takes it), else each on a free port.
+The arguments and ``PORT`` are checked before anything starts: a bad one
+is a usage error (one line, exit code 2).
 """
 import argparse
 import glob
@@ -22,6 +27,7 @@ import sys
 import time
 from typing import Optional
 
+from mmcv_custom.analysis import read_config, rendezvous_port
 from mmcv_custom.launcher import free_port
 
 HERE = osp.dirname(osp.abspath(__file__))
@@ -30,10 +36,10 @@ DEFAULT_CONFIG = osp.join(ROOT, 'configs', 'fcn',
                           'fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py')
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--config', default=DEFAULT_CONFIG)
-    parser.add_argument('--nproc', type=int, default=2)
+    parser.add_argument('--nproc', type=int, default=2, help='ranks per run')
     parser.add_argument(
         '--work-dir',
         help='default: work_dirs/demo for the default config, else '
@@ -48,7 +54,12 @@ def parse_args():
         nargs='+',
         default=[],
         help='passed on to tools/train.py and tools/test.py')
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    # Before anything starts: a typo fails in a second, in one line.
+    if args.nproc < 1:
+        parser.error(f'--nproc should be at least 1, but got {args.nproc}')
+    read_config(parser, '--config', args.config)
+    args.port = rendezvous_port(parser)
     if args.work_dir is None:
         args.work_dir = default_work_dir(args.config)
     return args
@@ -68,8 +79,10 @@ def _runs(work_dir: str):
         d for d in glob.glob(osp.join(work_dir, '2*_*')) if osp.isdir(d))
 
 
-def _run(cmd, what: str) -> None:
-    env = dict(os.environ, PORT=free_port(), PYTHON=sys.executable)
+def _run(cmd, what: str, port: Optional[str]) -> None:
+    env = dict(os.environ, PORT=port or free_port(), PYTHON=sys.executable)
+    # Which port, should it clash with another job's.
+    print(f'demo: {what} on PORT={env["PORT"]}', file=sys.stderr, flush=True)
     code = subprocess.call(cmd, env=env, cwd=os.getcwd())
     if code != 0:
         sys.exit(f'{what} failed with exit code {code}; logs and '
@@ -156,7 +169,7 @@ def main():
         'bash',
         osp.join(HERE, 'dist_train.sh'), args.config,
         str(args.nproc), '--work-dir', args.work_dir, *options
-    ], 'training')
+    ], 'training', args.port)
     eval_dir = checkpoint = None
     if not args.no_eval:
         eval_dir = osp.join(args.work_dir, 'eval')
@@ -165,7 +178,7 @@ def main():
             'bash',
             osp.join(HERE, 'dist_test.sh'), args.config, checkpoint,
             str(args.nproc), '--work-dir', eval_dir, *options
-        ], 'evaluation')
+        ], 'evaluation', args.port)
     print(summarize(args.work_dir, eval_dir, time.time() - start, checkpoint))
 
 

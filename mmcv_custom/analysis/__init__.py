@@ -5,11 +5,11 @@ what a rank actually holds (:mod:`~mmcv_custom.analysis.held_memory`), and
 the third-party warnings the tools keep off the console
 (:mod:`~mmcv_custom.analysis.tool_warnings`), their progress lines
 (:mod:`~mmcv_custom.analysis.progress`) and the checks of their command
-lines (:mod:`~mmcv_custom.analysis.cli`).
+lines and of the ``PORT`` their runs use (:mod:`~mmcv_custom.analysis.cli`).
 
 ``tools/analysis_tools/`` holds the command lines over them.
 """
-from .cli import check_output, read_config
+from .cli import cfg_options, check_output, read_config, rendezvous_port
 from .held_memory import GatheredPeak, held_bytes
 from .model_stats import fsdp2_memory, fsdp2_units, shard_numel, stats
 from .progress import Progress, format_eta
@@ -18,5 +18,5 @@ from .tool_warnings import filter_tool_warnings
 __all__ = [
     'stats', 'fsdp2_units', 'fsdp2_memory', 'shard_numel', 'held_bytes',
     'GatheredPeak', 'filter_tool_warnings', 'Progress', 'format_eta',
-    'check_output', 'read_config'
+    'check_output', 'read_config', 'cfg_options', 'rendezvous_port'
 ]

@@ -3,14 +3,21 @@
 A bad value fails in a second as a usage error (``parser.error``: one
 line, exit code 2), not as a traceback after minutes of measuring.
 """
+import argparse
+import errno
 import os
 import os.path as osp
-from typing import Optional
+import re
+import socket
+from typing import Mapping, Optional, Sequence
 
 from mmcv_custom.launcher import check_writable
 from mmcv_custom.preflight import PreflightError, checked_config
 
-__all__ = ['check_output', 'read_config', 'WORK_DIRS']
+__all__ = [
+    'check_output', 'read_config', 'cfg_options', 'rendezvous_port',
+    'WORK_DIRS'
+]
 
 #: The folder runs and outputs go to, as with MMSegmentation's tools.
 WORK_DIRS = 'work_dirs'
@@ -69,3 +76,95 @@ def read_config(parser,
         return checked_config(path, cfg_options, option=option)
     except PreflightError as e:
         parser.error(str(e))
+
+
+def cfg_options(parser, items: Optional[Sequence[str]]) -> Optional[dict]:
+    """``--cfg-options KEY=VALUE ...`` as ``tools/train.py`` reads them
+    (MMEngine's ``DictAction``: values parsed as Python literals, lists
+    and tuples included), or a usage error naming the item: one without
+    ``=``, or a value ``DictAction`` cannot read (unbalanced brackets,
+    which it reports with an ``assert``: a traceback, were it not caught).
+
+    Args:
+        parser (argparse.ArgumentParser): The tool's parser.
+        items (Sequence[str], optional): The words of ``--cfg-options``,
+            as argparse collected them (``nargs='+'``).
+
+    Returns:
+        dict or None: ``{key: value}``; None without ``items``.
+    """
+    if not items:
+        return None
+    from mmengine.config import DictAction
+    action = DictAction(option_strings=['--cfg-options'], dest='options')
+    merged = {}
+    for item in items:
+        if '=' not in item:
+            parser.error(f'--cfg-options {item!r}: expected KEY=VALUE')
+        parsed = argparse.Namespace()
+        try:
+            action(parser, parsed, [item])
+        except (AssertionError, ValueError, SyntaxError) as e:
+            parser.error(f'--cfg-options {item!r}: cannot read its value '
+                         f'({e})')
+        merged.update(parsed.options)
+    return merged
+
+
+def _bind_error(port: int) -> Optional[OSError]:
+    """Why a rendezvous store could not listen on ``port`` here now; None
+    if it could. Bound as torch's TCPStore binds (every address, with
+    ``SO_REUSEADDR``), so a port another process listens on is taken, and
+    one the previous run of the same tool left in TIME_WAIT is not."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(('', port))
+        except OSError as e:
+            return e
+    return None
+
+
+def rendezvous_port(parser,
+                    environ: Optional[Mapping[str,
+                                              str]] = None) -> Optional[str]:
+    """The ``PORT`` the tool's runs rendezvous on, for the tools that start
+    ``tools/dist_train.sh`` themselves (``tools/demo.py``,
+    ``compare_comm_convergence.py``): ``PORT`` from the environment, as
+    ``dist_train.sh`` reads it, so that ``PORT=29600 make demo`` keeps off
+    a port another job uses. Unset (or empty), None: the tool then takes
+    :func:`~mmcv_custom.launcher.free_port` just before each run, so that
+    two runs never meet.
+
+    A ``PORT`` that is not an int from 1 to 65535, or that this host
+    cannot listen on now (taken by another process, or privileged), is a
+    usage error naming it, before any run starts. On a node other than
+    the first (``NODE_RANK`` > 0) the port is the first node's, and only
+    its form is checked.
+
+    Args:
+        parser (argparse.ArgumentParser): The tool's parser.
+        environ (Mapping[str, str], optional): Where ``PORT`` is read.
+            Defaults to ``os.environ``.
+
+    Returns:
+        str or None: The port, as ``PORT`` for ``tools/dist_train.sh``;
+        None when ``PORT`` is unset.
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get('PORT', '')
+    if not value:
+        return None
+    port = int(value) if re.fullmatch(r'[0-9]{1,5}', value) else 0
+    if not 1 <= port <= 65535:
+        parser.error(f'PORT={value!r} is not a TCP port: give an int from 1 '
+                     'to 65535, or leave PORT unset for a free port')
+    if environ.get('NODE_RANK', '0') in ('', '0'):
+        error = _bind_error(port)
+        if error is not None:
+            why = ('another process listens there'
+                   if error.errno == errno.EADDRINUSE else error.strerror)
+            parser.error(f'PORT={port} cannot be used on this host ({why}): '
+                         'set PORT to a free port, or leave it unset for a '
+                         'free one')
+    return str(port)

@@ -2,6 +2,7 @@
 configuration, and its argument checks (usage errors before any rank
 starts)."""
 import json
+import os
 import os.path as osp
 import re
 import subprocess
@@ -170,6 +171,9 @@ def _usage_error(args, message, **kwargs):
     assert out.stdout == ''
 
 
+_MEMORY_MB = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**20
+
+
 @pytest.fixture
 def bench_args(monkeypatch, capsys):
     """The tool's own ``parse_args``: exit code and last line of stderr."""
@@ -178,7 +182,8 @@ def bench_args(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize(
-    'args,message', [
+    'args,message',
+    [
         (['--nproc', '0'], '--nproc should be at least 1, but got 0'),
         (['--sizes-mb', '1', '-4'
           ], '--sizes-mb values should be positive, but got -4'),
@@ -187,8 +192,15 @@ def bench_args(monkeypatch, capsys):
           ], '--json /nonexistent/b.json: cannot write there (No such file or '
          'directory)'),
         (['--plot', '.'], '--plot .: is a directory, not a file'),
+        # More than the machine holds: the ranks would die of it mid-run.
+        (['--backend', 'gloo', '--sizes-mb', '1', '1e9'
+          ], '--sizes-mb 1e+09: 2 ranks would hold 2e+09 MB at least, more '
+         f"than this machine's {_MEMORY_MB:.0f} MB"),
     ],
-    ids=['nproc', 'sizes', 'repeat', 'json-dir-missing', 'plot-is-a-dir'])
+    ids=[
+        'nproc', 'sizes', 'repeat', 'json-dir-missing', 'plot-is-a-dir',
+        'sizes-beyond-memory'
+    ])
 def test_bad_arguments_are_usage_errors_before_any_rank_starts(
         bench_args, args, message):
     assert bench_args(args) == (2,

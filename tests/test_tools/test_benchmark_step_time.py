@@ -183,18 +183,41 @@ def test_noise_counts_the_drift_between_rounds():
         bench.round_error(shaped, unshaped, 3))
 
 
-@pytest.mark.parametrize('args, message', [
-    (['--rates', '100'], "--rates must include 'unshaped'"),
-    (['--rates', '-5', 'unshaped'], "'-5' is not a rate"),
-    (['--rates', 'fast', 'unshaped'], "'fast' is not a rate"),
-    (['--rates', '100', '100', 'unshaped'], '--rates repeats a rate'),
-    (['--hooks', 'int4'], "invalid choice: 'int4'"),
-    (['--steps', '0'], "'0' is not an int >= 1"),
-    (['--bucket-cap-mb', '0'], "'0' is not a number > 0"),
-    (['no/such/config.py'], 'config no/such/config.py: no such file'),
-    (['--json', '/no/such/dir/x.json'], '--json /no/such/dir/x.json: cannot'
-     ' write there'),
-])
+@pytest.mark.parametrize(
+    'args, message',
+    [
+        (['--rates', '100'], "--rates must include 'unshaped'"),
+        (['--rates', '-5', 'unshaped'], "'-5' is not a rate"),
+        (['--rates', 'fast', 'unshaped'], "'fast' is not a rate"),
+        (['--rates', '100', '100', 'unshaped'], '--rates repeats a rate'),
+        # 0 Mbit/s is no link at all, not the unshaped one.
+        (['--rates', '0', 'unshaped'], "argument --rates: '0' is not a rate: "
+         "give Mbit/s > 0, or 'unshaped' for a link that is not shaped"),
+        (['--rates', '100', 'none'], "'none' is not a rate"),
+        (['--nodes', '1'
+          ], '--nodes should be an int from 2 to 1024 (one network '
+         'namespace per node), but got 1'),
+        (['--nodes', '1025'], '--nodes should be an int from 2 to 1024'),
+        (['--nodes', 'two'], "argument --nodes: invalid int value: 'two'"),
+        (['--hooks', 'int4'], "invalid choice: 'int4'"),
+        (['--steps', '0'], "'0' is not an int >= 1"),
+        (['--rounds', '-1'], "'-1' is not an int >= 1"),
+        (['--threads', '0'], "'0' is not an int >= 1"),
+        (['--timeout', 'nan'], "'nan' is not a number > 0"),
+        (['--bucket-cap-mb', '0'], "'0' is not a number > 0"),
+        (['--cfg-options', 'a=[1,2'
+          ], "--cfg-options 'a=[1,2': cannot read its "
+         'value (Imbalanced brackets exist in [1,2)'),
+        (['--cfg-options', 'model'], "--cfg-options 'model': expected "
+         'KEY=VALUE'),
+        (['no/such/config.py'], 'config no/such/config.py: no such file'),
+        (['--json', '/no/such/dir/x.json'
+          ], '--json /no/such/dir/x.json: cannot'
+         ' write there'),
+        (['--work-dir', '/proc/version/logs'
+          ], '--work-dir /proc/version/logs: '
+         'cannot create it (Not a directory)'),
+    ])
 def test_usage_errors_before_any_node_starts(args, message, monkeypatch,
                                              capsys):
     monkeypatch.chdir(ROOT)
@@ -202,6 +225,8 @@ def test_usage_errors_before_any_node_starts(args, message, monkeypatch,
     code, last = parse(args)
     assert code == 2
     assert message in last
+    # One line of its own after the usage, and nothing else.
+    assert last.startswith('benchmark_step_time.py: error: ')
 
 
 @pytest.mark.slow

@@ -702,6 +702,11 @@ def bench_file(tmp_path):
         (['--gbps', '100', '-1'
           ], '--gbps should be a number > 0, but got -1.0'),
         (['--eta', '0'], '--eta should be a number > 0, but got 0.0'),
+        (['--eta', '1.5'], '--eta should be a fraction of the link rate, in '
+         '(0, 1], but got 1.5: no link carries more than its rate'),
+        (['--cfg-options', 'model.backbone.out_indices=[1,2'
+          ], "--cfg-options 'model.backbone.out_indices=[1,2': cannot read "
+         'its value (Imbalanced brackets exist in [1,2)'),
         (['--alpha-us', 'nan'], '--alpha-us should be a number >= 0, but got '
          'nan'),
         (['--backward-s', '0.3', '--compute-step-s', '0.2'],
@@ -730,10 +735,10 @@ def bench_file(tmp_path):
          '(OSError: Only py/yml/yaml/json type are supported now!)'),
     ],
     ids=[
-        'nodes', 'gbps', 'eta', 'alpha', 'step-below-backward', 'codec',
-        'hooks', 'fit-rates-alone', 'check-alone', 'codec-fitted-alone',
-        'fit-missing', 'config-missing', 'json-dir-missing',
-        'config-not-a-config'
+        'nodes', 'gbps', 'eta', 'eta-above-1', 'cfg-options', 'alpha',
+        'step-below-backward', 'codec', 'hooks', 'fit-rates-alone',
+        'check-alone', 'codec-fitted-alone', 'fit-missing', 'config-missing',
+        'json-dir-missing', 'config-not-a-config'
     ])
 def test_bad_arguments_are_usage_errors(tool_args, args, message):
     code, last = tool_args(args)

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from mmcv_custom.launcher import free_port
 from tests.tool_utils import load_script, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -22,14 +23,15 @@ SHORT = ['--max-iters', '4', '--log-interval', '2']
 VALID = ('allreduce', 'fp16_compress', 'bf16_compress', 'int8_ef', 'int8_noef')
 
 
-def _tool(*args, timeout=300):
+def _tool(*args, timeout=300, env=None):
     # From the repository root, where the toy data already lies; everything
     # the tool writes goes to the tmp paths the tests name.
     return subprocess.run([sys.executable, TOOL, *args],
                           capture_output=True,
                           text=True,
                           timeout=timeout,
-                          cwd=ROOT)
+                          cwd=ROOT,
+                          env=env)
 
 
 def _usage_error(out, *words):
@@ -64,6 +66,12 @@ def test_bad_arguments_are_usage_errors(tool, tmp_path, monkeypatch, capsys):
          str(tmp_path)], 'twice')
     _refused([FCN, '--block-size', '0', '--work-dir',
               str(tmp_path)], '--block-size should be at least 1, but got 0')
+    # What numpy's generator takes, which every run seeds.
+    _refused(
+        [FCN, '--seed', str(2**32), '--work-dir',
+         str(tmp_path)],
+        '--seed should be an int from 0 to 4294967295, but got '
+        '4294967296')
     _refused([
         FCN, '--cfg-options', 'comm_hook.block_size=8', '--work-dir',
         str(tmp_path)
@@ -184,12 +192,24 @@ def _scalars(run_dir):
 @pytest.mark.slow
 def test_trains_each_variant_then_rereads_the_runs(tmp_path):
     work = tmp_path / 'runs'
-    out = _tool(FCN, '--variants', 'allreduce', 'int8_noef', '--block-size',
-                '64', '--work-dir', str(work), *SHORT)
+    # Both runs on the PORT given, one after the other, as dist_train.sh.
+    port = free_port()
+    out = _tool(
+        FCN,
+        '--variants',
+        'allreduce',
+        'int8_noef',
+        '--block-size',
+        '64',
+        '--work-dir',
+        str(work),
+        *SHORT,
+        env=dict(os.environ, PORT=port))
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     # On stderr, while it trains: each run's start, its iterations (from
     # its log: done of total, loss, ETA) and its end; the table on stdout.
-    assert '[allreduce] run 1/2 starts: PORT=' in out.stderr
+    assert f'[allreduce] run 1/2 starts: PORT={port} ' in out.stderr
+    assert f'[int8_noef] run 2/2 starts: PORT={port} ' in out.stderr
     assert re.search(
         r'^\[int8_noef\] \[4/4\] loss [\d.]+, done in '
         r'\d:\d\d:\d\d$', out.stderr, re.M), out.stderr

@@ -103,3 +103,36 @@ def test_model_stats_errors_are_one_line(args, code, message):
     if code == 1:
         assert 'invalid depth 7 for resnet' in last
     assert out.stdout == ''
+
+
+@pytest.mark.parametrize(
+    'args,message',
+    [([FCN, '--cfg-options', 'model.backbone.depth'
+       ], "--cfg-options 'model.backbone.depth': expected KEY=VALUE"),
+     ([FCN, '--cfg-options', 'model.backbone.out_indices=(0,1'
+       ], "--cfg-options 'model.backbone.out_indices=(0,1': cannot read its "
+      'value (Imbalanced brackets exist in (0,1)'),
+     ([FCN, '--gpus', '8', '0'
+       ], '--gpus should be positive numbers of GPUs, but got 0')],
+    ids=['no-value', 'unbalanced', 'gpus'])
+def test_model_stats_usage_errors(args, message, monkeypatch, capsys):
+    # In this process: MMEngine's DictAction once raised an AssertionError
+    # (a traceback) for the unbalanced bracket.
+    tool = load_script(MODEL_STATS, '_model_stats')
+    parse = usage_errors(tool, MODEL_STATS, monkeypatch, capsys)
+    assert parse(args) == (2, f'model_stats.py: error: {message}')
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--nproc', '0'], '--nproc should be at least 1, but got 0'),
+    (['--config', 'configs/nope.py'], '--config configs/nope.py: no such '
+     'file'),
+])
+def test_demo_usage_errors(args, message, monkeypatch, capsys):
+    # Before anything starts, not after dist_train.sh failed.
+    demo = osp.join(ROOT, 'tools', 'demo.py')
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv('PORT', raising=False)
+    parse = usage_errors(
+        load_script(demo, '_demo_errors'), demo, monkeypatch, capsys)
+    assert parse(args) == (2, f'demo.py: error: {message}')

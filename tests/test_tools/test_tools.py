@@ -2,6 +2,7 @@
 MMEngine-only MLP demo."""
 import glob
 import json
+import os
 import os.path as osp
 import re
 import subprocess
@@ -11,20 +12,22 @@ import pytest
 import torch
 
 from mmcv_custom.demo import SyntheticRegressionDataset
+from mmcv_custom.launcher import free_port
 from tests.tool_utils import load_script
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 MLP = osp.join(ROOT, 'configs', 'demo', 'mlp_2xb32-300iter_synthetic.py')
 
 
-def _demo(*args, cwd):
+def _demo(*args, cwd, env=None):
     return subprocess.run(
         [sys.executable,
          osp.join(ROOT, 'tools', 'demo.py'), *args],
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=cwd)
+        cwd=cwd,
+        env=env)
 
 
 @pytest.mark.slow
@@ -158,6 +161,7 @@ def test_synthetic_validation_set_samples_the_training_function():
 
 @pytest.mark.slow
 def test_mlp_demo_learns_the_function_in_its_own_work_dir(tmp_path):
+    port = free_port()
     out = _demo(
         '--config',
         MLP,
@@ -167,8 +171,12 @@ def test_mlp_demo_learns_the_function_in_its_own_work_dir(tmp_path):
         'comm_hook.type=powerSGD',
         'comm_hook.wrapper=fp16',
         'comm_hook.start_powerSGD_iter=5',
-        cwd=str(tmp_path))
+        cwd=str(tmp_path),
+        env=dict(os.environ, PORT=port))
     assert out.returncode == 0, out.stderr[-3000:]
+    # Both runs on the PORT given (PORT=... make demo), as dist_train.sh.
+    assert f'demo: training on PORT={port}\n' in out.stderr
+    assert f'demo: evaluation on PORT={port}\n' in out.stderr
     assert "type='powerSGD' (powersgd_hook), wrapper='fp16'" in out.stdout
     # Tested by tools/dist_test.sh on the validation set, shown to four
     # significant digits (an MSE of 0.03 is not 0.0).

@@ -672,6 +672,15 @@ def parse_args(argv=None):
     elif args.backend == 'nccl' and gpus < args.nproc:
         parser.error(f'--backend nccl needs one CUDA GPU per rank, but got '
                      f'--nproc {args.nproc} with {gpus} GPUs')
+    if args.backend == 'gloo':
+        # Each rank holds the bucket's gradients at least once in memory:
+        # beyond the machine's, the ranks would die of it mid-run.
+        memory = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+        largest = max(args.sizes_mb)
+        if largest * MB * args.nproc > memory:
+            parser.error(f'--sizes-mb {largest:g}: {args.nproc} ranks would '
+                         f'hold {largest * args.nproc:g} MB at least, more '
+                         f'than this machine\'s {memory / MB:.0f} MB')
     if args.plot:
         try:
             import matplotlib  # noqa: F401

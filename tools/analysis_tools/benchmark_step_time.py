@@ -40,6 +40,12 @@ by ``tools/analysis_tools/comm_cost_model.py --fit``) and ``--plot``
 (missing folders under ``work_dirs/`` are created). Meanwhile each
 (round, rate) block done is reported on stderr, with an ETA.
 
+The nodes rendezvous inside the emulated network, each node in a network
+namespace of its own, so their port clashes with nothing on this host:
+``PORT`` (which ``tools/dist_train.sh`` reads) is not needed and not read.
+Every argument is checked before a node starts (a bad one is a usage
+error: one line, exit code 2).
+
 Examples:
     python tools/analysis_tools/benchmark_step_time.py \\
         --json work_dirs/step_time.json --plot work_dirs/step_time.png
@@ -61,7 +67,9 @@ import tempfile
 import time
 from datetime import timedelta
 
-from mmcv_custom.analysis import Progress, check_output, read_config
+from mmcv_custom.analysis import (Progress, cfg_options, check_output,
+                                  read_config)
+from mmcv_custom.emulated_cluster import MAX_NODES
 
 _DEFAULT_CONFIG = osp.join(
     'configs', 'intern_vit',
@@ -732,11 +740,16 @@ def _positive(value):
 
 _positive_int = _checked(int, lambda v: v >= 1, 'an int >= 1')
 _positive_float = _checked(float, _positive, 'a number > 0')
-_mbit = _checked(float, _positive, "a rate: give Mbit/s > 0 or 'unshaped'")
+# 0 is refused, not read as 'unshaped': a link of 0 Mbit/s carries nothing,
+# and a user who typed it did not ask for the unshaped link.
+_mbit = _checked(
+    float, _positive,
+    "a rate: give Mbit/s > 0, or 'unshaped' for a link that is "
+    'not shaped')
 
 
 def _rate(text):
-    if text.lower() in ('unshaped', 'none', '0'):
+    if text.lower() == 'unshaped':
         return None
     return _mbit(text)
 
@@ -752,15 +765,15 @@ def parse_args(argv=None):
         help=f'training config (default: {_DEFAULT_CONFIG})')
     parser.add_argument(
         '--nodes',
-        type=_positive_int,
+        type=int,
         default=2,
-        help='emulated nodes, one rank each (default: 2)')
+        help=f'emulated nodes, one rank each, 2 to {MAX_NODES} (default: 2)')
     parser.add_argument(
         '--rates',
         type=_rate,
         nargs='+',
         default=[50.0, 200.0, 1000.0, None],
-        help="link rates in Mbit/s, and 'unshaped' "
+        help="link rates in Mbit/s (> 0), and 'unshaped' "
         '(default: 50 200 1000 unshaped)')
     parser.add_argument(
         '--hooks',
@@ -823,6 +836,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.node_worker:
         return args
+    if not 2 <= args.nodes <= MAX_NODES:
+        parser.error(f'--nodes should be an int from 2 to {MAX_NODES} (one '
+                     f'network namespace per node), but got {args.nodes}')
     if None not in args.rates:
         parser.error("--rates must include 'unshaped': exposed time is the "
                      'step on a shaped link minus the same step unshaped')
@@ -832,22 +848,28 @@ def parse_args(argv=None):
         if name not in args.hooks:
             args.hooks.insert(0 if name == 'noop' else 1, name)
     args.hooks = list(dict.fromkeys(args.hooks))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error('--plot needs matplotlib, which is not installed '
+                         '(pip install matplotlib)')
     for option in ('json', 'plot'):
         path = getattr(args, option)
         if path:
             check_output(parser, f'--{option}', path)
-    if args.cfg_options:
-        from mmengine.config import DictAction
-        options = {}
-        for item in args.cfg_options:
-            key, sep, value = item.partition('=')
-            if not sep:
-                parser.error(f'--cfg-options {item!r}: expected KEY=VALUE')
-            options[key] = DictAction._parse_iterable(value)
-        args.cfg_options = options
+    args.cfg_options = cfg_options(parser, args.cfg_options)
     # Read here, not first on the nodes: a file that is not a config
     # fails in a second, with one line.
     read_config(parser, 'config', args.config, args.cfg_options)
+    # The nodes' logs go there: now, not once the nodes are up.
+    try:
+        os.makedirs(args.work_dir, exist_ok=True)
+    except OSError as e:
+        parser.error(f'--work-dir {args.work_dir}: cannot create it '
+                     f'({e.strerror})')
+    if not os.access(args.work_dir, os.W_OK | os.X_OK):
+        parser.error(f'--work-dir {args.work_dir}: not writable')
     return args
 
 

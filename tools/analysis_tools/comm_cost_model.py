@@ -41,7 +41,7 @@ import sys
 
 from mmcv_custom import comm_cost as cc
 from mmcv_custom.analysis import filter_tool_warnings
-from mmcv_custom.analysis.cli import check_output, read_config
+from mmcv_custom.analysis.cli import cfg_options, check_output, read_config
 
 __all__ = ['parse_args', 'main']
 
@@ -203,22 +203,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cfg_options(parser, items):
-    """``--cfg-options`` as MMEngine's DictAction parses them (imported
-    here so that a fit alone needs no MMEngine)."""
-    if not items:
-        return None
-    from mmengine.config import DictAction
-    namespace = argparse.Namespace()
-    try:
-        DictAction(
-            option_strings=['--cfg-options'], dest='opts')(parser, namespace,
-                                                           items)
-    except (ValueError, SyntaxError) as e:
-        parser.error(f'--cfg-options {" ".join(items)}: {e}')
-    return namespace.opts
-
-
 def _check_ranges(parser, args) -> None:
     """Every number in its range, or a usage error naming it."""
     ints = (('--nodes', args.nodes), ('--gpus-per-node', args.gpus_per_node),
@@ -245,6 +229,10 @@ def _check_ranges(parser, args) -> None:
         if value is not None and not (math.isfinite(value) and value >= 0):
             parser.error(f'{option} should be a number >= 0, but got '
                          f'{value}')
+    if args.eta is not None and args.eta > 1:
+        parser.error(f'--eta should be a fraction of the link rate, in '
+                     f'(0, 1], but got {args.eta}: no link carries more than '
+                     'its rate')
     if (args.backward_s is not None and args.compute_step_s is not None
             and args.compute_step_s < args.backward_s):
         parser.error(f'--compute-step-s {args.compute_step_s} should be at '
@@ -339,7 +327,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     elif args.recommend or args.cfg_options:
         parser.error('--recommend and --cfg-options need a projection: '
                      'give --config')
-    args.cfg_options = _cfg_options(parser, args.cfg_options)
+    args.cfg_options = cfg_options(parser, args.cfg_options)
     if args.project:
         # A file that is not a config fails here, in one line.
         read_config(parser, '--config', args.config, args.cfg_options)

@@ -6,7 +6,8 @@ the same seed and data order, once per ``--variants`` entry (the default: the
 fp32 ``allreduce`` baseline, ``int8_compress`` with error feedback and
 ``int8_compress`` without it), each through ``tools/dist_train.sh`` on
 ``--nproc`` ranks, in ``<work-dir>/<variant>``. Runs go one after another
-(each on a free port), so that they do not compete for the same cores.
+(each on ``PORT`` when it is set, as ``tools/dist_train.sh`` takes it,
+else each on a free port), so that they do not compete for the same cores.
 
 It then reads every run's own record, ``<run>/vis_data/scalars.json``, and
 
@@ -41,9 +42,10 @@ about, since a mislabelled curve is the easy mistake when re-plotting.
 
 Run it from the repository root: the configs' data paths are relative.
 
-Arguments are checked before any run starts (a bad value is a usage error,
-exit code 2). A run that fails is named with its log; the others are still
-trained and reported, and the exit code is 1. A FAIL verdict is reported,
+Arguments and ``PORT`` are checked before any run starts (a bad value, or
+a ``PORT`` another process listens on, is a usage error, exit code 2). A
+run that fails is named with its log; the others are still trained and
+reported, and the exit code is 1. A FAIL verdict is reported,
 not turned into an exit code: the runs themselves worked.
 
 Examples:
@@ -73,7 +75,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from mmcv_custom.analysis import (Progress, check_output, format_eta,
-                                  read_config)
+                                  read_config, rendezvous_port)
 from mmcv_custom.launcher import free_port
 
 __all__ = [
@@ -545,8 +547,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     elif args.log_interval < 1:
         parser.error(f'--log-interval should be at least 1, but got '
                      f'{args.log_interval}')
-    if args.seed is not None and args.seed < 0:
-        parser.error(f'--seed should be >= 0, but got {args.seed}')
+    if args.seed is not None and not 0 <= args.seed < 2**32:
+        # What numpy's generator takes (MMEngine seeds it too): beyond, every
+        # run would fail after its start-up.
+        parser.error(f'--seed should be an int from 0 to {2**32 - 1}, but '
+                     f'got {args.seed}')
     if args.smooth is not None and not (0 <= args.smooth < 1):
         parser.error(f'--smooth should be in [0, 1), but got {args.smooth}')
     if not (math.isfinite(args.tolerance) and args.tolerance >= 0):
@@ -573,7 +578,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.from_work_dirs is not None:
         args.run_dirs = _parse_from(parser, args)
         args.variants = list(args.run_dirs)
+        args.port = None
     else:
+        args.port = rendezvous_port(parser)
         args.run_dirs = {v: osp.join(args.work_dir, v) for v in args.variants}
         try:
             os.makedirs(args.work_dir, exist_ok=True)
@@ -712,7 +719,7 @@ def _train(args, variant: str, number: str) -> Optional[str]:
         str(args.nproc), '--work-dir', work_dir, '--cfg-options',
         *train_options(args, variant)
     ]
-    port = free_port()
+    port = args.port or free_port()
     log = osp.join(work_dir, 'dist_train.log')
     print(
         f'[{variant}] run {number} starts: PORT={port} {" ".join(cmd[1:])}',

@@ -17,10 +17,10 @@ import argparse
 import os.path as osp
 import sys
 
-from mmengine.config import DictAction
 from mmengine.registry import DefaultScope
 
-from mmcv_custom.analysis import filter_tool_warnings, read_config, stats
+from mmcv_custom.analysis import (cfg_options, filter_tool_warnings,
+                                  read_config, stats)
 from mmcv_custom.registry import check_comm_hook_cfg
 
 GiB = 2**30
@@ -38,14 +38,15 @@ def _error(message: str) -> None:
     sys.exit(f'{osp.basename(__file__)}: error: {message}')
 
 
-def main():
-    filter_tool_warnings()
+def parse_args(argv=None):
+    """The command line, checked, and the config it names (``cfg``):
+    a usage error (exit code 2) names any bad value."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('config', help='config file path')
     parser.add_argument(
         '--cfg-options',
         nargs='+',
-        action=DictAction,
+        metavar='KEY=VALUE',
         help='override some settings in the used config, as in '
         'tools/train.py: the key-value pairs in xxx=yyy format are merged '
         'into the config, e.g. comm_hook.type=fp16_compress')
@@ -57,12 +58,20 @@ def main():
         metavar='N',
         help='numbers of GPUs to print the memory per GPU under FSDP2 for '
         '(default: 8)')
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     bad = [n for n in args.gpus if n < 1]
     if bad:
         parser.error(f'--gpus should be positive numbers of GPUs, but got '
                      f'{bad[0]}')
-    cfg = read_config(parser, 'config', args.config, args.cfg_options)
+    args.cfg = read_config(parser, 'config', args.config,
+                           cfg_options(parser, args.cfg_options))
+    return args
+
+
+def main():
+    filter_tool_warnings()
+    args = parse_args()
+    cfg = args.cfg
     if cfg.get('comm_hook') is not None:
         # Before building the model (seconds for InternViT-6B). The errors
         # name the bad value and the valid ones: that line is what the
