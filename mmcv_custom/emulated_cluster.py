@@ -29,9 +29,12 @@ What is emulated and what is not:
 environment ``tools/dist_train.sh`` and ``tools/dist_test.sh`` read for a
 multi-node torchrun job (``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``,
 ``PORT``) plus ``GLOO_SOCKET_IFNAME``, and stops them all as soon as one
-fails. :func:`calibrate` measures what a plain gloo ``all_reduce`` achieves
-across the emulated links. ``tools/emulated_cluster.py`` is the command
-line over all three.
+fails. Nothing outlives the process that made the cluster, SIGKILL
+included: each node's command gets SIGTERM when that process ends, and a
+keeper process removes the namespaces and what still runs in them (see
+:class:`EmulatedCluster`). :func:`calibrate` measures what a plain gloo
+``all_reduce`` achieves across the emulated links.
+``tools/emulated_cluster.py`` is the command line over all three.
 
 Creating namespaces needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN).
 :func:`check_available` says whether this process can;
@@ -110,6 +113,17 @@ _BRIDGE = 'br0'
 #: :func:`reexec_in_user_namespace`, to say so and never loop.
 _USERNS_ENV = 'MMCVC_USER_NAMESPACE'
 _CHILD_FLAG = '--calibration-child'
+#: This file run as a cluster's keeper, and as a node's first program.
+_KEEPER_FLAG = '--keeper'
+_NODE_FLAG = '--node'
+#: What a maker that closed its cluster itself tells its keeper.
+_DISMISSED = b'closed'
+#: Seconds a keeper waits between SIGTERM and SIGKILL.
+_KEEPER_GRACE = 2.0
+#: What a node's first process gets when the process running the nodes
+#: ends: SIGTERM, so that a launcher there can stop its ranks itself.
+_NODE_DEATH_SIGNAL = signal.SIGTERM
+_PR_SET_PDEATHSIG = 1
 _USERNS_SETUP = (
     # A private /run/netns for `ip netns add`, in the new mount namespace;
     # where there is none, a private /run to make it in.
@@ -387,9 +401,19 @@ class EmulatedCluster:
     when entered from the main thread) or a failure halfway through
     creation removes exactly what exists: every process still in a node
     is killed, every link and namespace deleted. Namespaces of other
-    live runs are never touched. Only a SIGKILL of this process leaves its
-    namespaces behind (``ip netns list | grep mmcvc-<pid>``); the next
-    cluster to open removes them (:func:`remove_leftovers`) and says so.
+    live runs are never touched.
+
+    A SIGKILL of this process runs none of that, so entering also starts
+    a keeper: this file run as a small process in a session of its own
+    (no signal to this process's group or terminal reaches it), waiting
+    on a pipe whose other end only this process holds. When this process
+    ends without closing the cluster, the pipe's end of file wakes the
+    keeper, which stops everything running in the cluster's namespaces
+    (SIGTERM, SIGKILL after 2 s), deletes them and logs one warning;
+    :meth:`close` dismisses it. (A child forked from this process without
+    ``exec`` holds the pipe too, and delays the keeper until it ends.)
+    What a killed keeper leaves, the next cluster removes
+    (:func:`remove_leftovers`), once nothing runs in it.
 
     Nothing is created in the caller's network namespace: each veth pair
     is made inside the node's namespace with its peer sent straight to
@@ -433,6 +457,8 @@ class EmulatedCluster:
         self._namespaces: List[str] = []
         self._links: List[Tuple[str, str]] = []
         self._old_handlers: Dict[int, object] = {}
+        self._keeper: Optional[subprocess.Popen] = None
+        self._keeper_pipe: Optional[int] = None
         self.active = False
 
     # Names and addresses --------------------------------------------
@@ -494,6 +520,7 @@ class EmulatedCluster:
         self._install_signal_handlers()
         self.active = True
         try:
+            self._start_keeper()
             removed = remove_leftovers()
             if removed:
                 _LOG.warning(
@@ -508,6 +535,44 @@ class EmulatedCluster:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    def _start_keeper(self) -> None:
+        """Start the keeper (see the class's description): it removes the
+        cluster if this process ends without :meth:`close`."""
+        read_end, write_end = os.pipe()  # neither is inherited by exec
+        try:
+            self._keeper = subprocess.Popen(
+                [sys.executable] + _interpreter_flags() + [
+                    os.path.abspath(__file__), _KEEPER_FLAG,
+                    str(read_end), self.tag,
+                    str(os.getpid())
+                ],
+                pass_fds=(read_end, ),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True)
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        self._keeper_pipe = write_end
+
+    def _dismiss_keeper(self) -> None:
+        if self._keeper_pipe is not None:
+            try:
+                os.write(self._keeper_pipe, _DISMISSED)
+            except OSError:  # the keeper is gone already
+                pass
+            os.close(self._keeper_pipe)
+            self._keeper_pipe = None
+        if self._keeper is not None:
+            try:
+                self._keeper.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._keeper.kill()
+                self._keeper.wait()
+            self._keeper = None
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -597,6 +662,7 @@ class EmulatedCluster:
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
         try:
             self._teardown()
+            self._dismiss_keeper()
         finally:
             for signum, handler in self._old_handlers.items():
                 signal.signal(signum, handler)
@@ -650,16 +716,29 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _cluster_tag(name: str) -> str:
+    """The cluster a namespace of this module belongs to: its name up to
+    the last ``-`` (``mmcvc-<pid>-<serial><hex>``)."""
+    return name.rsplit('-', 1)[0]
+
+
+#: Killed clusters already said to be still running, said once each.
+_STILL_RUNNING: set = set()
+
+
 def remove_leftovers() -> List[str]:
     """Delete the namespaces of clusters whose process is gone.
 
-    A cluster removes what it made on every exit but one: a SIGKILL of
-    its process (a test runner's timeout, the OOM killer). What that
-    leaves, namespaces and the veth pairs in them, would stay until
-    reboot and accumulate. A namespace counts as left over only when its
-    name is one this module gives, the process named in it no longer
-    exists and nothing runs inside it, so a live cluster, or one whose
-    commands still run, is never touched.
+    A cluster removes what it made on every exit, and its keeper when
+    its process is killed; only a cluster whose keeper was killed as well
+    leaves its namespaces and the veth pairs in them, which would stay
+    until reboot and accumulate. A namespace counts as left over only
+    when its name is one this module gives and the process named in it
+    no longer exists. One cluster's namespaces (the same
+    ``mmcvc-<pid>-<hex>-`` prefix) go together, and only once nothing
+    runs in any of them: a node still running would lose its network
+    under it. When something does, all of them stay, with one warning
+    per cluster naming the namespaces and the processes in them.
 
     Returns:
         list[str]: The namespaces deleted, sorted.
@@ -668,14 +747,41 @@ def remove_leftovers() -> List[str]:
         names = sorted(os.listdir(_NETNS_DIR))
     except OSError:
         return []
-    removed = []
+    clusters: Dict[str, List[str]] = {}
     for name in names:
         pid = _maker_pid(name)
-        if pid is None or _alive(pid) or _namespace_pids(name):
+        if pid is None or _alive(pid):
             continue
+        clusters.setdefault(_cluster_tag(name), []).append(name)
+    removed = []
+    for tag, members in sorted(clusters.items()):
+        running = {ns: _namespace_pids(ns) for ns in members}
+        running = {ns: pids for ns, pids in running.items() if pids}
+        if running:
+            if tag not in _STILL_RUNNING:
+                _STILL_RUNNING.add(tag)
+                _LOG.warning(
+                    'left the network namespaces of a killed cluster in '
+                    'place (its process %d is gone, but processes still '
+                    'run in them): %s; once they end (kill %s), the next '
+                    'cluster removes the namespaces', _maker_pid(members[0]),
+                    ', '.join(f'{ns} (pids {", ".join(map(str, running[ns]))})'
+                              if ns in running else ns for ns in members),
+                    ' '.join(
+                        str(p) for ns in members for p in running.get(ns, ())))
+            continue
+        removed += _delete_namespaces(members)
+    return sorted(removed)
+
+
+def _delete_namespaces(names: Sequence[str]) -> List[str]:
+    """``ip netns del`` each of ``names``, the switch last; the names
+    deleted."""
+    deleted = []
+    for name in sorted(names, key=lambda n: n.endswith('-sw')):
         if _run(['ip', 'netns', 'del', name], check=False).returncode == 0:
-            removed.append(name)
-    return removed
+            deleted.append(name)
+    return deleted
 
 
 def _namespace_exists(name: str) -> bool:
@@ -824,13 +930,14 @@ def _start_on_node(cluster: EmulatedCluster, node, argv: List[str], port: int,
                    env: Optional[Dict[str, str]], log_dir: Optional[str],
                    stream: Optional[IO[str]], lock: threading.Lock):
     """Start ``argv`` in ``node``'s namespace, in a session of its own,
-    and a thread pumping its output to ``stream`` and its log."""
+    ending with this process (see :func:`_node_argv`), and a thread
+    pumping its output to ``stream`` and its log."""
     log = (
         open(os.path.join(log_dir, f'node{node.rank}.log'), 'wb')
         if log_dir is not None else None)
     try:
         proc = subprocess.Popen(
-            ['ip', 'netns', 'exec', node.namespace] + argv,
+            _node_argv(node.namespace, argv),
             env=_node_env(cluster, node, port, env),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -847,6 +954,19 @@ def _start_on_node(cluster: EmulatedCluster, node, argv: List[str], port: int,
         daemon=True)
     pump.start()
     return proc, pump
+
+
+def _node_argv(namespace: str, argv: List[str]) -> List[str]:
+    """``ip netns exec NAMESPACE ARGV``, started through this file, which
+    sets the process's parent-death signal first (SIGTERM, kept through
+    ``exec``): a node's command ends as soon as the process that started
+    it does, SIGKILL included, before the cluster's keeper sweeps the
+    rest. (A small program rather than ``preexec_fn``, which is unsafe
+    beside the output threads.)"""
+    return [sys.executable] + _interpreter_flags() + [
+        os.path.abspath(__file__), _NODE_FLAG,
+        str(os.getpid()), '--', 'ip', 'netns', 'exec', namespace
+    ] + argv
 
 
 def _wait_for_nodes(procs: List[subprocess.Popen], start: float,
@@ -1129,10 +1249,95 @@ def _calibration_child(numel: int, warmup: int, iters: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+def _set_death_signal(signum: int) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, signum)``: ``signum`` when the parent
+    ends. (:mod:`mmcv_custom.lifetime` does the same for ranks; this file
+    imports nothing of the package, see :func:`_alive`.)"""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _node_start(maker: int, argv: List[str]) -> int:
+    """A node's first program (:func:`_node_argv`): set the death signal,
+    then become ``argv``; end at once if ``maker`` is already gone."""
+    _set_death_signal(_NODE_DEATH_SIGNAL)
+    if os.getppid() != maker:
+        return signal_exit_code(_NODE_DEATH_SIGNAL)
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as e:
+        sys.stderr.write(f'cannot run {argv[0]}: {e.strerror}\n')
+        return 127
+
+
+def _stop_namespaces(names: Sequence[str], grace: float) -> List[int]:
+    """SIGTERM every process in ``names``, SIGKILL what remains after
+    ``grace`` seconds, wait until they are gone (10 s at most); the pids
+    seen."""
+    seen = []
+    for signum, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        for ns in names:
+            seen += [
+                p for p in _kill_namespace_pids(ns, signum) if p not in seen
+            ]
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not any(_namespace_pids(ns) for ns in names):
+                return seen
+            time.sleep(0.1)
+    return seen
+
+
+def _keep(fd: int, tag: str, maker: int) -> int:
+    """The keeper of cluster ``tag`` (see :class:`EmulatedCluster`): wait
+    for the end of file of pipe ``fd``; unless the maker closed the cluster
+    itself, stop what runs in the cluster's namespaces and delete them."""
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    with os.fdopen(fd, 'rb') as pipe:
+        said = pipe.read()
+    if said == _DISMISSED:
+        return 0
+    stopped: List[int] = []
+    removed: List[str] = []
+    # Twice: a setup command of the maker may still add a namespace.
+    for _ in range(2):
+        try:
+            names = [
+                n for n in os.listdir(_NETNS_DIR) if n.startswith(tag + '-')
+            ]
+        except OSError:
+            names = []
+        if not names:
+            break
+        stopped += _stop_namespaces(names, _KEEPER_GRACE)
+        removed += _delete_namespaces(names)
+        time.sleep(0.2)
+    if not (stopped or removed):
+        return 0  # it ended before making anything
+    _LOG.warning(
+        'the process that made emulated cluster %s (pid %d) ended without '
+        'removing it: stopped %d process%s in its nodes and removed %s', tag,
+        maker, len(stopped), '' if len(stopped) == 1 else 'es',
+        ', '.join(sorted(removed)) or 'none of its namespaces')
+    return 0
+
+
 def _main(argv: List[str]) -> int:
     if len(argv) == 5 and argv[0] == _CHILD_FLAG:
         _calibration_child(int(argv[1]), int(argv[2]), int(argv[3]), argv[4])
         return 0
+    if len(argv) >= 4 and argv[0] == _NODE_FLAG and argv[2] == '--':
+        return _node_start(int(argv[1]), argv[3:])
+    if len(argv) == 4 and argv[0] == _KEEPER_FLAG:
+        logging.basicConfig(
+            format='mmcv_custom.emulated_cluster: %(message)s',
+            level=logging.WARNING)
+        return _keep(int(argv[1]), argv[2], int(argv[3]))
     sys.stderr.write('this module is a library; run '
                      'tools/emulated_cluster.py\n')
     return 2

@@ -3,8 +3,9 @@
 # Multi-node: set NNODES, NODE_RANK, MASTER_ADDR and PORT on every node.
 # PYTHON picks the interpreter; by default the repository's .venv/bin/python
 # when it exists (what `make install` builds), else python on PATH.
-# MAX_RESTARTS=N restarts every rank up to N times after a failure (torchrun's
-# --max-restarts); a restarted run resumes from the newest intact checkpoint.
+# MAX_RESTARTS=N restarts every rank up to N times after a failure, but not
+# after exit code 2 (a usage or preflight error); a restarted run resumes from
+# the newest intact checkpoint. Ranks end with the launcher, SIGKILL included.
 # A failed run ends with the cause (from the first rank that failed), the log
 # file and the exit code (mmcv_custom/torchrun.py: torchrun, reporting so).
 PROG=dist_train.sh

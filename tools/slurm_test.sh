@@ -34,6 +34,8 @@ if [ -z "$PYTHON" ] && [ -x "$VENV_PYTHON" ]; then
 fi
 export MASTER_PORT=${MASTER_PORT:-29500}
 
+# Each task names its parent (slurmstepd) in MMCV_CUSTOM_LAUNCHER_PID: a rank
+# ends with it, SIGKILL included (mmcv_custom/lifetime.py).
 PYTHONPATH="$HERE/..":$PYTHONPATH \
 srun -p "${PARTITION}" \
     --job-name="${JOB_NAME}" \
@@ -43,5 +45,5 @@ srun -p "${PARTITION}" \
     --cpus-per-task="${CPUS_PER_TASK}" \
     --kill-on-bad-exit=1 \
     ${SRUN_ARGS} \
-    bash -c 'export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}; exec "${PYTHON:-python}" -u "$0" "$@" --launcher slurm' \
+    bash -c 'export MMCV_CUSTOM_LAUNCHER_PID=$PPID MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}; exec "${PYTHON:-python}" -u "$0" "$@" --launcher slurm' \
     "$HERE/test.py" "${CONFIG}" "${CHECKPOINT}" ${PY_ARGS}

@@ -43,6 +43,8 @@ case "$MAX_RESTARTS" in
         exit 2 ;;
 esac
 
+# Each task names its parent (slurmstepd) in MMCV_CUSTOM_LAUNCHER_PID: a rank
+# ends with it, SIGKILL included (mmcv_custom/lifetime.py).
 attempt=0
 while true; do
     PYTHONPATH="$HERE/..":$PYTHONPATH \
@@ -55,7 +57,7 @@ while true; do
         --cpus-per-task="${CPUS_PER_TASK}" \
         --kill-on-bad-exit=1 \
         ${SRUN_ARGS} \
-        bash -c 'export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}; exec "${PYTHON:-python}" -u "$0" "$@" --launcher slurm' \
+        bash -c 'export MMCV_CUSTOM_LAUNCHER_PID=$PPID MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}; exec "${PYTHON:-python}" -u "$0" "$@" --launcher slurm' \
         "$HERE/train.py" "${CONFIG}" ${PY_ARGS}
     status=$?
     # 2: a usage or preflight error (a missing file, a bad value), which a

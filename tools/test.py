@@ -31,6 +31,7 @@ from mmcv_custom.engine.console import ToolConsole, report_failure
 from mmcv_custom.integrity import CheckpointDamagedError
 from mmcv_custom.launcher import (is_launch_rank0, prepare_launch, run_runner,
                                   uses_fsdp2)
+from mmcv_custom.lifetime import die_with_launcher
 from mmcv_custom.preflight import (PreflightError, check_preflight,
                                    checked_config, exit_on_problems)
 from mmcv_custom.sharded_checkpoint import consolidated_file
@@ -105,6 +106,8 @@ def trigger_visualization_hook(cfg, args):
 
 def main():
     args = parse_args()
+    # A rank ends with its launcher (torchrun, srun), SIGKILL included.
+    die_with_launcher(args.launcher)
     # A header, the progress and a summary; the rest in the log file.
     console = ToolConsole('test.py', verbose=args.verbose).start()
     console.work_dir = args.work_dir

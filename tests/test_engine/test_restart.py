@@ -141,6 +141,93 @@ def test_max_restarts_must_be_a_count(tmp_path):
                    'number >= 0 (restarts after a failure)\n')
 
 
+def test_a_preflight_error_is_said_once_and_not_restarted(tmp_path):
+    """Exit code 2 (the preflight's, as for a usage error) ends the run
+    under ``MAX_RESTARTS=2``: a restart would only print it again."""
+    missing = tmp_path / 'missing.pth'
+    code, log = _dist_train(MLP, tmp_path / 'work', 2, f'load_from={missing}')
+    assert code == 2, log[-3000:]
+    assert log.count(f"train.py: error: load_from='{missing}': no such "
+                     'file') == 1, log
+    assert 'restart' not in log
+    assert log.endswith(
+        'dist_train.sh: exit code 2 (first failure: rank 0)\n'), log
+
+
+#: A rank of the restart loop's tests: records its attempt, and rank 1
+#: fails in the attempts before ``UNTIL`` as ``HOW`` says: an exit code,
+#: ``kill`` (SIGKILL) or ``report`` (a tool's report in torchrun's error
+#: file, then exit code 1).
+_RANK = """
+import json, os, signal, sys, time
+folder, until, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+attempt, rank = os.environ['MMCV_CUSTOM_RESTART_COUNT'], os.environ['RANK']
+open(os.path.join(folder, f'attempt{attempt}-rank{rank}'), 'w').close()
+if rank == '1' and int(attempt) < until:
+    if how == 'kill':
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == 'report':
+        report = dict(prog='tool.py', error='ValueError: bad', rank=1,
+                      world_size=2, log_file='run.log', time=time.time(),
+                      exit_code=1)
+        with open(os.environ['TORCHELASTIC_ERROR_FILE'], 'w') as f:
+            json.dump(dict(message='bad', mmcv_custom=report), f)
+        sys.exit(1)
+    sys.exit(int(how))
+"""
+
+
+@pytest.mark.parametrize(
+    'until,how,restarts,code,attempts,lines', [
+        (2, '3', 2, 0, 3, [
+            'test: local rank 1 exited with code 3; restarting every rank '
+            '(restart 1 of 2)',
+            'test: local rank 1 exited with code 3; restarting every rank '
+            '(restart 2 of 2)'
+        ]),
+        (1, 'kill', 1, 0, 2, [
+            'test: local rank 1 was killed by SIGKILL; restarting every '
+            'rank (restart 1 of 1)'
+        ]),
+        (9, 'report', 1, 1, 2, [
+            'tool.py: error on rank 1: ValueError: bad',
+            'tool.py: the traceback is in run.log',
+            'test: local rank 1 exited with code 1; restarting every rank '
+            '(restart 1 of 1)', 'tool.py: error on rank 1: ValueError: bad',
+            'tool.py: the traceback is in run.log', 'test: exit code 1'
+        ]),
+        (9, '2', 3, 2, 1, ['test: exit code 2 (first failure: rank 1)']),
+    ],
+    ids=['exit-code', 'sigkill', 'report', 'exit-code-2'])
+def test_the_launchers_restart_loop(tmp_path, until, how, restarts, code,
+                                    attempts, lines):
+    """``mmcv_custom/torchrun.py --max-restarts=N`` (what ``MAX_RESTARTS``
+    gives): one torchrun launch per attempt, ``MMCV_CUSTOM_RESTART_COUNT``
+    counting them, one line per restart naming the failed rank after
+    that failure's report, the last failure reported as before; exit code
+    2 never restarted."""
+    script = tmp_path / 'rank.py'
+    script.write_text(_RANK)
+    out = subprocess.run([
+        sys.executable,
+        osp.join(ROOT, 'mmcv_custom',
+                 'torchrun.py'), 'test', '--nproc_per_node=2',
+        f'--master_port={free_port()}', f'--max-restarts={restarts}',
+        str(script),
+        str(tmp_path),
+        str(until), how
+    ],
+                         cwd=ROOT,
+                         capture_output=True,
+                         text=True,
+                         timeout=120)
+    assert out.returncode == code, out.stderr
+    assert out.stderr.splitlines() == lines
+    assert sorted(p.name for p in tmp_path.glob('attempt*')) == [
+        f'attempt{a}-rank{r}' for a in range(attempts) for r in (0, 1)
+    ]
+
+
 @pytest.mark.slow
 def test_killed_five_times_at_random_moments_it_ends_like_the_whole_run(
         tmp_path):

@@ -257,47 +257,81 @@ def test_a_failing_node_stops_the_others_and_everything_goes():
     assert not names & netns_names()
 
 
+def _wait_until(condition, seconds: float) -> float:
+    """Seconds until ``condition()`` holds; fails after ``seconds``."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < seconds
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
 @needs_netns
-def test_a_killed_runs_namespaces_go_with_the_next_cluster(caplog):
-    """SIGKILL leaves a cluster's namespaces; the next cluster removes
-    them, and only them: not a live process's, not one something still
-    runs in."""
+def test_nodes_end_with_their_maker_and_leftovers_go_once_idle(caplog):
+    """A cluster whose process and keeper were both SIGKILLed: its nodes'
+    commands end by themselves (their death signal), its namespaces stay.
+    The next cluster removes them as one, and only once nothing runs in
+    any of them: while something does, all stay, said once with the
+    namespaces and pids. Never a live process's namespace."""
+    seconds = _unique_seconds()
     child = subprocess.Popen([
-        sys.executable, '-c', 'import sys, time\n'
-        'from mmcv_custom.emulated_cluster import EmulatedCluster\n'
+        sys.executable, '-c', 'import sys\n'
+        'from mmcv_custom.emulated_cluster import EmulatedCluster, '
+        'run_on_nodes\n'
         'with EmulatedCluster(2) as c:\n'
-        '    print(" ".join(c.namespaces), flush=True)\n'
-        '    time.sleep(600)\n'
+        '    print(c._keeper.pid, " ".join(c.namespaces), flush=True)\n'
+        f'    run_on_nodes(c, ["sleep", "{seconds}"])\n'
     ],
                              cwd=ROOT,
                              stdout=subprocess.PIPE,
                              text=True)
-    killed = set(child.stdout.readline().split())
-    child.kill()
-    child.wait()
-    assert len(killed) == 3 and killed <= netns_names()
+    keeper, *names = child.stdout.readline().split()
+    killed = set(names)
     live = f'mmcvc-{os.getpid()}-{secrets.token_hex(3)}-node0'
-    busy = f'mmcvc-{child.pid}-{secrets.token_hex(3)}-node0'
-    seconds = _unique_seconds()
     sleeper = None
     try:
-        for name in (live, busy):
-            _out('ip', 'netns', 'add', name)
+        _wait_until(lambda: len(_sleeping(seconds)) == 2, 10)
+        os.kill(int(keeper), signal.SIGKILL)
+        child.kill()
+        child.wait()
+        _wait_until(lambda: not _sleeping(seconds), 5)
+        assert len(killed) == 3 and killed <= netns_names()
+        _out('ip', 'netns', 'add', live)
+        busy = sorted(killed)[1]  # a node
         sleeper = subprocess.Popen(
             ['ip', 'netns', 'exec', busy, 'sleep', seconds])
+        _wait_until(lambda: len(_sleeping(seconds)) == 1, 5)
+        with caplog.at_level('WARNING', logger=ec.__name__):
+            for _ in range(2):
+                with ec.EmulatedCluster(2):
+                    pass
+        assert killed | {live} <= netns_names()
+        tag = sorted(killed)[0].rsplit('-', 1)[0]
+        said = [r.getMessage() for r in caplog.records if tag in r.message]
+        assert said == [
+            'left the network namespaces of a killed cluster in place (its '
+            f'process {child.pid} is gone, but processes still run in '
+            f'them): {sorted(killed)[0]}, {busy} (pids {sleeper.pid}), '
+            f'{sorted(killed)[2]}; once they end (kill {sleeper.pid}), the '
+            'next cluster removes the namespaces'
+        ]
+        sleeper.kill()
+        sleeper.wait()
+        caplog.clear()
         with caplog.at_level('WARNING', logger=ec.__name__):
             with ec.EmulatedCluster(2):
                 pass
         assert not killed & netns_names()
-        assert {live, busy} <= netns_names()
+        assert live in netns_names()
         assert (
             'removed 3 network namespaces left by a killed run (its '
             f'process is gone): {", ".join(sorted(killed))}') in caplog.text
     finally:
+        child.kill()
         if sleeper is not None:
             sleeper.kill()
             sleeper.wait()
-        for name in (live, busy):
+        for name in killed | {live}:
             subprocess.run(['ip', 'netns', 'del', name], capture_output=True)
 
 
@@ -488,6 +522,52 @@ def test_tool_signal_stops_everything(signum, code, words):
     assert _sleeping(marker) == []
     names = _tool_namespaces(''.join(seen))
     assert len(names) == 3 and not names & netns_names()
+
+
+@needs_tool
+def test_a_killed_tools_nodes_and_namespaces_go_with_it():
+    """``kill -9`` of the tool's whole process group (a closed terminal,
+    a scheduler's hard stop): its keeper stops what runs on the nodes and
+    removes every namespace within seconds, and says so."""
+    marker = _unique_seconds()
+    proc = subprocess.Popen([
+        sys.executable, TOOL, '--nodes', '2', '--', 'bash', '-c',
+        f'echo ready; sleep {marker}; echo not reached'
+    ],
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            text=True,
+                            start_new_session=True)
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    try:
+        seen = []
+        while sum('] ready' in ln for ln in seen) < 2:
+            line = proc.stdout.readline()
+            assert line, ''.join(seen) + proc.stderr.read()
+            seen.append(line)
+        _wait_until(lambda: len(_sleeping(marker)) == 2, 10)
+        names = _tool_namespaces(''.join(seen))
+        assert len(names) == 3 and names <= netns_names()
+        os.killpg(proc.pid, signal.SIGKILL)
+        took = _wait_until(
+            lambda: not _sleeping(marker) and not names & netns_names(), 10)
+        # The keeper's line, once its work is done (it holds stderr).
+        rest, err = proc.communicate(timeout=30)
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert 'not reached' not in rest
+    # Each node's bash and sleep, less those their death signal ended.
+    tag = sorted(names)[0].rsplit('-', 1)[0]
+    assert re.fullmatch(
+        re.escape('mmcv_custom.emulated_cluster: the process that made '
+                  f'emulated cluster {tag} (pid {proc.pid}) ended without '
+                  'removing it: stopped ') + '[2-4]' +
+        re.escape(' processes in its nodes and removed '
+                  f'{", ".join(sorted(names))}') + '\n', err), err
+    print(f'nodes and namespaces gone {took:.2f} s after the SIGKILL')
 
 
 @needs_tool
