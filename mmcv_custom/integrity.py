@@ -245,11 +245,13 @@ def atomic_write_stream(path: str,
     InternViT-6B would be 24 GB more) and is read only once.
     """
     path = os.fspath(path)
+    # The previous digest of that name must not vouch for new bytes, with
+    # a new digest to follow or none.
+    try:
+        os.remove(digest_path(path))
+    except FileNotFoundError:
+        pass
     if digest:
-        try:
-            os.remove(digest_path(path))
-        except FileNotFoundError:
-            pass
         sha256 = hashlib.sha256()
         _write_then_rename(path, lambda f: write(_HashingWriter(f, sha256)))
         write_digest(path, sha256.hexdigest())
@@ -353,11 +355,13 @@ def require_intact(
 
 
 def digest_kept_beside(path: str) -> Optional[str]:
-    """A checkpoint beside ``path`` (in its folder, not ``path`` itself)
-    that carries a digest: a ``.pth`` file with its ``.sha256``, or a
-    ``.pth`` directory with its :data:`MANIFEST_FILE`; None if there is
-    none. Where one is found, the folder keeps digests, and a file there
-    without one cannot be told from a damaged one."""
+    """A checkpoint a run saved beside ``path`` (``iter_N.pth`` or
+    ``epoch_N.pth`` in its folder, not ``path`` itself) that carries a
+    digest: a file with its ``.sha256``, or a sharded directory with its
+    :data:`MANIFEST_FILE`; None if there is none. Where one is found, the
+    folder is a run's checkpoint folder that keeps digests, and a file
+    there without one (a checkpoint, a hook state file, a best
+    checkpoint) cannot be told from a damaged one."""
     path = osp.normpath(os.fspath(path))
     folder, own = osp.split(path)
     try:
@@ -365,11 +369,11 @@ def digest_kept_beside(path: str) -> Optional[str]:
     except OSError:
         return None
     present = set(names)
-    # A checkpoint's own name first (iter_8.pth before the hook state
-    # files beside it), so that a message names one.
-    names.sort(key=lambda n: not _STEP_RE.match(n))
     for name in names:
-        if name == own or not name.endswith('.pth'):
+        # Checkpoints a run saved (iter_N.pth, epoch_N.pth) only: a folder
+        # of pretrained weights where a converted file has its digest
+        # beside a downloaded one without keeps none.
+        if name == own or not _STEP_RE.match(name):
             continue
         entry = osp.join(folder, name)
         if name + DIGEST_SUFFIX in present or (osp.isdir(entry) and osp.isfile(
@@ -386,9 +390,11 @@ def unverified_refusal(path: str) -> Optional[Verification]:
         return None
     name = osp.basename(osp.normpath(path))
     what = (MANIFEST_FILE if osp.isdir(path) else f'{DIGEST_SUFFIX} digest')
-    trust = (f'cd {osp.dirname(osp.normpath(path)) or "."} && sha256sum '
-             f'{name} > {name}{DIGEST_SUFFIX}' if not osp.isdir(path) else
-             f'write its {MANIFEST_FILE} with sha256sum')
+    if osp.isdir(path):
+        trust = f'cd {path} && sha256sum .metadata * > {MANIFEST_FILE}'
+    else:
+        trust = (f'cd {osp.dirname(osp.normpath(path)) or "."} && '
+                 f'sha256sum {name} > {name}{DIGEST_SUFFIX}')
     return Verification(
         'damaged', f'{path} has no {what}, but the checkpoints beside it '
         f'carry digests (e.g. {osp.basename(witness)}), so it cannot be '

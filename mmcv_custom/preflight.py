@@ -27,10 +27,14 @@ about it, before any of that:
   ``--cfg-options`` stays a string);
 * the launcher's environment: ``--launcher pytorch``, ``slurm`` or ``mpi``
   in a process that torchrun, ``srun`` or ``mpirun`` did not start;
-* the work dir: writable (nothing is left behind), and, for training, room
-  on its disk for one checkpoint, estimated from the model built on the
-  meta device (no memory; a second for InternViT-6B). When the estimate
-  fails, the room is not checked.
+* the work dir, and the CheckpointHook's ``out_dir`` when it has one:
+  writable (nothing is left behind), and, for training, room on the
+  checkpoints' disk for one save (:func:`checkpoint_size`: the weights,
+  the optimizer state and every rank's hook state file), estimated from
+  the model built on the meta device (no memory; a second for
+  InternViT-6B). When the estimate fails, the room is not checked;
+* problems the caller found first (``first``: where ``tools/train.py``'s
+  run would start, see :mod:`mmcv_custom.run_start`).
 
 :func:`checked_config` reads the config itself, so that a missing or
 unreadable config file is reported the same way.
@@ -639,8 +643,10 @@ def _pretrained_fix(key: str, path: str) -> str:
                    f'{found.group(2)}' if found else 'InternViT')
         return (f"put InternVL's released {name} there, or convert the "
                 f'downloaded {release} weights into it: {_CONVERTER} SRC '
-                f'{path} (SRC: its model.safetensors, *.index.json or '
-                f'.pth; see {_INTERNVIT_DOC})')
+                f'{path} --sha256 HEX (SRC: its model.safetensors, '
+                f'*.index.json or .pth; HEX: the SHA-256 its download page '
+                f'lists for SRC, once per shard of an index; see '
+                f'{_INTERNVIT_DOC})')
     return (f'put the file there, or set {key} to where it is '
             f'(--cfg-options {key}=PATH)')
 

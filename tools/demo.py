@@ -10,7 +10,10 @@ calls this.
 
 The work dir is ``--work-dir``, else ``work_dirs/demo`` for the default
 config and ``work_dirs/<config name>`` for any other (as tools/train.py
-names it), so that two demos never share checkpoints.
+names it), so that two demos never share checkpoints. A demo always
+trains anew: run again, it starts over in its work dir, and the earlier
+demo's checkpoints are moved into ``superseded_iter_N/`` there
+(``tools/train.py --overwrite``), not overwritten.
 
 Both runs rendezvous on ``PORT`` when it is set (``PORT=29600 make
 demo``, as ``tools/dist_train.sh`` takes it), else each on a free port.
@@ -168,7 +171,7 @@ def main():
     _run([
         'bash',
         osp.join(HERE, 'dist_train.sh'), args.config,
-        str(args.nproc), '--work-dir', args.work_dir, *options
+        str(args.nproc), '--work-dir', args.work_dir, '--overwrite', *options
     ], 'training', args.port)
     eval_dir = checkpoint = None
     if not args.no_eval:

@@ -56,6 +56,7 @@ from mmcv_custom.engine.hook_state_files import remove_orphan_state_files
 from mmcv_custom.integrity import CheckpointDamagedError
 from mmcv_custom.launcher import (is_launch_rank0, prepare_launch,
                                   restart_count, run_runner, uses_fsdp2)
+from mmcv_custom.lifetime import die_with_launcher
 from mmcv_custom.preflight import (PreflightError, Problem, check_preflight,
                                    checked_config, exit_on_problems)
 from mmcv_custom.run_start import apply_start_plan, plan_start
@@ -155,6 +156,8 @@ def add_comm_hook_runner_hook(cfg: Config) -> None:
 
 def main():
     args = parse_args()
+    # A rank ends with its launcher (torchrun, srun), SIGKILL included.
+    die_with_launcher(args.launcher)
     # A header, the progress and a summary; the rest in the log file.
     console = ToolConsole('train.py', verbose=args.verbose).start()
     console.work_dir = args.work_dir
@@ -202,7 +205,7 @@ def main():
             'train',
             resume_checkpoint=plan.load_from if plan.resume else None,
             launcher=args.launcher,
-            first=plan.problems)
+            first=plan.problems + _sharded_resume(cfg, plan))
     except PreflightError as e:
         if lock is not None:
             lock.release()
@@ -213,6 +216,21 @@ def main():
     finally:
         if lock is not None:
             lock.release()
+
+
+def _sharded_resume(cfg: Config, plan) -> list:
+    """An ordinary config cannot resume a sharded checkpoint."""
+    checkpoint = plan.load_from
+    if not (plan.resume and checkpoint and is_sharded_checkpoint(checkpoint)
+            and not uses_fsdp2(cfg)):
+        return []
+    return [
+        Problem(
+            f'{checkpoint} is a sharded checkpoint of FSDP2Strategy: it '
+            'resumes under an FSDP2 config only (its optimizer state is '
+            'sharded)', 'to start this config from its weights, use '
+            f'--cfg-options load_from={checkpoint} without --resume')
+    ]
 
 
 def _take(lock: Optional[WorkDirLock]) -> Optional[Problem]:
@@ -266,12 +284,6 @@ def _train(cfg: Config, args, plan, lock: Optional[WorkDirLock]) -> None:
     sharded = (
         checkpoint and is_sharded_checkpoint(checkpoint)
         and not uses_fsdp2(cfg))
-    if sharded and plan.resume:
-        raise ValueError(
-            f'{checkpoint} is a sharded checkpoint of FSDP2Strategy: it '
-            'resumes under an FSDP2 config only (its optimizer state is '
-            'sharded). To start this config from its weights, use '
-            f'--cfg-options load_from={checkpoint} without --resume.')
     with contextlib.ExitStack() as stack:
         if sharded:
             # Fine-tuning an ordinary config from a sharded run.

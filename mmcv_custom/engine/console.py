@@ -171,7 +171,11 @@ def _say(text: str) -> None:
 
 def _torchrun_reports() -> bool:
     """Whether torchrun's agent reports a failure of this process: run by
-    torchrun, and no restart follows (then the agent ends the run)."""
+    torchrun, and the agent itself does not restart the ranks. Under
+    ``tools/dist_*.sh`` the restarts are the wrapper's own
+    (:mod:`mmcv_custom.torchrun`, torchrun with ``--max-restarts=0``), so
+    every failure is handed over and the wrapper prints it, at a restart
+    too; plain ``torchrun --max-restarts`` reports only the last."""
     env = os.environ
     if not env.get('TORCHELASTIC_ERROR_FILE'):
         return False

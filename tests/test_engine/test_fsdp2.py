@@ -485,15 +485,19 @@ def test_dist_train_then_evaluate_the_sharded_checkpoint(tmp_path):
     log = tuned.stdout + tuned.stderr
     assert tuned.returncode == 0, log[-3000:]
     assert 'is a sharded checkpoint: loading its consolidated weights' in log
+    # (In a work dir of its own: in 'tuned', --resume continues that run
+    # from its own checkpoint, whatever load_from says.)
     resumed = _tool([
         sys.executable,
         osp.join(ROOT, 'tools', 'train.py'), TINY_DDP, '--work-dir',
-        str(tmp_path / 'tuned'), '--resume', '--cfg-options',
+        str(tmp_path / 'moved'), '--resume', '--cfg-options',
         f'load_from={ckpt}', *SHORT
     ], str(tmp_path))
-    assert resumed.returncode != 0
-    assert (f'ValueError: {ckpt} is a sharded checkpoint of FSDP2Strategy: '
-            'it resumes under an FSDP2 config only') in resumed.stderr
+    assert resumed.returncode == 2  # said before anything starts
+    assert resumed.stderr.startswith(
+        f'train.py: error: {ckpt} is a sharded checkpoint of FSDP2Strategy: '
+        'it resumes under an FSDP2 config only')
+    assert not osp.exists(tmp_path / 'moved')
 
 
 @pytest.mark.slow

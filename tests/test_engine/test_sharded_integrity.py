@@ -214,6 +214,14 @@ def test_a_checkpoint_older_than_manifests_still_loads(saved, tmp_path):
     work = _copy(saved, tmp_path)
     ckpt = str(work / 'iter_4.pth')
     os.remove(osp.join(ckpt, MANIFEST_FILE))
+    # Beside checkpoints with manifests, one without is not trusted...
+    with pytest.raises(
+            CheckpointDamagedError,
+            match=rf'^{re.escape(ckpt)} has no {MANIFEST_FILE}, but the '
+            r'checkpoints beside it carry digests \(e\.g\. iter_2\.pth\)'):
+        consolidate_sharded_checkpoint(ckpt)
+    # ... where none has one (a run older than manifests), it loads.
+    os.remove(osp.join(work, 'iter_2.pth', MANIFEST_FILE))
     log = str(tmp_path / 'info.log')
     MMLogger.get_instance('test_sharded_integrity', log_file=log)
     for _ in range(2):

@@ -90,6 +90,14 @@ def test_bad_arguments_are_usage_errors(tool, tmp_path, monkeypatch, capsys):
              'scalars.json')
     _refused([FCN, '--from-work-dirs', str(tmp_path)], 'VARIANT=DIR')
     assert sorted(os.listdir(tmp_path)) == []
+    # Never over the runs of an earlier comparison: read, not retrained.
+    earlier = tmp_path / 'earlier'
+    os.makedirs(earlier / 'int8_ef')
+    (earlier / 'int8_ef' / 'iter_600.pth').write_bytes(b'')
+    _refused([FCN, '--work-dir', str(earlier)],
+             f'--work-dir {earlier} holds the runs of an earlier comparison '
+             '(int8_ef/iter_600.pth): read them with --from-work-dirs, or '
+             'choose another --work-dir')
 
 
 @pytest.fixture(scope='module')

@@ -92,8 +92,10 @@ def test_6b_recipe_says_every_problem_at_once_without_building_it(tmp_path):
         'intern_vit_6b_224px.pth there, or convert the downloaded '
         'OpenGVLab/InternViT-6B-224px weights into it: .venv/bin/python '
         'tools/model_converters/internvit2mmseg.py SRC '
-        'pretrained/intern_vit_6b_224px.pth (SRC: its model.safetensors, '
-        '*.index.json or .pth; see docs/en/user_guides/intern_vit.md)')
+        'pretrained/intern_vit_6b_224px.pth --sha256 HEX (SRC: its '
+        'model.safetensors, *.index.json or .pth; HEX: the SHA-256 its '
+        'download page lists for SRC, once per shard of an index; see '
+        'docs/en/user_guides/intern_vit.md)')
     assert lines[3] == (f"  3. load_from='nothere.pth': no such file {where}"
                         '. Fix: correct the path, or leave load_from out')
     assert len(lines) == 4  # nothing after it: said once, no traceback

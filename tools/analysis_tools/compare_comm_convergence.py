@@ -76,6 +76,7 @@ from typing import Dict, List, Optional, Tuple
 
 from mmcv_custom.analysis import (Progress, check_output, format_eta,
                                   read_config, rendezvous_port)
+from mmcv_custom.integrity import checkpoint_candidates
 from mmcv_custom.launcher import free_port
 
 __all__ = [
@@ -582,6 +583,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     else:
         args.port = rendezvous_port(parser)
         args.run_dirs = {v: osp.join(args.work_dir, v) for v in args.variants}
+        # Never over the runs of an earlier comparison (tools/train.py
+        # would refuse each of them, one run after another).
+        earlier = [
+            osp.join(v, osp.basename(found[0]))
+            for v, found in ((v, checkpoint_candidates(d))
+                             for v, d in args.run_dirs.items()) if found
+        ]
+        if earlier:
+            parser.error(f'--work-dir {args.work_dir} holds the runs of an '
+                         f'earlier comparison ({", ".join(earlier)}): read '
+                         'them with --from-work-dirs, or choose another '
+                         '--work-dir')
         try:
             os.makedirs(args.work_dir, exist_ok=True)
         except OSError as e:
