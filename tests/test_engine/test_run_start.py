@@ -367,3 +367,24 @@ def test_a_released_lock_leaves_nothing_and_is_taken_again(tmp_path):
             time.sleep(0.1)
     else:
         pytest.fail('the lock of a terminated holder was not released')
+
+
+def test_a_slurm_requeue_counts_as_a_restart(monkeypatch):
+    from mmcv_custom.launcher import restart_count
+    for name in ('TORCHELASTIC_RESTART_COUNT', 'MMCV_CUSTOM_RESTART_COUNT',
+                 'SLURM_RESTART_COUNT'):
+        monkeypatch.delenv(name, raising=False)
+    assert restart_count() == 0
+    # slurm_train.sh's first attempt of a job Slurm requeued twice.
+    monkeypatch.setenv('MMCV_CUSTOM_RESTART_COUNT', '0')
+    monkeypatch.setenv('SLURM_RESTART_COUNT', '2')
+    assert restart_count() == 2
+
+
+def test_bytes_written_without_a_digest_keep_no_old_one(tmp_path):
+    path = str(tmp_path / 'model.pth')
+    integrity.atomic_write_bytes(path, b'checked')
+    assert integrity.verify_file(path).status == 'ok'
+    integrity.atomic_write_bytes(path, b'unchecked', digest=False)
+    assert sorted(os.listdir(tmp_path)) == ['model.pth']
+    assert integrity.verify_file(path).status == 'no_digest'
