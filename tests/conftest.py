@@ -13,9 +13,42 @@ pool"). Forked ranks and the tools' subprocesses inherit it: two ranks on a
 2-core machine, one thread each.
 """
 import os
+import subprocess
 import sys
+
+import pytest
 
 if 'torch' in sys.modules:
     raise RuntimeError('tests/conftest.py must run before torch is imported '
                        'to keep forked gloo ranks safe')
 os.environ['OMP_NUM_THREADS'] = '1'
+
+
+def _disk(tmp_path, size: str):
+    """A real disk of ``size`` (a tmpfs: root only) at ``tmp_path/disk``,
+    unmounted afterwards; the test is skipped where none can be made."""
+    mount = tmp_path / 'disk'
+    mount.mkdir()
+    made = subprocess.run(
+        ['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs',
+         str(mount)],
+        capture_output=True,
+        text=True)
+    if made.returncode != 0:
+        pytest.skip(f'cannot mount a tmpfs here: {made.stderr.strip()}')
+    try:
+        yield mount
+    finally:
+        subprocess.run(['umount', str(mount)], check=False)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A full disk for one small checkpoint: a 1 MiB tmpfs."""
+    yield from _disk(tmp_path, '1m')
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A full disk for a toy model's save: an 8 MiB tmpfs."""
+    yield from _disk(tmp_path, '8m')

@@ -15,8 +15,8 @@ from mmcv_custom.launcher import check_writable
 from mmcv_custom.preflight import PreflightError, checked_config
 
 __all__ = [
-    'check_output', 'read_config', 'cfg_options', 'rendezvous_port',
-    'WORK_DIRS'
+    'check_output', 'check_work_dir', 'read_config', 'cfg_options',
+    'rendezvous_port', 'WORK_DIRS', 'tool_error', 'write_failure_reason'
 ]
 
 #: The folder runs and outputs go to, as with MMSegmentation's tools.
@@ -52,6 +52,38 @@ def check_output(parser, option: str, path: str) -> None:
             parser.error(f'{option} {path}: cannot create {folder} '
                          f'({e.strerror})')
     check_writable(parser, option, path)
+
+
+def check_work_dir(parser, option: str, path: str) -> None:
+    """Make the folder ``path`` the tool writes into now (its runs or
+    nodes log there), or ``parser.error`` when it cannot be made or
+    written: a usage error in a second, not after the cluster is up."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        parser.error(f'{option} {path}: cannot create it ({e.strerror})')
+    if not os.access(path, os.W_OK | os.X_OK):
+        parser.error(f'{option} {path}: not writable')
+
+
+def tool_error(prog: str, error, code: int) -> int:
+    """Say ``error`` in one line, ``PROG: error: ...`` as argparse does,
+    on stderr; return ``code`` (the tool's exit code)."""
+    import sys
+    message = str(error).strip().splitlines() or [type(error).__name__]
+    print(f'{prog}: error: {message[0]}', file=sys.stderr)
+    return code
+
+
+def write_failure_reason(error: BaseException) -> str:
+    """Why a write failed: the OSError behind ``error`` (``torch.save``
+    reports one as a RuntimeError of its own, "unexpected pos ...")."""
+    cause = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return cause.strerror or str(cause)
 
 
 def read_config(parser,

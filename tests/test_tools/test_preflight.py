@@ -261,24 +261,6 @@ def test_a_work_dir_under_a_file_is_reported(tmp_path):
     assert os.listdir(tmp_path) == ['plain']  # nothing left behind
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 8 MiB disk: a tmpfs (root only), unmounted afterwards."""
-    mount = tmp_path / 'disk'
-    mount.mkdir()
-    made = subprocess.run(
-        ['mount', '-t', 'tmpfs', '-o', 'size=8m', 'tmpfs',
-         str(mount)],
-        capture_output=True,
-        text=True)
-    if made.returncode != 0:
-        pytest.skip(f'cannot mount a tmpfs here: {made.stderr.strip()}')
-    try:
-        yield mount
-    finally:
-        subprocess.run(['umount', str(mount)], check=False)
-
-
 def test_what_one_save_writes(tmp_path):
     cfg = load_config(FCN, work_dir=str(tmp_path / 'work'))
     size = preflight_module.checkpoint_size(cfg)

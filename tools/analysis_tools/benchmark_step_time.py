@@ -68,7 +68,7 @@ import time
 from datetime import timedelta
 
 from mmcv_custom.analysis import (Progress, cfg_options, check_output,
-                                  read_config)
+                                  check_work_dir, read_config)
 from mmcv_custom.emulated_cluster import MAX_NODES
 
 _DEFAULT_CONFIG = osp.join(
@@ -863,13 +863,7 @@ def parse_args(argv=None):
     # fails in a second, with one line.
     read_config(parser, 'config', args.config, args.cfg_options)
     # The nodes' logs go there: now, not once the nodes are up.
-    try:
-        os.makedirs(args.work_dir, exist_ok=True)
-    except OSError as e:
-        parser.error(f'--work-dir {args.work_dir}: cannot create it '
-                     f'({e.strerror})')
-    if not os.access(args.work_dir, os.W_OK | os.X_OK):
-        parser.error(f'--work-dir {args.work_dir}: not writable')
+    check_work_dir(parser, '--work-dir', args.work_dir)
     return args
 
 

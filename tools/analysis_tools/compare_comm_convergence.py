@@ -74,8 +74,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
-from mmcv_custom.analysis import (Progress, check_output, format_eta,
-                                  read_config, rendezvous_port)
+from mmcv_custom.analysis import (Progress, check_output, check_work_dir,
+                                  format_eta, read_config, rendezvous_port)
 from mmcv_custom.integrity import checkpoint_candidates
 from mmcv_custom.launcher import free_port
 
@@ -595,13 +595,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          f'earlier comparison ({", ".join(earlier)}): read '
                          'them with --from-work-dirs, or choose another '
                          '--work-dir')
-        try:
-            os.makedirs(args.work_dir, exist_ok=True)
-        except OSError as e:
-            parser.error(f'--work-dir {args.work_dir}: cannot create it '
-                         f'({e.strerror})')
-        if not os.access(args.work_dir, os.W_OK | os.X_OK):
-            parser.error(f'--work-dir {args.work_dir}: not writable')
+        check_work_dir(parser, '--work-dir', args.work_dir)
     if args.plot is None or args.json is None:
         os.makedirs(args.work_dir, exist_ok=True)
     args.plot = args.plot or osp.join(args.work_dir, 'convergence.png')

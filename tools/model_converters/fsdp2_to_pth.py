@@ -34,6 +34,7 @@ import sys
 
 import torch
 
+from mmcv_custom.analysis import tool_error, write_failure_reason
 from mmcv_custom.integrity import (CheckpointDamagedError, atomic_write_stream,
                                    digest_path)
 from mmcv_custom.sharded_checkpoint import (MANIFEST_FILE,
@@ -145,23 +146,6 @@ def convert(src: str, dst: str, unverified: bool = False) -> str:
     return _write(src, dst, checkpoint, verified)
 
 
-def _why(error: BaseException) -> str:
-    """Why a write failed: the OSError behind ``error`` (``torch.save``
-    reports one as a RuntimeError of its own, "unexpected pos ...")."""
-    cause = error
-    while cause is not None and not isinstance(cause, OSError):
-        cause = cause.__cause__ or cause.__context__
-    if cause is None:
-        return (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return cause.strerror or str(cause)
-
-
-def _fail(error, code: int) -> int:
-    message = str(error).strip().splitlines() or [type(error).__name__]
-    print(f'{PROG}: error: {message[0]}', file=sys.stderr)
-    return code
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__.splitlines()[0])
@@ -178,13 +162,14 @@ def main(argv=None) -> int:
     except (OSError, EOFError, ValueError, RuntimeError) as e:
         # Refused: missing, damaged, unverified, unsafe, not a sharded
         # checkpoint, a DST over SRC. One line, nothing written.
-        return _fail(e, 2)
+        return tool_error(PROG, e, 2)
     try:
         print(_write(args.src, args.dst, checkpoint, verified))
     except (OSError, RuntimeError) as e:
         # A full disk, say: the temporary file is removed, DST untouched.
-        return _fail(f'cannot write {args.dst} ({_why(e)}): nothing written',
-                     1)
+        return tool_error(
+            PROG, f'cannot write {args.dst} ({write_failure_reason(e)}): '
+            'nothing written', 1)
     return 0
 
 

@@ -48,6 +48,7 @@ from typing import List, NamedTuple, Sequence
 
 import torch
 
+from mmcv_custom.analysis import tool_error, write_failure_reason
 from mmcv_custom.integrity import (CheckpointDamagedError, atomic_write_stream,
                                    digest_path, file_sha256, verify_file)
 from mmcv_custom.models.backbones.intern_vit_checkpoint import (
@@ -312,23 +313,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _why(error: BaseException) -> str:
-    """Why a write failed: the OSError behind ``error`` (``torch.save``
-    reports one as a RuntimeError of its own, "unexpected pos ...")."""
-    cause = error
-    while cause is not None and not isinstance(cause, OSError):
-        cause = cause.__cause__ or cause.__context__
-    if cause is None:
-        return (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return cause.strerror or str(cause)
-
-
-def _fail(error, code: int) -> int:
-    message = str(error).strip().splitlines() or [type(error).__name__]
-    print(f'{PROG}: error: {message[0]}', file=sys.stderr)
-    return code
-
-
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -343,13 +327,14 @@ def main(argv=None) -> int:
         # (NotInternViTError), an unsafe, damaged, unverified or unreadable
         # file, a DST that would overwrite SRC. One line, no traceback,
         # nothing written.
-        return _fail(e, 2)
+        return tool_error(PROG, e, 2)
     try:
         print(_write(args.src, args.dst, converted))
     except (OSError, RuntimeError) as e:
         # A full disk, say: the temporary file is removed, DST untouched.
-        return _fail(f'cannot write {args.dst} ({_why(e)}): nothing written',
-                     1)
+        return tool_error(
+            PROG, f'cannot write {args.dst} ({write_failure_reason(e)}): '
+            'nothing written', 1)
     return 0
 
 
