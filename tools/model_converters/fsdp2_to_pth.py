@@ -35,8 +35,7 @@ import sys
 import torch
 
 from mmcv_custom.analysis import tool_error, write_failure_reason
-from mmcv_custom.integrity import (CheckpointDamagedError, atomic_write_stream,
-                                   digest_path)
+from mmcv_custom.integrity import CheckpointDamagedError, atomic_write_stream
 from mmcv_custom.sharded_checkpoint import (MANIFEST_FILE,
                                             consolidate_sharded_checkpoint,
                                             damaged_message,
@@ -113,12 +112,7 @@ def _write(src: str, dst: str, checkpoint: dict, verified: bool) -> str:
     state = checkpoint['state_dict']
     folder = osp.dirname(osp.abspath(dst))
     os.makedirs(folder, exist_ok=True)
-    if not verified:
-        # An older conversion's digest must not vouch for these bytes.
-        try:
-            os.remove(digest_path(dst))
-        except FileNotFoundError:
-            pass
+    # (Unverified: no digest, and an older conversion's is removed.)
     # Whole or not at all, with its digest: the bytes are hashed on their
     # way to the disk, never held in memory.
     atomic_write_stream(

@@ -254,12 +254,7 @@ def _write(src: str, dst: str, converted: _Converted) -> str:
     os.makedirs(folder, exist_ok=True)
     checkpoint = dict(state_dict=converted.state, meta=converted.meta)
     verified = bool(converted.verified)
-    if not verified:
-        # An older conversion's digest must not vouch for these bytes.
-        try:
-            os.remove(digest_path(dst))
-        except FileNotFoundError:
-            pass
+    # (Unverified: no digest, and an older conversion's is removed.)
     atomic_write_stream(
         dst, lambda f: torch.save(checkpoint, f), digest=verified)
     count = len(converted.state)
