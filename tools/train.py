@@ -5,26 +5,27 @@ Same arguments as MMSegmentation 1.x's ``tools/train.py``. Additionally:
 * ``mmcv_custom`` is imported, so ``comm_hook`` configs work without
   ``custom_imports``; a config that sets ``comm_hook`` but forgot the runner
   hook in ``custom_hooks`` gets it added (with one log line);
+* a run never goes backwards (:mod:`mmcv_custom.run_start`): a restart
+  (``MAX_RESTARTS=N tools/dist_train.sh``, ``tools/slurm_train.sh``'s
+  loop, a Slurm requeue) or ``--resume`` continues from the run's own
+  newest intact checkpoint, whatever ``load_from`` says (it seeds a run at
+  its start only); a new run where checkpoints are saved is refused unless
+  ``--overwrite`` (they are moved aside); ``--resume`` with nothing
+  resumable stops, naming each checkpoint; global rank 0 holds the work
+  dir's lock (:mod:`mmcv_custom.work_dir_lock`) until the run ends, and a
+  rank ends with its launcher (:mod:`mmcv_custom.lifetime`);
 * everything the run needs is checked first, before the model, the
   process group or the runner exists (:mod:`mmcv_custom.preflight`): the
   training and validation data, the pretrained files, the checkpoint the
-  run will load (``load_from``, in the config or from ``--cfg-options``,
-  else with ``--resume`` the latest in the work dir: missing, failing its
-  ``.sha256`` digest, or holding what torch's safe loader refuses) and
-  the work dir (writable, room for a checkpoint); every problem is said in
-  one message, with what to do, and the run exits with status 2;
-  ``--resume`` whose latest checkpoint is
-  missing, damaged or unreadable (or whose ``last_checkpoint`` is empty)
-  takes the newest intact one, and with none starts at iteration 0, each
-  with a warning (in the log file too);
+  run will load (missing, failing its ``.sha256`` digest, or holding what
+  torch's safe loader refuses) and the work dir (writable, room for a
+  save); every problem is said in one message, with what to do, and the
+  run exits with status 2;
 * ``load_from`` logs how many of the model's tensors it fills, and stops
   the run below ``load_from_min_match`` (default 0.5) of them;
 * every rank's random generators are saved with each checkpoint and
   restored on resume (``RandomStateHook``), so a resumed run draws what
   the uninterrupted one would have;
-* a restart after a failure (``MAX_RESTARTS=N tools/dist_train.sh ...``:
-  torchrun's ``--max-restarts``; ``tools/slurm_train.sh`` likewise) resumes
-  by itself from the newest intact checkpoint;
 * without CUDA, a distributed launch starts a gloo process group and a
   CPU DDP, and SyncBN becomes BN; a ``model_wrapper_cfg`` other than a DDP
   is refused by name (see :mod:`mmcv_custom.launcher`);
