@@ -483,6 +483,35 @@ def test_tool_timeout_stops_everything_with_124():
     assert len(names) == 3 and not names & netns_names()
 
 
+def _sleeping_nodes(command: str, marker: int, **popen):
+    """The tool on 2 nodes, each running ``echo ready; <command>`` (a
+    ``sleep <marker>``), once both nodes sleep; returns the process, its
+    watchdog (kills it after 120 s; cancel it) and the lines so far."""
+    proc = subprocess.Popen([
+        sys.executable, TOOL, '--nodes', '2', '--', 'bash', '-c',
+        f'echo ready; {command}'
+    ],
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            text=True,
+                            **popen)
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    seen = []
+    try:
+        while sum('] ready' in ln for ln in seen) < 2:
+            line = proc.stdout.readline()
+            assert line, ''.join(seen) + proc.stderr.read()
+            seen.append(line)
+        # Each node's bash is starting (or exec-ing) its sleep.
+        _wait_until(lambda: len(_sleeping(marker)) == 2, 10)
+    except BaseException:
+        watchdog.cancel()
+        proc.kill()
+        raise
+    return proc, watchdog, seen
+
+
 @needs_tool
 @pytest.mark.parametrize(
     'signum,code,words', [
@@ -492,25 +521,8 @@ def test_tool_timeout_stops_everything_with_124():
     ids=['sigint', 'sigterm'])
 def test_tool_signal_stops_everything(signum, code, words):
     marker = _unique_seconds()
-    proc = subprocess.Popen([
-        sys.executable, TOOL, '--nodes', '2', '--', 'bash', '-c',
-        f'echo ready; exec sleep {marker}'
-    ],
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE,
-                            text=True)
-    watchdog = threading.Timer(120, proc.kill)
-    watchdog.start()
+    proc, watchdog, seen = _sleeping_nodes(f'exec sleep {marker}', marker)
     try:
-        seen = []
-        while sum('] ready' in ln for ln in seen) < 2:
-            line = proc.stdout.readline()
-            assert line, ''.join(seen) + proc.stderr.read()
-            seen.append(line)
-        deadline = time.monotonic() + 10
-        while len(_sleeping(marker)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)  # each node's bash is exec-ing sleep
-        assert len(_sleeping(marker)) == 2
         proc.send_signal(signum)
         rest, err = proc.communicate(timeout=60)
     finally:
@@ -530,23 +542,9 @@ def test_a_killed_tools_nodes_and_namespaces_go_with_it():
     a scheduler's hard stop): its keeper stops what runs on the nodes and
     removes every namespace within seconds, and says so."""
     marker = _unique_seconds()
-    proc = subprocess.Popen([
-        sys.executable, TOOL, '--nodes', '2', '--', 'bash', '-c',
-        f'echo ready; sleep {marker}; echo not reached'
-    ],
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE,
-                            text=True,
-                            start_new_session=True)
-    watchdog = threading.Timer(120, proc.kill)
-    watchdog.start()
+    proc, watchdog, seen = _sleeping_nodes(
+        f'sleep {marker}; echo not reached', marker, start_new_session=True)
     try:
-        seen = []
-        while sum('] ready' in ln for ln in seen) < 2:
-            line = proc.stdout.readline()
-            assert line, ''.join(seen) + proc.stderr.read()
-            seen.append(line)
-        _wait_until(lambda: len(_sleeping(marker)) == 2, 10)
         names = _tool_namespaces(''.join(seen))
         assert len(names) == 3 and names <= netns_names()
         os.killpg(proc.pid, signal.SIGKILL)
