@@ -209,9 +209,10 @@ def _outcome(failures: Dict[int, object]) -> Tuple[int, Optional[dict], int]:
     return rank, report, code
 
 
-def _report_end(prog: str, failures: Dict[int, object]) -> int:
-    """Print how the run ended after ``failures``; return the exit code."""
-    rank, report, code = _outcome(failures)
+def _report_end(prog: str, failures: Dict[int, object], rank: int,
+                report: Optional[dict], code: int) -> int:
+    """Print how the run ended after ``failures`` (with :func:`_outcome`'s
+    ``rank``, ``report`` and ``code``); return the exit code."""
     failure = failures[rank]
     if report is not None:
         print(format_report(report), file=sys.stderr)
@@ -327,7 +328,7 @@ def main(argv=None) -> int:
             except ChildFailedError as e:
                 rank, report, code = _outcome(e.failures)
                 if code == _NOT_RESTARTED or attempt >= most:
-                    return _report_end(prog, e.failures)
+                    return _report_end(prog, e.failures, rank, report, code)
                 if report is not None:
                     print(format_report(report), file=sys.stderr)
                 attempt += 1
