@@ -9,6 +9,7 @@ import os
 import os.path as osp
 import re
 import socket
+import sys
 from typing import Mapping, Optional, Sequence
 
 from mmcv_custom.launcher import check_writable
@@ -69,7 +70,6 @@ def check_work_dir(parser, option: str, path: str) -> None:
 def tool_error(prog: str, error, code: int) -> int:
     """Say ``error`` in one line, ``PROG: error: ...`` as argparse does,
     on stderr; return ``code`` (the tool's exit code)."""
-    import sys
     message = str(error).strip().splitlines() or [type(error).__name__]
     print(f'{prog}: error: {message[0]}', file=sys.stderr)
     return code
