@@ -818,27 +818,59 @@ def _folder_problems(key: str,
     fix = ('choose another --work-dir' if key == 'work_dir' else
            f'set {key} to another folder (--cfg-options {key}=PATH)')
     what = 'work dir' if key == 'work_dir' else 'folder'
+    for _ in range(_VANISHING_TRIES):
+        existing = _nearest_existing(folder)
+        if not osp.isdir(existing):
+            return [
+                Problem(
+                    f'{key} {folder!r}: {existing} is a file, not a folder, '
+                    f'so the {what} cannot be '
+                    f'{"used" if existing == osp.abspath(folder) else "made"}',
+                    fix)
+            ], None
+        try:
+            # A real write (read-only mounts, ACLs), removed at once.
+            os.rmdir(tempfile.mkdtemp(prefix='.preflight-', dir=existing))
+        except FileNotFoundError:
+            # Another rank's lock made the folder and removed it again
+            # (its start was refused): look again.
+            continue
+        except OSError as e:
+            return [
+                Problem(
+                    f'{key} {folder!r}: cannot write in {existing} '
+                    f'({e.strerror})', f'{fix} (one you can write to)')
+            ], None
+        return [], existing
+    return [
+        Problem(
+            f'{key} {folder!r}: it kept disappearing while it was checked '
+            '(another process makes and removes it)', fix)
+    ], None
+
+
+# How often a folder that another rank made and removed meanwhile is
+# looked for again.
+_VANISHING_TRIES = 5
+
+
+def _nearest_existing(folder: str) -> str:
+    """``folder`` itself, or the nearest folder above it that exists."""
     existing = osp.abspath(folder)
     while not osp.exists(existing):
         existing = osp.dirname(existing)
-    if not osp.isdir(existing):
-        return [
-            Problem(
-                f'{key} {folder!r}: {existing} is a file, not a folder, so '
-                f'the {what} cannot be '
-                f'{"used" if existing == osp.abspath(folder) else "made"}',
-                fix)
-        ], None
-    try:
-        # A real write (read-only mounts, ACLs), removed at once.
-        os.rmdir(tempfile.mkdtemp(prefix='.preflight-', dir=existing))
-    except OSError as e:
-        return [
-            Problem(
-                f'{key} {folder!r}: cannot write in {existing} '
-                f'({e.strerror})', f'{fix} (one you can write to)')
-        ], None
-    return [], existing
+    return existing
+
+
+def _free_bytes(existing: str) -> int:
+    """Free space on the disk of ``existing``, or of the nearest folder
+    above it when another rank removed it meanwhile."""
+    for _ in range(_VANISHING_TRIES):
+        try:
+            return shutil.disk_usage(existing).free
+        except FileNotFoundError:
+            existing = _nearest_existing(existing)
+    return shutil.disk_usage(_nearest_existing(existing)).free
 
 
 def _work_dir_problems(cfg: Config,
@@ -867,7 +899,7 @@ def _work_dir_problems(cfg: Config,
     need = checkpoint_size(cfg, _world_size(launcher))
     if need is None:
         return []
-    free = shutil.disk_usage(existing).free
+    free = _free_bytes(existing)
     if need.total <= free:
         return []
     where = work_dir if key == 'work_dir' else out_dir
