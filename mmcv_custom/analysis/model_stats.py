@@ -197,7 +197,8 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
 
     Args:
         cfg (Config): A training config.
-        gpus (Sequence[int]): Numbers of GPUs for the FSDP2 keys. Defaults
+        gpus (Sequence[int]): Numbers of GPUs for the FSDP2 keys; the
+            first is the world size ``hook_bytes`` is counted on. Defaults
             to ``(8, )``.
 
     Returns:
@@ -206,7 +207,8 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
         InternViT), ``bf16_params`` and ``bf16_trainable``;
         ``grad_bytes`` (what DDP all-reduces per step without a hook),
         ``hook`` (the ``comm_hook`` as text) and ``hook_bytes`` (what it
-        sends instead; None where that depends on DDP's buckets);
+        sends instead on ``gpus[0]`` ranks; None where that depends on
+        DDP's buckets);
         ``param_bytes`` and ``optim_bytes`` (per GPU under DDP).
         ``fsdp2`` and ``fsdp2_fp32`` map each number of GPUs to
         :func:`fsdp2_memory`'s dict (the parameters' dtypes as built, and
@@ -282,8 +284,8 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
     record = hook_record(checked['type'])
     half = bool(checked['wrapper'] or record.half_precision)
     # None where the traffic depends on DDP's buckets.
-    out['hook_bytes'] = (None
-                         if record.model_bytes is None else record.model_bytes(
-                             trainable, checked['state_kwargs'], half))
+    out['hook_bytes'] = (None if record.model_bytes is None else
+                         record.model_bytes(trainable, checked['state_kwargs'],
+                                            half, gpus[0]))
     out['hook'] = ', '.join(f'{k}={v!r}' for k, v in hook.items())
     return out

@@ -8,7 +8,9 @@ runs on the communication worker, how its state follows DDP's bucket
 layouts into checkpoints, the defaults the project sets for it, the notes
 its log line carries and how its wire bytes are counted. A hook without a
 record (a user's) is built and run as registered; its traffic is reported
-as unknown. Imports only torch (and the hooks' own modules).
+as unknown. What the cost model projects from (:attr:`HookRecord.cost`)
+is in :mod:`.cost_records`; which collectives count as sent, in
+:mod:`.traffic`. Imports only torch (and the hooks' own modules).
 """
 import dataclasses
 from typing import Any, Callable, Mapping, Optional, Tuple, Type
@@ -23,6 +25,10 @@ from ..hook_state import HookStateKeeper
 from ..int8_hooks import Int8StateKeeper, int8_compress_hook
 from ..powersgd import compression, powersgd_hook
 from ..powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
+from .cost_records import (ALLREDUCE_COST, BATCHED_POWERSGD_COST,
+                           HALF_PRECISION_COSTS, INT8_COST, POWERSGD_COST,
+                           CostRecord)
+from .traffic import sent_bytes
 
 __all__ = ['HookRecord', 'HOOK_RECORDS', 'record_of', 'powersgd_numel']
 
@@ -63,13 +69,19 @@ class HookRecord:
             bytes it put on the wire (see
             :class:`~mmcv_custom.comm.telemetry.CommCounter`); None: unknown.
         model_bytes (Callable, optional): ``model_bytes(params,
-            state_kwargs, half) -> int``: the bytes it sends per step for
-            these parameters, for a hook whose traffic does not depend on
-            DDP's buckets (``half``: a half-precision wrapper or hook);
-            None where it does.
+            state_kwargs, half, world_size) -> int``: the bytes it sends
+            per step for these parameters on ``world_size`` ranks (counted
+            by :func:`~.traffic.sent_bytes`), for a hook whose traffic does
+            not depend on DDP's buckets (``half``: a half-precision wrapper
+            or hook); None where it does.
         sharded (str, optional): Its form under FSDP2: ``'reduce_scatter'``
             (a reduce-scatter in :attr:`wire`'s dtype) or ``'int8'``; None:
             it has none.
+        cost (CostRecord, optional): What the cost model
+            (:mod:`mmcv_custom.analysis.cost`) projects its step time
+            from: its collectives per bucket on a world size, its codec's
+            memory traffic and FLOPs, its caveat. None: it is left out of
+            projections.
     """
     wire: Optional[str] = None
     quantizes: bool = False
@@ -80,8 +92,9 @@ class HookRecord:
         dataclasses.field(default_factory=dict)
     notes: Optional[Callable[[dict, Optional[torch.device]], tuple]] = None
     count_wire: Optional[WireCounter] = None
-    model_bytes: Optional[Callable[[Any, dict, bool], int]] = None
+    model_bytes: Optional[Callable[[Any, dict, bool, int], int]] = None
     sharded: Optional[str] = None
+    cost: Optional[CostRecord] = None
 
     @property
     def half_precision(self) -> Optional[str]:
@@ -103,8 +116,9 @@ def _sends_bucket(element_bytes: Optional[int] = None) -> WireCounter:
 
     def count(hook, state, bucket):
         buffer = bucket.buffer()
-        sent = buffer.numel() * (element_bytes or buffer.element_size())
-        return hook(state, bucket), sent
+        size = buffer.numel() * (element_bytes or buffer.element_size())
+        # An all-reduce counts its tensor, whatever the world size.
+        return hook(state, bucket), int(sent_bytes([('all_reduce', size)], 1))
 
     return count
 
@@ -125,18 +139,23 @@ def _powersgd_wire(hook, state, bucket):
     # Q ((n + m) * r numbers for an n x m matrix at rank r) plus the numel
     # of every tensor left uncompressed (all-reduced as is). That may be 0.
     if compressing:
-        sent = ((state.total_numel_after_compression - before) *
+        size = ((state.total_numel_after_compression - before) *
                 buffer.element_size())
     else:
-        sent = buffer.numel() * buffer.element_size()
-    return fut, sent
+        size = buffer.numel() * buffer.element_size()
+    return fut, int(sent_bytes([('all_reduce', size)], 1))
 
 
-def _whole_bytes(params, state_kwargs: dict, half: bool) -> int:
-    # Half precision halves fp32 gradients; bf16 ones go as they are.
-    return sum(p.numel() *
-               (min(p.element_size(), 2) if half else p.element_size())
-               for p in params)
+def _whole_bytes(params, state_kwargs: dict, half: bool,
+                 world_size: int) -> int:
+    # Half precision halves fp32 gradients; bf16 ones go as they are. One
+    # all-reduce of them all, whatever the world size.
+    return int(
+        sent_bytes(
+            [('all_reduce',
+              sum(p.numel() *
+                  (min(p.element_size(), 2) if half else p.element_size())
+                  for p in params))], world_size))
 
 
 def powersgd_numel(params, rank: int, min_rate: float) -> int:
@@ -149,11 +168,14 @@ def powersgd_numel(params, rank: int, min_rate: float) -> int:
     return total
 
 
-def _powersgd_bytes(params, state_kwargs: dict, half: bool) -> int:
+def _powersgd_bytes(params, state_kwargs: dict, half: bool,
+                    world_size: int) -> int:
     numel = powersgd_numel(params,
                            state_kwargs.get('matrix_approximation_rank', 1),
                            state_kwargs.get('min_compression_rate', 2))
-    return numel * (2 if half else 4)
+    # All-reduced, in whatever buckets: the world size changes nothing.
+    return int(
+        sent_bytes([('all_reduce', numel * (2 if half else 4))], world_size))
 
 
 def _slow_int8_blocks(state_kwargs: dict,
@@ -190,19 +212,22 @@ HOOK_RECORDS = {
     HookRecord(
         count_wire=_sends_bucket(),
         model_bytes=_whole_bytes,
-        sharded='reduce_scatter'),
+        sharded='reduce_scatter',
+        cost=ALLREDUCE_COST),
     fp16_compress_hook:
     HookRecord(
         wire='fp16',
         count_wire=_sends_bucket(2),
         model_bytes=_whole_bytes,
-        sharded='reduce_scatter'),
+        sharded='reduce_scatter',
+        cost=HALF_PRECISION_COSTS['fp16']),
     bf16_compress_hook:
     HookRecord(
         wire='bf16',
         count_wire=_sends_bucket(2),
         model_bytes=_whole_bytes,
-        sharded='reduce_scatter'),
+        sharded='reduce_scatter',
+        cost=HALF_PRECISION_COSTS['bf16']),
     # Both PowerSGD hooks and int8 wait between their collectives (PyTorch's
     # own PowerSGD hook would start collectives from future callbacks,
     # unsafe on gloo with several buckets in flight: pytorch/pytorch#48478);
@@ -214,14 +239,16 @@ HOOK_RECORDS = {
         state_keeper=PowerSGDRelayout,
         defaults=_POWERSGD_DEFAULTS,
         count_wire=_powersgd_wire,
-        model_bytes=_powersgd_bytes),
+        model_bytes=_powersgd_bytes,
+        cost=POWERSGD_COST),
     batched_powersgd_hook:
     HookRecord(
         worker_waits=False,
         powersgd_state=True,
         state_keeper=BatchedPowerSGDRelayout,
         defaults=_POWERSGD_DEFAULTS,
-        count_wire=_powersgd_wire),
+        count_wire=_powersgd_wire,
+        cost=BATCHED_POWERSGD_COST),
     int8_compress_hook:
     HookRecord(
         wire='int8',
@@ -230,7 +257,8 @@ HOOK_RECORDS = {
         state_keeper=Int8StateKeeper,
         notes=_slow_int8_blocks,
         count_wire=_int8_wire,
-        sharded='int8'),
+        sharded='int8',
+        cost=INT8_COST),
 }
 
 _UNKNOWN = HookRecord()

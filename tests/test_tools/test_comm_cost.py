@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mmcv_custom import comm_cost as cc
+from mmcv_custom.analysis import cost as cc
 from tests.tool_utils import load_script, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -186,7 +186,7 @@ def test_powersgd_rule_agrees_with_model_stats_and_torch():
         assert sent == model_bytes(
             tensors,
             dict(matrix_approximation_rank=rank, min_compression_rate=2),
-            False) // 4
+            False, 2) // 4
         for p in _params(*shapes):
             n, m = p.matrix
             assert cc.powersgd_compresses(n, m, rank) == (
@@ -246,6 +246,111 @@ def test_int8_layout_matches_the_hooks_own_plan():
             plan = Int8BucketPlan(pieces, world_size, 0, block)
             assert (a2a.nbytes, gather.nbytes) == (plan.send_bytes,
                                                    plan.padded)
+
+
+def test_catalogue_is_the_registered_hooks_with_a_cost():
+    from mmcv_custom.comm.records import record_of
+    from mmcv_custom.comm.registry import COMM_HOOKS
+    costed = [
+        name for name, hook in COMM_HOOKS.module_dict.items()
+        if record_of(hook).cost is not None
+    ]
+    assert list(cc.hook_costs()) == costed
+    assert set(
+        cc.uncosted_hooks()) == set(COMM_HOOKS.module_dict) - set(costed)
+    # The settings that change the bytes show in the labels.
+    assert cc.Int8Cost(64).label() == 'int8_compress (block 64)'
+    assert cc.PowerSGDCost(2).label() == 'powerSGD (rank 2)'
+    assert cc.BatchedPowerSGDCost(1).label() == 'batched_powerSGD (rank 1)'
+    assert cc.HalfPrecisionCost('bf16').label() == 'bf16_compress'
+    with pytest.raises(
+            ValueError,
+            match=r"settings should be among "
+            r"\['block_size', 'error_feedback'\], but got "
+            r"\['rank'\]"):
+        cc.RecordCost('int8_compress', rank=2)
+    with pytest.raises(KeyError, match='int4 is not in the DDP'):
+        cc.RecordCost('int4')
+
+
+def test_the_counting_rule_counts_every_collective():
+    from mmcv_custom.comm.traffic import reduced_bytes, sent_bytes
+
+    # As the tensor an all-reduce would carry to move the same bytes.
+    assert reduced_bytes('all_reduce', 100, 4) == 100
+    assert reduced_bytes('all_to_all', 100, 4) == 50
+    assert reduced_bytes('all_gather', 100, 4) == 200  # of 400 gathered
+    # int8's two halves of a reduction: its quantized bucket once.
+    assert sent_bytes([('all_to_all', 400), ('all_gather', 100)], 4) == 400
+    with pytest.raises(ValueError, match="but got 'broadcast'"):
+        reduced_bytes('broadcast', 1, 2)
+
+
+@pytest.fixture
+def gather_hook(monkeypatch):
+    """A hook registered for the test alone whose record states traffic
+    that depends on the world size: each rank all-gathers a ``1 / P``
+    share of every bucket (as a sharded scheme would), and its codec
+    reads the bucket once."""
+    from mmcv_custom.comm.cost_records import CostRecord
+    from mmcv_custom.comm.records import HOOK_RECORDS, HookRecord
+    from mmcv_custom.comm.registry import COMM_HOOKS
+
+    def all_gather_hook(state, bucket):  # never run: costed only
+        raise AssertionError('not run')
+
+    def sends(buckets, world_size, settings):
+        return [[('all_gather', -(-b.nbytes // world_size))] for b in buckets]
+
+    def model_bytes(params, state_kwargs, half, world_size):
+        share = -(-sum(p.numel() * p.element_size()
+                       for p in params) // world_size)
+        return world_size * share // 2
+
+    record = HookRecord(
+        model_bytes=model_bytes,
+        cost=CostRecord(
+            sends=sends,
+            codec_bytes=lambda b, world_size, settings: float(b.nbytes),
+            lossless=True,
+            caveat='exact: gathered shares'))
+    monkeypatch.setitem(COMM_HOOKS.module_dict, 'test_all_gather',
+                        all_gather_hook)
+    monkeypatch.setitem(HOOK_RECORDS, all_gather_hook, record)
+    return 'test_all_gather'
+
+
+def test_a_records_world_size_dependent_traffic_is_costed(gather_hook):
+    import torch
+    hooks = cc.hook_costs()
+    assert gather_hook in hooks
+    hook = hooks[gather_hook]
+    buckets = _one_bucket((1000, ))  # 4000 bytes
+    for world_size in (2, 4, 8):
+        assert _summary(hook.collectives(buckets, world_size)) == [[
+            ('all_gather', 4000 // world_size)
+        ]]
+    cluster = cc.Cluster(4, 1, 8 * GBIT)
+    p = cc.predict_step(hook, buckets, cluster, 0.1, 0.2)
+    # The all-gather counts: as an all-reduce of half the gathered bytes.
+    assert p.sent_bytes == 4 * 1000 / 2
+    assert p.node_bytes == 3 * 1000  # (P - 1) shares through each link
+    assert p.codec_s == pytest.approx(4000 / cc.GpuCodec().hbm_Bps)
+    assert p.wire_s == pytest.approx(cc.all_gather_time(1000, cluster))
+    # Its per-model bytes take the world size too: on 3 ranks each share
+    # is rounded up to 1334 bytes.
+    from mmcv_custom.registry import hook_record
+    model_bytes = hook_record(gather_hook).model_bytes
+    tensors = [torch.empty(1000, device='meta')]
+    assert [model_bytes(tensors, {}, False, n)
+            for n in (2, 4, 3)] == [2000, 2000, 3 * 1334 // 2]
+    # And it is recommended among the others.
+    rec = cc.recommend(
+        _params((1000, 1000)),
+        cc.Cluster(4, 1, 100 * GBIT),
+        backward_s=0.01,
+        compute_step_s=0.02)
+    assert gather_hook in rec.predictions
 
 
 class _Net:
@@ -467,13 +572,8 @@ def _synthetic(alpha, eta, overhead=None, nodes=2, rates=RATES, compute=0.12):
     backward = 0.05
     ready = cc.even_ready_times(buckets, backward)
     hooks = cc.hook_costs(block_size=256, powersgd_rank=2)
-    codec_s = dict(
-        allreduce=0.001,
-        bf16_compress=0.004,
-        fp16_compress=0.004,
-        int8_compress=0.008,
-        powerSGD=0.006,
-        batched_powerSGD=0.007)
+    # A codec time per hook, each its own.
+    codec_s = {name: 0.001 * (i + 1) for i, name in enumerate(hooks)}
     data = dict(
         version=1,
         config='configs/x.py',
@@ -522,7 +622,7 @@ def test_fit_recovers_alpha_and_eta_from_the_models_own_data():
     assert result.constants.eta == pytest.approx(0.8, rel=1e-4)
     check = [p for p in result.points if not p.fitted]
     assert {p.mbit for p in check} == {200.0, 500.0}
-    assert len(check) == 2 * 6
+    assert len(check) == 2 * len(cc.hook_costs())
     assert abs(result.worst().rel_error) < 1e-3
     assert result.skipped == ('<dict>: the unshaped rate (no link rate to '
                               'model)', )
@@ -587,7 +687,8 @@ def test_check_benchmark_compares_bucket_by_bucket_or_in_total():
     lines = cc.check_benchmark(
         cc.load_benchmark(data), _synthetic_params(),
         cc.hook_costs(powersgd_rank=1))
-    assert lines[5].startswith('  powerSGD: 6 buckets differ, e.g. bucket 0:')
+    assert [line for line in lines if line.startswith('  powerSGD:')
+            ][0].startswith('  powerSGD: 6 buckets differ, e.g. bucket 0:')
 
 
 def test_load_benchmark_tolerates_what_it_cannot_model():
@@ -604,12 +705,10 @@ def test_load_benchmark_tolerates_what_it_cannot_model():
     result = cc.fit([bench], overhead=False)
     assert result.skipped[0] == ('<dict>: hooks.int8_compress lists no '
                                  'collectives: its points are not fitted')
-    assert {p.hook
-            for p in result.points} == {
-                'allreduce', 'bf16_compress', 'fp16_compress', 'powerSGD',
-                'batched_powerSGD'
-            }
-    assert len(result.points) == 4 * 5 - 1
+    others = set(cc.hook_costs()) - {'int8_compress'}
+    assert {p.hook for p in result.points} == others
+    # Four rates of every other hook, but for powerSGD's null step.
+    assert len(result.points) == 4 * len(others) - 1
     assert result.constants.eta == pytest.approx(0.9, rel=1e-4)
     del data['rates'][-1]
     with pytest.raises(
@@ -651,8 +750,8 @@ def test_recommendation_picks_the_fastest_and_names_its_caveat():
     assert 'lossy' in line
     assert 'Fastest of the exact or nearly exact hooks: allreduce at ' \
         in line and '(exact: the reference).' in line
-    # An fp32 model: the half-precision hooks halve the bytes; bf16 is
-    # listed before fp16, with which it ties.
+    # An fp32 model: the half-precision hooks halve the bytes; bf16 ties
+    # with fp16 and is preferred (fp16 overflows above 65504).
     fp32 = cc.recommend(
         _params(*[(4096, 4096)] * 50),
         cc.Cluster(8, 8, 100 * GBIT),
@@ -715,8 +814,7 @@ def bench_file(tmp_path):
         (['--codec', 'cpu'], "argument --codec: invalid choice: 'cpu' (choose "
          "from gpu, fitted)"),
         (['--hooks', 'int4'], "argument --hooks: invalid choice: 'int4' "
-         '(choose from allreduce, bf16_compress, fp16_compress, '
-         'int8_compress, powerSGD, batched_powerSGD)'),
+         f'(choose from {", ".join(cc.hook_costs())})'),
         (['--fit-rates', '50'], '--fit-rates needs --fit (a benchmark JSON to '
          'fit)'),
         (['--check-collectives'], '--check-collectives needs --fit (a '
@@ -797,14 +895,15 @@ def test_cli_fit_prints_the_validation_table(bench_file, tmp_path, capsys):
     assert 'alpha = 300.0 us per message, eta = 0.800' in text
     assert '### Validation (points not fitted on)' in text
     rows = [line for line in text.splitlines() if line.startswith('| 2 |')]
-    assert len(rows) == 12 and all(' 200 ' in r or ' 500 ' in r for r in rows)
+    assert len(rows) == 2 * len(cc.hook_costs())
+    assert all(' 200 ' in r or ' 500 ' in r for r in rows)
     assert 'worst validation error: +0.0%' in text or \
         'worst validation error: -0.0%' in text
     assert '50 Mbit/s: plain all_reduce achieved 47.5 Mbit/s' in text
     assert 'Projected' not in text  # no --config: the fit alone
     saved = json.loads(out.read_text())
     assert saved['fit']['eta'] == pytest.approx(0.8, rel=1e-4)
-    assert len(saved['fit']['points']) == 4 * 6
+    assert len(saved['fit']['points']) == 4 * len(cc.hook_costs())
 
 
 def test_cli_fit_as_a_script(bench_file):
@@ -835,10 +934,8 @@ def test_cli_projects_internvit_6b_and_recommends(capsys):
         '| hook | sent per step | per node link | '
         '100 Gbit/s | 200 Gbit/s | 400 Gbit/s |'
     ]
-    for label in ('allreduce', 'bf16_compress', 'fp16_compress',
-                  'int8_compress (block 256)', 'powerSGD (rank 1)',
-                  'batched_powerSGD (rank 1)'):
-        assert f'| {label} |' in text, label
+    for hook in cc.hook_costs().values():
+        assert f'| {hook.label()} |' in text, hook.label()
     recommend = [
         line for line in text.splitlines()
         if line.startswith('- ') and ': use ' in line

@@ -1,6 +1,6 @@
 """Project each communication hook's step time to a GPU cluster.
 
-A thin command line over :mod:`mmcv_custom.comm_cost`. Two parts, either
+A thin command line over :mod:`mmcv_custom.analysis.cost`. Two parts, either
 or both:
 
 * ``--fit BENCH.json`` fits the cost model's constants (alpha, eta and an
@@ -39,8 +39,7 @@ import os
 import os.path as osp
 import sys
 
-from mmcv_custom import comm_cost as cc
-from mmcv_custom.analysis import filter_tool_warnings
+from mmcv_custom.analysis import cost, filter_tool_warnings
 from mmcv_custom.analysis.cli import cfg_options, check_output, read_config
 
 __all__ = ['parse_args', 'main']
@@ -48,7 +47,38 @@ __all__ = ['parse_args', 'main']
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 CONFIG = osp.join('configs', 'intern_vit',
                   'upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py')
-GB = 1e9
+
+# The projection's plain options: (flag, type, default, help). Ints are
+# checked >= 1, floats > 0 (those of _AT_LEAST_0 >= 0); None: from the
+# config, or estimated.
+_PROJECTION_OPTIONS = (
+    ('--nodes', int, 8, 'nodes (M)'),
+    ('--gpus-per-node', int, 8, 'GPUs per node (G)'),
+    ('--intra-gbps', float, 3600.0, 'intra-node rate per GPU per direction, '
+     'Gbit/s (default 3600: NVLink 4, 450 GB/s)'),
+    ('--alpha-us', float, None, 'latency per message, us (default: fitted, '
+     'else 10)'),
+    ('--eta', float, None, 'achieved fraction of the link rate (default: '
+     'fitted, else 0.9)'),
+    ('--hbm-tbps', float, 3.0, 'effective HBM bandwidth, TB/s (default 3.0)'),
+    ('--matmul-tflops', float, 50.0, 'PowerSGD low-rank products, TFLOP/s '
+     '(default 50)'),
+    ('--backward-s', float, None, 'backward time, s (default: from FLOPs)'),
+    ('--compute-step-s', float, None, 'step time without communication, s '
+     '(default: from FLOPs)'),
+    ('--tokens-per-gpu', float, None, 'tokens per GPU and step (default: '
+     'from the config, batch x (img_size / patch_size)^2)'),
+    ('--tflops', float, 400.0, 'achieved model FLOP/s per GPU, TFLOP/s '
+     '(default 400)'),
+    ('--block-size', int, 256, 'int8_compress block size (default 256)'),
+    ('--powersgd-rank', int, 1, 'PowerSGD matrix_approximation_rank '
+     '(default 1)'),
+    ('--min-compression-rate', float, 2.0, 'PowerSGD min_compression_rate '
+     '(default 2)'),
+    ('--bucket-cap-mb', float, None, 'DDP bucket_cap_mb (default: the '
+     "config's model_wrapper_cfg, else DDP's 25)"),
+)
+_AT_LEAST_0 = ('--alpha-us', '--backward-s', '--compute-step-s')
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,22 +91,20 @@ def _parser() -> argparse.ArgumentParser:
         '--fit',
         nargs='+',
         metavar='BENCH.json',
-        help='benchmark JSON files (version 1) to fit the '
-        'constants to')
+        help='benchmark JSON files (version 1) to fit the constants to')
     fit.add_argument(
         '--fit-rates',
         nargs='+',
         type=float,
         metavar='MBIT',
-        help='link rates (Mbit/s, as in the benchmark) to fit '
-        'on; the others validate (default: all)')
+        help='link rates (Mbit/s, as in the benchmark) to fit on; the '
+        'others validate (default: all)')
     fit.add_argument(
         '--fit-world-sizes',
         nargs='+',
         type=int,
         metavar='N',
-        help='world sizes to fit on, with several '
-        'benchmarks (default: all)')
+        help='world sizes to fit on, with several benchmarks (default: all)')
     fit.add_argument(
         '--no-overhead',
         action='store_true',
@@ -84,24 +112,20 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument(
         '--check-collectives',
         action='store_true',
-        help='build each benchmark\'s config on the meta '
-        'device and compare what the hook catalogue predicts '
-        'with the collectives measured (hook settings: '
-        '--block-size, --powersgd-rank)')
+        help='build each benchmark\'s config on the meta device and compare '
+        'what the hook catalogue predicts with the collectives measured '
+        '(hook settings: --block-size, --powersgd-rank)')
     proj = parser.add_argument_group('project to a cluster')
     proj.add_argument(
         '--config',
-        help=f'training config (default {CONFIG}'
-        '; given, or without --fit, the projection runs)')
+        help=f'training config (default {CONFIG}; given, or without --fit, '
+        'the projection runs)')
     proj.add_argument(
         '--cfg-options',
         nargs='+',
         metavar='KEY=VALUE',
-        help='override config keys, as in tools/train.py '
-        '(xxx=yyy, values parsed as Python literals)')
-    proj.add_argument('--nodes', type=int, default=8, help='nodes (M)')
-    proj.add_argument(
-        '--gpus-per-node', type=int, default=8, help='GPUs per node (G)')
+        help='override config keys, as in tools/train.py (xxx=yyy, values '
+        'parsed as Python literals)')
     proj.add_argument(
         '--gbps',
         nargs='+',
@@ -109,91 +133,26 @@ def _parser() -> argparse.ArgumentParser:
         default=[100.0, 200.0, 400.0],
         metavar='GBIT',
         help='node link rates, Gbit/s per direction')
-    proj.add_argument(
-        '--intra-gbps',
-        type=float,
-        default=3600.0,
-        help='intra-node rate per GPU per direction, Gbit/s '
-        '(default 3600: NVLink 4, 450 GB/s)')
-    proj.add_argument(
-        '--alpha-us',
-        type=float,
-        help='latency per message, us (default: fitted, else '
-        '10)')
-    proj.add_argument(
-        '--eta',
-        type=float,
-        help='achieved fraction of the link rate (default: '
-        'fitted, else 0.9)')
+    for flag, kind, default, text in _PROJECTION_OPTIONS:
+        proj.add_argument(flag, type=kind, default=default, help=text)
     proj.add_argument(
         '--codec',
         choices=('gpu', 'fitted'),
         default='gpu',
-        help='local cost of each hook: assumed for a GPU '
-        '(default) or as the benchmark measured it')
-    proj.add_argument(
-        '--hbm-tbps',
-        type=float,
-        default=3.0,
-        help='effective HBM bandwidth, TB/s (default 3.0)')
-    proj.add_argument(
-        '--matmul-tflops',
-        type=float,
-        default=50.0,
-        help='PowerSGD low-rank products, TFLOP/s (default '
-        '50)')
-    proj.add_argument(
-        '--backward-s',
-        type=float,
-        help='backward time, s (default: from FLOPs)')
-    proj.add_argument(
-        '--compute-step-s',
-        type=float,
-        help='step time without communication, s (default: '
-        'from FLOPs)')
-    proj.add_argument(
-        '--tokens-per-gpu',
-        type=float,
-        help='tokens per GPU and step (default: from the '
-        'config, batch x (img_size / patch_size)^2)')
-    proj.add_argument(
-        '--tflops',
-        type=float,
-        default=400.0,
-        help='achieved model FLOP/s per GPU, TFLOP/s '
-        '(default 400)')
+        help='local cost of each hook: assumed for a GPU (default) or as '
+        'the benchmark measured it')
     proj.add_argument(
         '--recompute',
         choices=('yes', 'no'),
-        help='activation checkpointing (default: the '
-        'config\'s backbone.with_cp)')
-    proj.add_argument(
-        '--block-size',
-        type=int,
-        default=256,
-        help='int8_compress block size (default 256)')
-    proj.add_argument(
-        '--powersgd-rank',
-        type=int,
-        default=1,
-        help='PowerSGD matrix_approximation_rank (default 1)')
-    proj.add_argument(
-        '--min-compression-rate',
-        type=float,
-        default=2.0,
-        help='PowerSGD min_compression_rate (default 2)')
-    proj.add_argument(
-        '--bucket-cap-mb',
-        type=float,
-        help='DDP bucket_cap_mb (default: the config\'s '
-        'model_wrapper_cfg, else DDP\'s 25)')
+        help='activation checkpointing (default: the config\'s '
+        'backbone.with_cp)')
+    names = tuple(cost.hook_costs())
     proj.add_argument(
         '--hooks',
         nargs='+',
-        choices=tuple(cc.HOOK_COSTS),
+        choices=names,
         metavar='HOOK',
-        help='hooks to project (default: '
-        f'all: {", ".join(cc.HOOK_COSTS)})')
+        help=f'hooks to project (default: all: {", ".join(names)})')
     proj.add_argument(
         '--recommend',
         action='store_true',
@@ -205,30 +164,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_ranges(parser, args) -> None:
     """Every number in its range, or a usage error naming it."""
-    ints = (('--nodes', args.nodes), ('--gpus-per-node', args.gpus_per_node),
-            ('--block-size', args.block_size), ('--powersgd-rank',
-                                                args.powersgd_rank))
-    for option, value in ints:
-        if value < 1:
+    checked = [('--gbps', float, v) for v in args.gbps]
+    checked += [(flag, kind, getattr(args, flag[2:].replace('-', '_')))
+                for flag, kind, _, _ in _PROJECTION_OPTIONS]
+    for option, kind, value in checked:
+        if value is None:
+            continue
+        if kind is int and value < 1:
             parser.error(f'{option} should be an int >= 1, but got {value}')
-    positive = [('--gbps', v) for v in args.gbps
-                ] + [('--intra-gbps', args.intra_gbps),
-                     ('--hbm-tbps', args.hbm_tbps),
-                     ('--matmul-tflops', args.matmul_tflops),
-                     ('--tflops', args.tflops),
-                     ('--min-compression-rate', args.min_compression_rate),
-                     ('--eta', args.eta),
-                     ('--tokens-per-gpu', args.tokens_per_gpu),
-                     ('--bucket-cap-mb', args.bucket_cap_mb)]
-    for option, value in positive:
-        if value is not None and not (math.isfinite(value) and value > 0):
-            parser.error(f'{option} should be a number > 0, but got {value}')
-    for option, value in (('--alpha-us', args.alpha_us), ('--backward-s',
-                                                          args.backward_s),
-                          ('--compute-step-s', args.compute_step_s)):
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            parser.error(f'{option} should be a number >= 0, but got '
-                         f'{value}')
+        low = option in _AT_LEAST_0
+        if kind is float and not (math.isfinite(value) and
+                                  (value >= 0 if low else value > 0)):
+            parser.error(f'{option} should be a number '
+                         f'{">=" if low else ">"} 0, but got {value}')
     if args.eta is not None and args.eta > 1:
         parser.error(f'--eta should be a fraction of the link rate, in '
                      f'(0, 1], but got {args.eta}: no link carries more than '
@@ -244,14 +192,12 @@ def _check_fit(parser, args) -> None:
     """Read the benchmarks; check the rates and world sizes to fit on."""
     args.benchmarks, args.bench_configs = [], []
     if not args.fit:
-        for option in ('fit_rates', 'fit_world_sizes'):
-            if getattr(args, option) is not None:
-                parser.error(f'--{option.replace("_", "-")} needs --fit '
-                             '(a benchmark JSON to fit)')
-        for flag in ('--no-overhead', '--check-collectives'):
-            if getattr(args, flag[2:].replace('-', '_')):
-                parser.error(f'{flag} needs --fit (a benchmark JSON to '
-                             'fit)')
+        for flag, given in (('--fit-rates', args.fit_rates is not None),
+                            ('--fit-world-sizes', args.fit_world_sizes
+                             is not None), ('--no-overhead', args.no_overhead),
+                            ('--check-collectives', args.check_collectives)):
+            if given:
+                parser.error(f'{flag} needs --fit (a benchmark JSON to fit)')
         if args.codec == 'fitted':
             parser.error('--codec fitted needs --fit (the benchmark '
                          "measures the codec); valid without it: 'gpu'")
@@ -260,7 +206,7 @@ def _check_fit(parser, args) -> None:
         if not osp.isfile(path):
             parser.error(f'--fit {path}: no such file')
         try:
-            args.benchmarks.append(cc.load_benchmark(path))
+            args.benchmarks.append(cost.load_benchmark(path))
         except (OSError, ValueError) as e:
             parser.error(f'--fit {path}: {e}'.replace(f'{path}: {path}:',
                                                       f'{path}:'))
@@ -285,21 +231,14 @@ def _check_fit(parser, args) -> None:
                          f'{", ".join(args.fit)}; measured: '
                          f'{", ".join(map(str, sizes))}')
     if not any(
-            _fittable(b, r, args) for b in args.benchmarks for r in b.rates):
+            cost.fits_on(b, r, args.fit_rates, args.fit_world_sizes) and any(
+                h in b.hooks for h in r['median_step_s'])
+            for b in args.benchmarks for r in b.rates):
         parser.error(f'--fit {" ".join(args.fit)}: nothing to fit on: no '
                      'hook that lists its collectives was measured at a '
                      'shaped rate (mbit not null)' +
                      (' of the chosen --fit-rates and --fit-world-sizes'
                       if args.fit_rates or args.fit_world_sizes else ''))
-
-
-def _fittable(bench: cc.Benchmark, rate: dict, args) -> bool:
-    """Whether ``cc.fit`` would fit on a hook of this rate."""
-    return (rate['mbit'] is not None and any(h in bench.hooks
-                                             for h in rate['median_step_s'])
-            and (args.fit_rates is None or rate['mbit'] in args.fit_rates)
-            and (args.fit_world_sizes is None
-                 or bench.world_size in args.fit_world_sizes))
 
 
 def _find(path: str):
@@ -336,287 +275,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# -- the fit --------------------------------------------------------------
-def _pct(x: float) -> str:
-    return f'{100 * x:+.1f}%'
-
-
-def _fit_report(result: cc.FitResult, args) -> list:
-    c = result.constants
-    lines = ['## Fit of the cost model', '']
-    for b in args.benchmarks:
-        lines.append(f'- {b.source}: {b.nodes} nodes x {b.ranks_per_node} '
-                     f'rank(s), {b.grad_bytes / 2**20:.2f} MiB of gradients '
-                     f'in {len(b.bucket_bytes)} buckets, backward '
-                     f'{b.backward_s * 1e3:.1f} ms, step '
-                     f'{b.compute_step_s * 1e3:.1f} ms unshaped')
-        for r in b.rates:
-            if r['mbit'] and r.get('calibrated_mbit'):
-                lines.append(
-                    f'  - {r["mbit"]:g} Mbit/s: plain all_reduce achieved '
-                    f'{r["calibrated_mbit"]:g} Mbit/s '
-                    f'({r["calibrated_mbit"] / r["mbit"]:.2f} of the rate)')
-    lines += [
-        '', f'alpha = {c.alpha_s * 1e6:.1f} us per message, eta = '
-        f'{c.eta:.3f} of the link rate'
-    ]
-    if c.overhead_share:
-        lines.append('overhead per step, as a share of the compute step: ' +
-                     ', '.join(f'{h} {100 * s:.1f}%'
-                               for h, s in c.overhead_share.items()))
-    fitted = [p for p in result.points if p.fitted]
-    check = [p for p in result.points if not p.fitted]
-    rms = math.sqrt(sum(p.rel_error**2 for p in fitted) / len(fitted))
-    worst = result.worst(fitted=True)
-    lines.append(f'fitted on {len(fitted)} points (rates '
-                 f'{_rates(fitted)} Mbit/s): RMS error {100 * rms:.1f}%, '
-                 f'worst {_pct(worst.rel_error)} ({worst.hook} at '
-                 f'{worst.mbit:g} Mbit/s, world size {worst.world_size})')
-    for note in result.skipped:
-        lines.append(f'skipped: {note}')
-    lines += [
-        '', '> - each point is predicted from the benchmark\'s own buckets, '
-        'ready times, collectives and codec time (measured without '
-        'network, added to each bucket\'s communication)',
-        '> - the emulated links have no propagation delay: alpha is the '
-        'software latency of this machine\'s backend, not a long-haul '
-        'link\'s',
-        '> - the fitted overheads belong to the benchmark machine (CPU '
-        'ranks sharing one host) and are not carried to projections'
-    ]
-    lines += ['', '### Validation (points not fitted on)', '']
-    if not check:
-        lines.append('none: every measured point was fitted on (choose '
-                     '--fit-rates to keep some for validation)')
-        return lines
-    lines += [
-        '| world size | hook | Mbit/s | measured s | predicted s | '
-        'error |', '|--:|---|--:|--:|--:|--:|'
-    ]
-    for p in check:
-        lines.append(f'| {p.world_size} | {p.hook} | {p.mbit:g} | '
-                     f'{p.measured_s:.4f} | {p.predicted_s:.4f} | '
-                     f'{_pct(p.rel_error)} |')
-    worst = result.worst()
-    lines += [
-        '', f'worst validation error: {_pct(worst.rel_error)} '
-        f'({worst.hook} at {worst.mbit:g} Mbit/s, world size '
-        f'{worst.world_size})'
-    ]
-    return lines
-
-
-def _rates(points) -> str:
-    return ', '.join(f'{r:g}' for r in sorted({p.mbit for p in points}))
-
-
-def _fit_json(result: cc.FitResult) -> dict:
-    c = result.constants
-    return dict(
-        alpha_s=c.alpha_s,
-        eta=c.eta,
-        overhead_share=dict(c.overhead_share),
-        codec_s_per_byte=dict(result.codec.per_byte),
-        source=c.source,
-        skipped=list(result.skipped),
-        points=[
-            dict(dataclasses.asdict(p), rel_error=p.rel_error)
-            for p in result.points
-        ])
-
-
-# -- the projection -----------------------------------------------------------
-def _load_model(config: str, cfg_options=None):
-    """The config's trainable parameters as :class:`ParamSpec`, the total
-    parameter count and the facts the estimates read from the config."""
-    import torch
-    from mmengine.registry import DefaultScope, init_default_scope
-    from mmengine.utils import import_modules_from_strings
-
-    from mmcv_custom.launcher import load_config
-    cfg = load_config(config, cfg_options)
-    scope = cfg.get('default_scope', 'mmseg')
-    with DefaultScope.overwrite_default_scope(scope):
-        if cfg.get('custom_imports'):
-            import_modules_from_strings(**cfg.custom_imports)
-        init_default_scope(scope)
-        from mmseg.registry import MODELS
-        with torch.device('meta'):
-            model = MODELS.build(cfg.model)
-    params = [
-        cc.ParamSpec(tuple(p.shape),
-                     str(p.dtype).replace('torch.', ''), name)
-        for name, p in model.named_parameters() if p.requires_grad
-    ]
-    total = sum(p.numel() for p in model.parameters())
-    backbone = cfg.model.get('backbone') or {}
-    facts = dict(
-        with_cp=backbone.get('with_cp'),
-        bucket_cap_mb=(cfg.get('model_wrapper_cfg')
-                       or {}).get('bucket_cap_mb'))
-    size, patch = backbone.get('img_size'), backbone.get('patch_size')
-    batch = (cfg.get('train_dataloader') or {}).get('batch_size')
-    if isinstance(size, int) and isinstance(patch, int) and batch:
-        facts['tokens'] = batch * (size // patch)**2
-        facts['tokens_how'] = (f'{batch} x ({size} / {patch})^2 from the '
-                               'config')
-    return params, total, facts
-
-
-def _size(nbytes: float) -> str:
-    if nbytes >= GB / 10:
-        return f'{nbytes / GB:.2f} GB'
-    return f'{nbytes / 1e6:.2f} MB'
-
-
-def _project(args, constants: cc.LinkConstants, codec: cc.CodecCost):
-    params, total, facts = _load_model(args.config, args.cfg_options)
-    if not params:
-        sys.exit(f'{osp.basename(__file__)}: error: {args.config} has no '
-                 'trainable parameter: nothing is communicated')
-    recompute = (
-        args.recompute == 'yes'
-        if args.recompute is not None else bool(facts['with_cp']))
-    tokens = args.tokens_per_gpu or facts.get('tokens')
-    workload = cc.Workload(
-        tokens_per_gpu=tokens or cc.Workload().tokens_per_gpu,
-        achieved_flops=args.tflops * 1e12,
-        recompute=recompute)
-    cap = (
-        args.bucket_cap_mb
-        if args.bucket_cap_mb is not None else facts['bucket_cap_mb'])
-    hooks = cc.hook_costs(args.block_size, args.powersgd_rank,
-                          args.min_compression_rate)
-    if args.hooks:
-        hooks = {n: h for n, h in hooks.items() if n in args.hooks}
-    recs = [
-        cc.recommend(
-            params,
-            cc.Cluster(args.nodes, args.gpus_per_node, gbps * 1e9,
-                       args.intra_gbps * 1e9),
-            backward_s=args.backward_s,
-            compute_step_s=args.compute_step_s,
-            constants=constants,
-            codec=codec,
-            hooks=hooks,
-            workload=workload,
-            total_params=total,
-            bucket_cap_mb=cap) for gbps in args.gbps
-    ]
-    buckets = cc.ddp_buckets(params, cap)
-    first = recs[0].predictions[next(iter(hooks))]
-    backward = (
-        args.backward_s if args.backward_s is not None else
-        cc.estimate_compute(params, workload, total, args.hbm_tbps * 1e12)[0])
-    how = ('given' if args.backward_s is not None else
-           f'estimated: {4 + 2 * recompute} x {total:.3g} parameters x '
-           f'{workload.tokens_per_gpu:g} tokens per GPU / '
-           f'{args.tflops:g} TFLOP/s' +
-           (', recomputing the forward' if recompute else ''))
-    token_how = ('given' if args.tokens_per_gpu else facts.get(
-        'tokens_how', 'default (InternViT-6B at 504 px, 2 per GPU)'))
-    dtypes = {}
-    for p in params:
-        dtypes[p.dtype] = dtypes.get(p.dtype, 0) + p.numel
-    lines = [
-        f'## Projected step time per hook: {osp.basename(args.config)}',
-        '',
-        f'- cluster: {args.nodes} nodes x {args.gpus_per_node} GPUs '
-        f'({args.nodes * args.gpus_per_node} ranks)',
-        f'- model: {sum(dtypes.values()):,} trainable parameters (' +
-        ', '.join(f'{n:,} {d}' for d, n in dtypes.items()) +
-        f'), {_size(sum(p.nbytes for p in params))} of gradients per step '
-        f'in {len(buckets)} DDP buckets (bucket_cap_mb '
-        f'{cap if cap is not None else "25, first 1"})',
-        f'- compute: backward {backward:.3f} s ({how}); step without '
-        f'communication {first.compute_step_s:.3f} s' +
-        ('' if args.compute_step_s is not None else
-         ' (forward 2 N T, AdamW 7 passes over HBM)'),
-        f'- tokens per GPU: {workload.tokens_per_gpu:g} ({token_how})',
-        '',
-    ]
-    lines += _step_table(args, recs)
-    lines += [''] + _detail_table(args, recs)
-    if args.recommend:
-        lines += ['', '### Recommendation', '']
-        lines += [f'- {r.line()}' for r in recs]
-    lines += ['', '### Assumptions', '']
-    lines += [
-        f'> - {a}' for a in cc.assumptions(constants, codec, recs[0].cluster)
-    ]
-    lines += [
-        '> - compute from FLOPs (4 N T for the backward, 6 with activation '
-        'checkpointing) counts the ViT\'s matmuls only, not the heads\' '
-        'convolutions, unless --backward-s/--compute-step-s are given',
-        '> - accuracy is not modelled: int8 and PowerSGD are lossy and keep '
-        'error-feedback state; fp16/bf16 are nearly lossless'
-    ]
-    out = dict(
-        config=args.config,
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        constants=dict(
-            alpha_s=constants.alpha_s,
-            eta=constants.eta,
-            source=constants.source),
-        codec=codec.describe(),
-        backward_s=backward,
-        rates={
-            f'{g:g}':
-            dict(
-                best=r.best,
-                best_lossless=r.best_lossless,
-                hooks={
-                    n: dataclasses.asdict(p)
-                    for n, p in r.predictions.items()
-                })
-            for g, r in zip(args.gbps, recs)
-        })
-    return lines, out
-
-
-def _step_table(args, recs) -> list:
-    first = recs[0].predictions
-    lines = [
-        '| hook | sent per step | per node link | ' +
-        ' | '.join(f'{g:g} Gbit/s' for g in args.gbps) + ' |',
-        '|---|--:|--:|' + '--:|' * len(recs)
-    ]
-    for name, p in first.items():
-        cells = []
-        for r in recs:
-            q, speedup = r.predictions[name], r.speedup(name)
-            cells.append(f'{q.step_s:.3f} s' +
-                         (f' ({speedup:.2f}x)' if speedup is not None else ''))
-        lines.append(f'| {p.label} | {_size(p.sent_bytes)} | '
-                     f'{_size(p.node_bytes)} | ' + ' | '.join(cells) + ' |')
-    lines += [
-        '', 'step = compute + exposed communication; (x) speed-up '
-        'against allreduce; sent: the tensors one rank reduces; per '
-        'node link: bytes through it each way'
-    ]
-    return lines
-
-
-def _detail_table(args, recs) -> list:
-    lines = [
-        '| hook | Gbit/s | step s | exposed s | wire s | '
-        'overlap bound s | codec s | collectives |',
-        '|---|--:|--:|--:|--:|--:|--:|--:|'
-    ]
-    for name in recs[0].predictions:
-        for g, r in zip(args.gbps, recs):
-            p = r.predictions[name]
-            lines.append(f'| {p.label} | {g:g} | {p.step_s:.3f} | '
-                         f'{p.exposed_s:.3f} | {p.wire_s:.3f} | '
-                         f'{p.overlap_bound_s:.3f} | {p.codec_s:.4f} | '
-                         f'{p.collectives} |')
-    lines += [
-        '', 'wire: bytes over the link rate, no latency; overlap '
-        'bound: exposed time with no latency, eta 1 and no codec (the '
-        'physical bound for this bucket order)'
-    ]
-    return lines
+def _project(args, constants, codec) -> tuple:
+    """The projection's lines and JSON, or a one-line error."""
+    fields = {f.name for f in dataclasses.fields(cost.ProjectionSettings)}
+    settings = cost.ProjectionSettings(**{
+        k: v
+        for k, v in vars(args).items() if k in fields
+    })
+    try:
+        return cost.project(settings, constants, codec)
+    except ValueError as e:
+        sys.exit(f'{osp.basename(__file__)}: error: {e}')
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -631,26 +300,27 @@ def main(argv=None) -> None:
     filter_tool_warnings()
     args = parse_args(argv)
     out, lines = {}, []
-    constants = cc.GPU_CLUSTER_CONSTANTS
-    codec: cc.CodecCost = cc.GpuCodec(args.hbm_tbps * 1e12,
-                                      args.matmul_tflops * 1e12)
+    constants = cost.GPU_CLUSTER_CONSTANTS
+    codec: cost.CodecCost = cost.GpuCodec(args.hbm_tbps * 1e12,
+                                          args.matmul_tflops * 1e12)
     if args.benchmarks:
-        result = cc.fit(
+        result = cost.fit(
             args.benchmarks,
             args.fit_rates,
             args.fit_world_sizes,
             overhead=not args.no_overhead)
-        lines += _fit_report(result, args)
+        lines += cost.fit_report(result, args.benchmarks)
         if args.check_collectives:
-            hooks = cc.hook_costs(args.block_size, args.powersgd_rank,
-                                  args.min_compression_rate)
+            hooks = cost.hook_costs(args.block_size, args.powersgd_rank,
+                                    args.min_compression_rate)
             lines += ['', '### Collectives: catalogue against measured', '']
             for bench, config in zip(args.benchmarks, args.bench_configs):
-                lines += cc.check_benchmark(bench,
-                                            _load_model(config)[0], hooks)
-        out['fit'] = _fit_json(result)
+                lines += cost.check_benchmark(bench,
+                                              cost.config_params(config)[0],
+                                              hooks)
+        out['fit'] = cost.fit_json(result)
         # The fitted overheads are the benchmark machine's: not carried.
-        constants = cc.LinkConstants(
+        constants = cost.LinkConstants(
             result.constants.alpha_s,
             result.constants.eta,
             source=result.constants.source)
@@ -661,7 +331,7 @@ def main(argv=None) -> None:
             constants.alpha_s if args.alpha_us is None else args.alpha_us *
             1e-6)
         eta = constants.eta if args.eta is None else args.eta
-        constants = cc.LinkConstants(alpha, eta, source='given')
+        constants = cost.LinkConstants(alpha, eta, source='given')
     if args.project:
         projected, out['projection'] = _project(args, constants, codec)
         lines += ([''] if lines else []) + projected

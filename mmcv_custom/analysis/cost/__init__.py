@@ -1,0 +1,121 @@
+"""A cost model of the DDP communication hooks, to project step times.
+
+We measure a real training step per hook on a few emulated nodes (network
+namespaces joined by veth, each node's link shaped to a rate by tc), but
+want the step time on a GPU cluster of other sizes and link rates. This
+package is the bridge: an alpha-beta model of the collectives each hook
+issues, fitted to the measurement, and a simulation of how each bucket's
+communication overlaps the backward pass. A model is a list of
+:class:`ParamSpec` (shapes and dtypes), so a projection needs no
+measurement of the model projected to.
+
+Modules, one concern each (only :mod:`.hooks`, :mod:`.recommend`,
+:mod:`.model` and :mod:`.report` reach torch, through the hooks' records
+or the model):
+
+* :mod:`.buckets`: :class:`ParamSpec`, :class:`Bucket`, :func:`ddp_buckets`;
+* :mod:`.collectives`: the formulas below, :class:`Cluster`,
+  :class:`LinkConstants`;
+* :mod:`.codecs`: the codec's cost, :class:`GpuCodec`, :class:`FittedCodec`;
+* :mod:`.hooks`: the catalogue, read from the hooks' records;
+* :mod:`.overlap`: :func:`simulate_overlap`;
+* :mod:`.compute`: :func:`estimate_compute`;
+* :mod:`.measurements`: the benchmark JSON, :func:`load_benchmark`;
+* :mod:`.fit`: :func:`fit`;
+* :mod:`.recommend`: :func:`predict_step`, :func:`recommend`;
+* :mod:`.model`: a config's parameters, its model built on the meta device;
+* :mod:`.report`: the tables ``tools/analysis_tools/comm_cost_model.py``
+  prints.
+
+**Collectives** on ``M`` nodes of ``G`` ranks (``P = M * G``), each node
+link carrying ``B`` bits/s per direction, intra-node links ``B_in`` per
+GPU, ``alpha`` seconds per message and an achieved fraction ``eta`` of
+every rate (:func:`collective_time`):
+
+* ring ``all_reduce`` of ``S`` bytes: ``2 (P - 1) alpha + 2 (P - 1) / P *
+  S / (eta B)``. A flat ring crosses each node link once per direction, so
+  the node link carries what one ring edge does; on one node (``M == 1``)
+  the edges are intra-node and ``B_in`` sets the time;
+* ``all_gather``, each rank contributing ``s`` bytes (``S = P s``):
+  ``(P - 1) alpha + (P - 1) / P * S / (eta B)``;
+* ``all_to_all``, each rank sending ``S`` bytes (``S / P`` to every rank):
+  ``(P - 1) alpha + G (M - 1) / M * S / (eta B)`` plus ``(G - 1) / P * S
+  / (eta B_in)`` inside the node. Unlike a ring, nothing is reduced on the
+  way: all ``G`` ranks of a node push their off-node shares through the one
+  node link. With ``G`` GPUs per node the flat all-to-all of
+  ``int8_compress`` therefore costs about ``G`` times a ring
+  reduce-scatter across nodes, and int8's advantage shrinks on multi-GPU
+  nodes, to a loss at ``G = 8`` against a 2-byte all-reduce. A hierarchical
+  all-to-all (reduce inside the node first, then one rank per node across)
+  would fix it; it is not built.
+
+With ``G = 1`` (the emulated nodes) ``B_in`` does not matter.
+
+**Hooks** (:func:`hook_costs`, one :class:`HookCost` per registered hook
+whose :class:`~mmcv_custom.comm.records.HookRecord` states a ``cost``):
+what each sends for a bucket layout on a world size (:func:`ddp_buckets`
+lays parameters out as DDP does) and what its local work (the codec) costs
+on a GPU, as memory passes over HBM plus matmul FLOPs (:class:`GpuCodec`),
+or as measured seconds per gradient byte (:class:`FittedCodec`). What a
+step sends is counted by one rule,
+:func:`mmcv_custom.comm.traffic.sent_bytes`.
+
+**Overlap** (:func:`simulate_overlap`): bucket ``i`` becomes ready at
+``ready_s[i]`` in the backward; its communication (codec included: it runs
+on a stream or thread of its own, beside the backward) starts when it is
+ready and the previous bucket's has finished (one link, first in first
+out, in DDP's order). What runs past the end of the backward is exposed::
+
+    step = compute_step + max(0, finish of the last bucket - backward)
+
+**Fit** (:func:`fit`): ``alpha``, ``eta`` and optionally an overhead per
+hook and step, as a share of the compute step, by least squares of the
+relative error on a chosen subset of a benchmark's link rates, validated
+on the others.
+
+**Recommendation** (:func:`recommend`): per hook, the step on a cluster,
+the speed-up against ``allreduce`` and the fastest hook, with its accuracy
+caveats.
+
+Example:
+    >>> from mmcv_custom.analysis.cost import (Cluster, ParamSpec, recommend)
+    >>> params = [ParamSpec((4096, 4096), 'bfloat16')] * 100
+    >>> rec = recommend(params, Cluster(8, 8, 100e9), backward_s=0.2,
+    ...                 compute_step_s=0.35)
+    >>> rec.best  # doctest: +SKIP
+    'powerSGD'
+"""
+from .buckets import DTYPE_BYTES, Bucket, MiB, ParamSpec, ddp_buckets
+from .codecs import CodecCost, FittedCodec, GpuCodec
+from .collectives import (COLLECTIVE_KINDS, GPU_CLUSTER_CONSTANTS, Cluster,
+                          Collective, LinkConstants, Traffic, all_gather_time,
+                          all_reduce_time, all_to_all_time, collective_time,
+                          traffic)
+from .compute import Workload, estimate_compute
+from .fit import FitPoint, FitResult, fit, fits_on
+from .hooks import (HOOK_COSTS, AllReduceCost, BatchedPowerSGDCost,
+                    HalfPrecisionCost, HookCost, Int8Cost, PowerSGDCost,
+                    RecordCost, check_benchmark, compare_collectives,
+                    hook_costs, powersgd_compresses, uncosted_hooks)
+from .measurements import Benchmark, load_benchmark
+from .model import config_params
+from .overlap import Overlap, even_ready_times, simulate_overlap
+from .recommend import (Recommendation, StepPrediction, assumptions,
+                        predict_step, recommend)
+from .report import ProjectionSettings, fit_json, fit_report, project
+
+__all__ = [
+    'MiB', 'DTYPE_BYTES', 'COLLECTIVE_KINDS', 'ParamSpec', 'Bucket',
+    'Collective', 'Cluster', 'LinkConstants', 'GPU_CLUSTER_CONSTANTS',
+    'Traffic', 'traffic', 'collective_time', 'all_reduce_time',
+    'all_gather_time', 'all_to_all_time', 'ddp_buckets', 'powersgd_compresses',
+    'CodecCost', 'GpuCodec', 'FittedCodec', 'HookCost', 'AllReduceCost',
+    'HalfPrecisionCost', 'Int8Cost', 'PowerSGDCost', 'BatchedPowerSGDCost',
+    'HOOK_COSTS', 'hook_costs', 'compare_collectives', 'Overlap',
+    'simulate_overlap', 'even_ready_times', 'Workload', 'estimate_compute',
+    'StepPrediction', 'predict_step', 'Benchmark', 'load_benchmark',
+    'check_benchmark', 'FitPoint', 'FitResult', 'fit', 'fits_on',
+    'Recommendation', 'recommend', 'assumptions', 'RecordCost',
+    'uncosted_hooks', 'config_params', 'ProjectionSettings', 'project',
+    'fit_report', 'fit_json'
+]

@@ -1,0 +1,348 @@
+"""The hook catalogue: what each registered hook sends and computes, read
+from its record.
+
+Every hook registered in :data:`~mmcv_custom.comm.registry.COMM_HOOKS`
+whose :class:`~mmcv_custom.comm.records.HookRecord` has a ``cost`` (a
+:class:`~mmcv_custom.comm.cost_records.CostRecord`) is in the catalogue,
+built-in or a user's; a hook without one is listed by
+:func:`uncosted_hooks`, not projected. A :class:`HookCost` is one hook
+with its settings (``block_size``, ``matrix_approximation_rank``, ...):
+the collectives it issues for a bucket layout on a world size, and the
+memory traffic and FLOPs of its codec.
+"""
+from abc import ABC, abstractmethod
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from mmcv_custom.comm.cost_records import powersgd_compresses, square_side
+from mmcv_custom.comm.records import HookRecord, record_of
+from mmcv_custom.comm.registry import COMM_HOOKS
+from mmcv_custom.comm.traffic import COLLECTIVE_KINDS
+from .buckets import Bucket, ParamSpec, ddp_buckets
+from .checks import require_count, require_positive
+from .collectives import Collective
+from .measurements import Benchmark
+
+__all__ = [
+    'HookCost', 'RecordCost', 'AllReduceCost', 'HalfPrecisionCost', 'Int8Cost',
+    'PowerSGDCost', 'BatchedPowerSGDCost', 'powersgd_compresses', 'hook_costs',
+    'HOOK_COSTS', 'uncosted_hooks', 'compare_collectives', 'check_benchmark'
+]
+
+
+class HookCost(ABC):
+    """What one communication hook sends, and its local work.
+
+    :class:`RecordCost` reads both from the hook's record; a subclass of
+    this class may state them otherwise.
+
+    Attributes:
+        name (str): The ``comm_hook`` type.
+        lossless (bool): Whether the averaged gradients are the fp32 (or
+            half-precision) average, as opposed to an approximation.
+        overflows (bool): Whether its format overflows where fp32 does not:
+            of two hooks whose steps tie, the other is recommended.
+        caveat (str): What to know before choosing it.
+    """
+    name: str = ''
+    lossless: bool = True
+    overflows: bool = False
+    caveat: str = ''
+
+    @abstractmethod
+    def collectives(self, buckets: Sequence[Bucket],
+                    world_size: int) -> List[List[Collective]]:
+        """Per bucket, in DDP's order, the collectives one step issues, in
+        their order (sequential within a bucket). Empty ones are left
+        out: they cost next to nothing."""
+
+    @abstractmethod
+    def memory_bytes(self, bucket: Bucket, world_size: int = 1) -> float:
+        """Bytes of HBM traffic of the local work on ``bucket``."""
+
+    def flops(self, bucket: Bucket, world_size: int = 1) -> float:
+        """Matmul FLOPs of the local work on ``bucket``. Defaults to 0."""
+        return 0.0
+
+    def label(self) -> str:
+        """The name with the settings that change the bytes."""
+        return self.name
+
+
+def _record(name: str) -> HookRecord:
+    """The record of the hook registered as ``name``."""
+    hook = COMM_HOOKS.get(name)
+    if hook is None:
+        raise KeyError(
+            f'{name} is not in the DDP communication hook '
+            f'registry; registered: {sorted(COMM_HOOKS.module_dict)}')
+    return record_of(hook)
+
+
+class RecordCost(HookCost):
+    """A hook's cost as its record's ``cost`` states it.
+
+    Args:
+        name (str): The ``comm_hook`` type, as registered.
+        record (HookRecord, optional): Its record. Defaults to None: the
+            record of the hook registered as ``name``.
+        **settings: State keys that change its bytes (those of the cost
+            record's ``settings``), over their defaults.
+
+    Raises:
+        KeyError: ``name`` is not registered.
+        ValueError: Its record has no ``cost``, or a setting is not one of
+            the cost record's.
+    """
+
+    def __init__(self,
+                 name: str,
+                 record: Optional[HookRecord] = None,
+                 **settings: Any) -> None:
+        record = _record(name) if record is None else record
+        if record.cost is None:
+            raise ValueError(f'{name}: its HookRecord states no cost, so the '
+                             'cost model cannot project it')
+        cost = record.cost
+        unknown = sorted(set(settings) - set(cost.settings))
+        if unknown:
+            raise ValueError(f'{name}: settings should be among '
+                             f'{sorted(cost.settings)}, but got {unknown}')
+        self.name = name
+        self.record = record
+        self.settings = cost.settings_with(settings)
+        self.lossless = cost.lossless
+        self.overflows = cost.overflows
+        self.caveat = cost.caveat
+
+    def collectives(self, buckets, world_size):
+        require_count('world_size', world_size)
+        sends = self.record.cost.sends(buckets, world_size, self.settings)
+        return [[
+            Collective(kind, nbytes, i) for kind, nbytes in bucket
+            if nbytes > 0
+        ] for i, bucket in enumerate(sends)]
+
+    def memory_bytes(self, bucket, world_size=1):
+        return self.record.cost.codec_bytes(bucket, world_size, self.settings)
+
+    def flops(self, bucket, world_size=1):
+        return self.record.cost.codec_flops(bucket, world_size, self.settings)
+
+    def label(self) -> str:
+        detail = self.record.cost.detail.format(**self.settings)
+        return f'{self.name} {detail}' if detail else self.name
+
+
+class AllReduceCost(RecordCost):
+    """``allreduce``: each bucket in its own dtype."""
+
+    def __init__(self) -> None:
+        super().__init__('allreduce')
+
+
+class HalfPrecisionCost(RecordCost):
+    """``fp16_compress`` / ``bf16_compress``: 2 bytes an element.
+
+    Args:
+        fmt (str): ``'fp16'`` or ``'bf16'``.
+    """
+
+    def __init__(self, fmt: str) -> None:
+        if fmt not in ('fp16', 'bf16'):
+            raise ValueError(f"fmt should be 'fp16' or 'bf16', but got "
+                             f'{fmt!r}')
+        super().__init__(f'{fmt}_compress')
+
+
+class Int8Cost(RecordCost):
+    """``int8_compress``: blockwise int8, an all-to-all then an all-gather.
+
+    Args:
+        block_size (int): Elements per fp32 scale. Defaults to 256.
+        error_feedback (bool): Defaults to True.
+    """
+
+    def __init__(self,
+                 block_size: int = 256,
+                 error_feedback: bool = True) -> None:
+        require_count('block_size', block_size)
+        super().__init__(
+            'int8_compress',
+            block_size=block_size,
+            error_feedback=error_feedback)
+        self.block_size = block_size
+        self.error_feedback = error_feedback
+
+
+class PowerSGDCost(RecordCost):
+    """``powerSGD`` (PyTorch's, after its warm-up).
+
+    Args:
+        rank (int): ``matrix_approximation_rank``. Defaults to 1.
+        min_compression_rate (float): Defaults to 2 (PyTorch's).
+    """
+
+    def __init__(self,
+                 rank: int = 1,
+                 min_compression_rate: float = 2.0) -> None:
+        require_count('rank', rank)
+        require_positive('min_compression_rate', min_compression_rate)
+        super().__init__(
+            'powerSGD',
+            matrix_approximation_rank=rank,
+            min_compression_rate=min_compression_rate)
+        self.rank = rank
+        self.min_compression_rate = min_compression_rate
+
+
+class BatchedPowerSGDCost(RecordCost):
+    """``batched_powerSGD``: each bucket as one square matrix.
+
+    Args:
+        rank (int): ``matrix_approximation_rank``. Defaults to 1.
+    """
+
+    def __init__(self, rank: int = 1) -> None:
+        require_count('rank', rank)
+        super().__init__('batched_powerSGD', matrix_approximation_rank=rank)
+        self.rank = rank
+
+    @staticmethod
+    def side(numel: int) -> int:
+        """``ceil(sqrt(numel))``, exactly."""
+        return square_side(numel)
+
+
+def hook_costs(block_size: int = 256,
+               powersgd_rank: int = 1,
+               min_compression_rate: float = 2.0,
+               int8_error_feedback: bool = True) -> Dict[str, HookCost]:
+    """Every registered hook whose record states a cost, keyed by its
+    ``comm_hook`` type, in the registry's order.
+
+    The arguments set the state keys of every hook that has them:
+    ``block_size`` and ``error_feedback`` (``int8_compress``),
+    ``matrix_approximation_rank`` and ``min_compression_rate`` (the
+    PowerSGD hooks).
+    """
+    require_count('block_size', block_size)
+    require_count('powersgd_rank', powersgd_rank)
+    require_positive('min_compression_rate', min_compression_rate)
+    given = dict(
+        block_size=block_size,
+        error_feedback=int8_error_feedback,
+        matrix_approximation_rank=powersgd_rank,
+        min_compression_rate=min_compression_rate)
+    out = {}
+    for name, hook in COMM_HOOKS.module_dict.items():
+        record = record_of(hook)
+        if record.cost is not None:
+            out[name] = RecordCost(name, record,
+                                   **record.cost.settings_with(given))
+    return out
+
+
+def uncosted_hooks() -> List[str]:
+    """The registered hooks whose record states no cost: their steps are
+    unknown to the model."""
+    return [
+        name for name, hook in COMM_HOOKS.module_dict.items()
+        if record_of(hook).cost is None
+    ]
+
+
+#: The hooks registered at import, with their default settings.
+HOOK_COSTS: Mapping[str, HookCost] = hook_costs()
+
+
+def compare_collectives(predicted: Sequence[Sequence[Collective]],
+                        measured: Sequence[Mapping]) -> List[str]:
+    """Differences between a hook's predicted collectives and a benchmark's.
+
+    Args:
+        predicted (Sequence[Sequence[Collective]]): Per bucket, as
+            :meth:`HookCost.collectives` returns them.
+        measured (Sequence[Mapping]): The benchmark's ``collectives`` list
+            of one hook (``bucket``, ``kind``, ``bytes``). Entries of 0
+            bytes are ignored, as the model leaves empty collectives out.
+
+    Returns:
+        list[str]: One line per bucket that differs; empty if they agree.
+    """
+    got: Dict[int, List[Tuple[str, float]]] = {}
+    for entry in measured:
+        if entry['bytes']:
+            got.setdefault(int(entry['bucket']), []).append(
+                (entry['kind'], entry['bytes']))
+    want = {
+        i: [(c.kind, c.nbytes) for c in cs]
+        for i, cs in enumerate(predicted) if cs
+    }
+    problems = []
+    for index in sorted(set(got) | set(want)):
+        if got.get(index, []) != want.get(index, []):
+            problems.append(f'bucket {index}: predicted '
+                            f'{want.get(index, [])}, measured '
+                            f'{got.get(index, [])}')
+    return problems
+
+
+def check_benchmark(
+        bench: Benchmark,
+        params: Sequence[ParamSpec],
+        hooks: Optional[Mapping[str, HookCost]] = None) -> List[str]:
+    """Check the hook catalogue against what a benchmark measured.
+
+    The model's parameters are laid out as :func:`ddp_buckets` does with
+    the benchmark's ``bucket_cap_mb``; where those buckets have the
+    benchmark's sizes, each hook's collectives are compared bucket by
+    bucket (:func:`compare_collectives`), else only the bytes per step
+    and kind (DDP may have ordered the parameters otherwise than the
+    reverse model order when the backward's order differs).
+
+    Args:
+        bench (Benchmark): The measurement.
+        params (Sequence[ParamSpec]): Its config's trainable parameters.
+        hooks (Mapping[str, HookCost], optional): With the settings the
+            benchmark ran. Defaults to :func:`hook_costs`' defaults.
+
+    Returns:
+        list[str]: One line per finding; the first says whether the
+        layouts agree.
+    """
+    hooks = hook_costs() if hooks is None else hooks
+    buckets = ddp_buckets(params, bench.bucket_cap_mb)
+    same = [b.nbytes for b in buckets] == list(bench.bucket_bytes)
+    lines = [
+        f'{bench.source}: ' +
+        (f'the {len(buckets)} buckets have the measured sizes; collectives '
+         'compared bucket by bucket'
+         if same else f'buckets differ (predicted {len(buckets)}, measured '
+         f'{len(bench.bucket_bytes)}); bytes per step compared')
+    ]
+    for name, entry in bench.hooks.items():
+        if name not in hooks:
+            lines.append(f'  {name}: not in the catalogue')
+            continue
+        predicted = hooks[name].collectives(buckets, bench.world_size)
+        measured = entry['collectives']
+        if same:
+            problems = compare_collectives(predicted, [
+                dict(bucket=c.bucket, kind=c.kind, bytes=c.nbytes)
+                for c in measured
+            ])
+            lines.append(f'  {name}: ' + (
+                'agrees' if not problems else f'{len(problems)} buckets '
+                f'differ, e.g. {problems[0]}'))
+            continue
+        for kind in COLLECTIVE_KINDS:
+            want = sum(c.nbytes for b in predicted for c in b
+                       if c.kind == kind)
+            got = sum(c.nbytes for c in measured if c.kind == kind)
+            if want or got:
+                lines.append(
+                    f'  {name} {kind}: predicted {want:,.0f} '
+                    f'bytes, measured {got:,.0f} (' +
+                    (f'{got / want - 1:+.2%}' if want else 'none predicted') +
+                    ')')
+    return lines

@@ -1,0 +1,198 @@
+"""A benchmark JSON (version 1, written by
+``tools/analysis_tools/benchmark_step_time.py``), read and checked: what
+the fit (:mod:`.fit`) and the catalogue check
+(:func:`~.hooks.check_benchmark`) take. Standard library only."""
+import dataclasses
+import json
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
+
+from .collectives import COLLECTIVE_KINDS, Collective
+
+__all__ = ['Benchmark', 'load_benchmark']
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    """A benchmark JSON (version 1), read and checked.
+
+    Attributes:
+        source (str): Its path (or ``'<dict>'``).
+        nodes (int): Emulated nodes.
+        ranks_per_node (int): Ranks per node.
+        grad_bytes (float): All trainable gradients per step.
+        bucket_bytes (tuple[float]): Per bucket, in DDP's order.
+        ready_s (tuple[float]): When each bucket reached the hook.
+        backward_s (float): Backward time with a hook that sends nothing.
+        compute_step_s (float): The whole step with that hook, unshaped.
+        hooks (dict): Name -> ``dict(collectives=[Collective...],
+            codec_s=float)``.
+        rates (tuple[dict]): ``mbit`` (None: unshaped),
+            ``calibrated_mbit`` and ``median_step_s`` (hook -> seconds).
+        config (str, optional): The config measured.
+        bucket_cap_mb (float, optional): DDP's setting in the run.
+        notes (tuple[str]): What was read but cannot be modelled (a hook
+            without its ``collectives``).
+    """
+    source: str
+    nodes: int
+    ranks_per_node: int
+    grad_bytes: float
+    bucket_bytes: Tuple[float, ...]
+    ready_s: Tuple[float, ...]
+    backward_s: float
+    compute_step_s: float
+    hooks: Mapping[str, Mapping]
+    rates: Tuple[Mapping, ...]
+    config: Optional[str] = None
+    bucket_cap_mb: Optional[float] = None
+    notes: Tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def measured_rates(self) -> List[float]:
+        """The shaped rates, Mbit/s."""
+        return [r['mbit'] for r in self.rates if r['mbit'] is not None]
+
+
+def _field(data: Mapping, key: str, where: str, kind=(int, float)):
+    if not isinstance(data, Mapping) or key not in data:
+        raise ValueError(f'{where}: the key {key!r} is missing')
+    value = data[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        names = (
+            kind.__name__ if isinstance(kind, type) else ' or '.join(
+                k.__name__ for k in kind))
+        raise ValueError(f'{where}: {key!r} should be a {names}, but got '
+                         f'{type(value).__name__}: {value!r}')
+    return value
+
+
+def load_benchmark(source: Union[str, Mapping]) -> Benchmark:
+    """Read a benchmark JSON (a path or the parsed dict) and check it.
+
+    Raises:
+        ValueError: Not JSON, another ``version``, or a key missing or of
+            the wrong type (the message names it).
+        OSError: The file cannot be read.
+    """
+    name = '<dict>'
+    if isinstance(source, str):
+        name = source
+        with open(source) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f'{name}: not JSON ({e})') from None
+    else:
+        data = source
+    if not isinstance(data, Mapping):
+        raise ValueError(f'{name}: should hold a JSON object, but got '
+                         f'{type(data).__name__}')
+    if data.get('version') != 1:
+        raise ValueError(f'{name}: version should be 1, but got '
+                         f'{data.get("version")!r}')
+    nodes = _field(data, 'nodes', name, int)
+    per_node = _field(data, 'ranks_per_node', name, int)
+    if nodes < 1 or per_node < 1:
+        raise ValueError(f'{name}: nodes and ranks_per_node should be >= 1, '
+                         f'but got {nodes} and {per_node}')
+    buckets = _field(data, 'buckets', name, list)
+    if not buckets:
+        raise ValueError(f'{name}: buckets is empty')
+    bucket_bytes, ready = [], []
+    for i, bucket in enumerate(buckets):
+        where = f'{name}: buckets[{i}]'
+        bucket_bytes.append(_field(bucket, 'bytes', where))
+        ready.append(_field(bucket, 'ready_s', where))
+    hooks, notes = _read_hooks(data, name, len(buckets))
+    rates = _read_rates(data, name)
+    return Benchmark(
+        source=name,
+        nodes=nodes,
+        ranks_per_node=per_node,
+        grad_bytes=_field(data, 'grad_bytes', name),
+        bucket_bytes=tuple(bucket_bytes),
+        ready_s=tuple(ready),
+        backward_s=_field(data, 'backward_s', name),
+        compute_step_s=_compute_step(data, rates, name),
+        hooks=hooks,
+        rates=tuple(rates),
+        notes=tuple(notes),
+        config=data.get('config')
+        if isinstance(data.get('config'), str) else None,
+        bucket_cap_mb=data.get('bucket_cap_mb'))
+
+
+def _read_hooks(data: Mapping, name: str, num_buckets: int):
+    """The benchmark's ``hooks``: each one's collectives and codec time;
+    ``(hooks, notes)``, a note for each hook whose traffic is unknown."""
+    hooks, notes = {}, []
+    for hook, entry in _field(data, 'hooks', name, dict).items():
+        where = f'{name}: hooks.{hook}'
+        if isinstance(entry, Mapping) and entry.get('collectives') is None:
+            # What it sent is unknown: it cannot be predicted, only shown.
+            if hook != 'noop':
+                notes.append(f'{where} lists no collectives: its points '
+                             'are not fitted')
+            continue
+        collectives = []
+        for j, c in enumerate(_field(entry, 'collectives', where, list)):
+            at = f'{where}.collectives[{j}]'
+            bucket = _field(c, 'bucket', at, int)
+            if not 0 <= bucket < num_buckets:
+                raise ValueError(f'{at}: bucket should be in [0, '
+                                 f'{num_buckets - 1}], but got {bucket}')
+            kind = _field(c, 'kind', at, str)
+            if kind not in COLLECTIVE_KINDS:
+                raise ValueError(f'{at}: kind should be one of '
+                                 f'{list(COLLECTIVE_KINDS)}, but got '
+                                 f'{kind!r}')
+            collectives.append(
+                Collective(kind, _field(c, 'bytes', at), bucket))
+        hooks[hook] = dict(
+            collectives=collectives, codec_s=_field(entry, 'codec_s', where))
+    return hooks, notes
+
+
+def _read_rates(data: Mapping, name: str) -> list:
+    """The benchmark's ``rates``: each link rate and its measured steps."""
+    rates = []
+    for i, rate in enumerate(_field(data, 'rates', name, list)):
+        where = f'{name}: rates[{i}]'
+        if not isinstance(rate, Mapping) or 'mbit' not in rate:
+            raise ValueError(f'{where}: the key \'mbit\' is missing')
+        mbit = rate['mbit']
+        if mbit is not None:
+            mbit = _field(rate, 'mbit', where)
+            if mbit <= 0:
+                raise ValueError(f'{where}: mbit should be > 0 or null, but '
+                                 f'got {mbit}')
+        steps = _field(rate, 'median_step_s', where, dict)
+        # A hook that was not measured at this rate may be null.
+        steps = {
+            h: t
+            for h, t in steps.items()
+            if isinstance(t, (int,
+                              float)) and not isinstance(t, bool) and t > 0
+        }
+        rates.append(
+            dict(
+                mbit=mbit,
+                calibrated_mbit=rate.get('calibrated_mbit'),
+                median_step_s=steps))
+    return rates
+
+
+def _compute_step(data: Mapping, rates: Sequence[Mapping], name: str) -> float:
+    """``compute_step_s``, or where it is null the unshaped rate's
+    ``noop`` step (the same measurement: a hook that sends nothing)."""
+    if data.get('compute_step_s') is not None:
+        return _field(data, 'compute_step_s', name)
+    for rate in rates:
+        if rate['mbit'] is None and 'noop' in rate['median_step_s']:
+            return rate['median_step_s']['noop']
+    raise ValueError(f'{name}: compute_step_s is null and no unshaped rate '
+                     'has a noop step to take it from')

@@ -1,0 +1,273 @@
+"""One hook's step on a cluster (:func:`predict_step`), every hook's and
+the pick (:func:`recommend`), and the model's assumptions in words."""
+import dataclasses
+from typing import List, Mapping, Optional, Sequence
+
+from mmcv_custom.comm.traffic import sent_bytes
+from .buckets import Bucket, ParamSpec, ddp_buckets
+from .checks import require_positive
+from .codecs import CodecCost, GpuCodec
+from .collectives import GPU_CLUSTER_CONSTANTS, Cluster, LinkConstants, traffic
+from .compute import Workload, estimate_compute
+from .hooks import HookCost, hook_costs
+from .overlap import even_ready_times, simulate_overlap
+
+__all__ = [
+    'StepPrediction', 'predict_step', 'Recommendation', 'recommend',
+    'assumptions'
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrediction:
+    """One hook's predicted step on one cluster.
+
+    Attributes:
+        hook (str): Its name.
+        label (str): With its settings (e.g. ``powerSGD (rank 1)``).
+        step_s (float): ``compute_step_s * (1 + overhead_share) +
+            exposed_s``.
+        exposed_s (float): Communication not hidden by the backward.
+        compute_step_s (float): The step without communication.
+        comm_s (float): All buckets' communication, back to back (codec
+            included).
+        codec_s (float): The codec's part of ``comm_s``.
+        wire_s (float): Bytes through the busiest link over its rate, with
+            no latency and ``eta = 1``.
+        overlap_bound_s (float): The exposed time with ``alpha = 0``,
+            ``eta = 1`` and no codec: what no implementation beats on
+            these links with this bucket order.
+        sent_bytes (float): Bytes the hook reduces per step, as the size
+            of the tensors an all-reduce would carry (what
+            :class:`~mmcv_custom.registry.CommCounter` counts as
+            ``wire_bytes``), by the one counting rule,
+            :func:`mmcv_custom.comm.traffic.sent_bytes`: all-reduced
+            tensors as they are, an all-to-all and an all-gather by what
+            they move against an all-reduce (int8's pair: its quantized
+            bucket about once).
+        node_bytes (float): Bytes through each node link per direction.
+        collectives (int): Collectives per step.
+    """
+    hook: str
+    label: str
+    step_s: float
+    exposed_s: float
+    compute_step_s: float
+    comm_s: float
+    codec_s: float
+    wire_s: float
+    overlap_bound_s: float
+    sent_bytes: float
+    node_bytes: float
+    collectives: int
+
+
+def predict_step(hook: HookCost,
+                 buckets: Sequence[Bucket],
+                 cluster: Cluster,
+                 backward_s: float,
+                 compute_step_s: float,
+                 constants: LinkConstants = GPU_CLUSTER_CONSTANTS,
+                 codec: Optional[CodecCost] = None,
+                 ready_s: Optional[Sequence[float]] = None) -> StepPrediction:
+    """``hook``'s step time on ``cluster``.
+
+    Args:
+        hook (HookCost): The hook.
+        buckets (Sequence[Bucket]): DDP's buckets (:func:`ddp_buckets`).
+        cluster (Cluster): Nodes and links.
+        backward_s (float): The backward pass.
+        compute_step_s (float): The whole step without communication.
+        constants (LinkConstants): alpha, eta and overheads. Defaults to
+            :data:`GPU_CLUSTER_CONSTANTS`.
+        codec (CodecCost, optional): Defaults to :class:`GpuCodec`'s
+            defaults.
+        ready_s (Sequence[float], optional): When each bucket is ready.
+            Defaults to :func:`even_ready_times`.
+
+    Returns:
+        StepPrediction
+    """
+    require_positive('backward_s', backward_s, allow_zero=True)
+    require_positive('compute_step_s', compute_step_s, allow_zero=True)
+    codec = GpuCodec() if codec is None else codec
+    if ready_s is None:
+        ready_s = even_ready_times(buckets, backward_s)
+    per_bucket = hook.collectives(buckets, cluster.world_size)
+    busy, bound, codec_total, wire = [], [], 0.0, 0.0
+    sent = node = 0.0
+    for bucket, collectives in zip(buckets, per_bucket):
+        loads = [traffic(c, cluster) for c in collectives]
+        local = codec.seconds(hook, bucket, cluster.world_size)
+        link = sum(
+            t.seconds(cluster, constants.alpha_s, constants.eta)
+            for t in loads)
+        ideal = sum(t.seconds(cluster) for t in loads)
+        busy.append(link + local)
+        bound.append(ideal)
+        codec_total += local
+        wire += ideal
+        node += sum(t.node_bytes for t in loads)
+        sent += sent_bytes(((c.kind, c.nbytes) for c in collectives),
+                           cluster.world_size)
+    exposed = simulate_overlap(ready_s, busy, backward_s).exposed_s
+    overhead = constants.overhead_share.get(hook.name, 0.0) * compute_step_s
+    return StepPrediction(
+        hook=hook.name,
+        label=hook.label(),
+        step_s=compute_step_s + exposed + overhead,
+        exposed_s=exposed,
+        compute_step_s=compute_step_s,
+        comm_s=sum(busy),
+        codec_s=codec_total,
+        wire_s=wire,
+        overlap_bound_s=simulate_overlap(ready_s, bound, backward_s).exposed_s,
+        sent_bytes=sent,
+        node_bytes=node,
+        collectives=sum(len(c) for c in per_bucket))
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    """Every hook's predicted step on one cluster, and the pick.
+
+    Attributes:
+        cluster (Cluster): The cluster.
+        predictions (dict): Hook name -> :class:`StepPrediction`, in
+            :func:`hook_costs`' order.
+        hooks (dict): Hook name -> its :class:`HookCost`.
+    """
+    cluster: Cluster
+    predictions: Mapping[str, StepPrediction]
+    hooks: Mapping[str, HookCost]
+
+    def _rank(self, hook: str):
+        # Where steps tie (fp16 and bf16 send the same), the hook whose
+        # format does not overflow first.
+        return (self.predictions[hook].step_s,
+                getattr(self.hooks[hook], 'overflows', False))
+
+    @property
+    def best(self) -> str:
+        """The fastest hook."""
+        return min(self.predictions, key=self._rank)
+
+    @property
+    def best_lossless(self) -> Optional[str]:
+        """The fastest hook that does not approximate the average."""
+        lossless = [h for h in self.predictions if self.hooks[h].lossless]
+        return min(lossless, key=self._rank, default=None)
+
+    def speedup(self, hook: str) -> Optional[float]:
+        """``allreduce``'s step over ``hook``'s; None without allreduce."""
+        if 'allreduce' not in self.predictions:
+            return None
+        return (self.predictions['allreduce'].step_s /
+                self.predictions[hook].step_s)
+
+    def line(self) -> str:
+        """One line: the hook to use, what it saves, its caveat."""
+        rate = f'{self.cluster.link_bps / 1e9:g} Gbit/s'
+        best = self.predictions[self.best]
+        text = f'{rate}: use {best.label}: {best.step_s:.3f} s per step'
+        if 'allreduce' in self.predictions:
+            ref = self.predictions['allreduce'].step_s
+            text += (f' against {ref:.3f} s with allreduce (saves '
+                     f'{ref - best.step_s:.3f} s, '
+                     f'{self.speedup(self.best):.2f}x)')
+        text += f'; {self.hooks[self.best].caveat}.'
+        safe = self.best_lossless
+        if safe is not None and safe != self.best:
+            text += (' Fastest of the exact or nearly exact hooks: '
+                     f'{self.predictions[safe].label} at '
+                     f'{self.predictions[safe].step_s:.3f} s '
+                     f'({self.hooks[safe].caveat}).')
+        return text
+
+
+def recommend(params: Sequence[ParamSpec],
+              cluster: Cluster,
+              backward_s: Optional[float] = None,
+              compute_step_s: Optional[float] = None,
+              constants: LinkConstants = GPU_CLUSTER_CONSTANTS,
+              codec: Optional[CodecCost] = None,
+              hooks: Optional[Mapping[str, HookCost]] = None,
+              workload: Workload = Workload(),
+              total_params: Optional[int] = None,
+              bucket_cap_mb: Optional[float] = None) -> Recommendation:
+    """Predict every hook's step on ``cluster`` and pick the fastest.
+
+    Args:
+        params (Sequence[ParamSpec]): Trainable parameters, model order.
+        cluster (Cluster): Nodes, GPUs per node, link rates.
+        backward_s (float, optional): Measured or given backward time.
+            Defaults to None: :func:`estimate_compute` from ``workload``.
+        compute_step_s (float, optional): The step without communication.
+            Defaults to None: estimated (given a ``backward_s``, the
+            estimate's forward and optimizer are added to it).
+        constants (LinkConstants): Defaults to
+            :data:`GPU_CLUSTER_CONSTANTS`.
+        codec (CodecCost, optional): Defaults to :class:`GpuCodec`'s
+            defaults.
+        hooks (Mapping[str, HookCost], optional): Defaults to
+            :func:`~.hooks.hook_costs`' defaults (every registered hook
+            whose record states a cost).
+        workload (Workload): For the estimates. Defaults to InternViT-6B's
+            recipe.
+        total_params (int, optional): All parameters, for the FLOPs.
+        bucket_cap_mb (float, optional): DDP's. Defaults to DDP's default.
+
+    Returns:
+        Recommendation
+    """
+    codec = GpuCodec() if codec is None else codec
+    hooks = hook_costs() if hooks is None else hooks
+    hbm = codec.hbm_Bps if isinstance(codec, GpuCodec) else GpuCodec().hbm_Bps
+    est_backward, est_step = estimate_compute(params, workload, total_params,
+                                              hbm)
+    if backward_s is None:
+        backward_s = est_backward
+    if compute_step_s is None:
+        compute_step_s = est_step - est_backward + backward_s
+    buckets = ddp_buckets(params, bucket_cap_mb)
+    return Recommendation(
+        cluster=cluster,
+        predictions={
+            name:
+            predict_step(hook, buckets, cluster, backward_s, compute_step_s,
+                         constants, codec)
+            for name, hook in hooks.items()
+        },
+        hooks=dict(hooks))
+
+
+def assumptions(constants: LinkConstants,
+                codec: CodecCost,
+                cluster: Optional[Cluster] = None) -> List[str]:
+    """The model's assumptions, one sentence each, for the output."""
+    out = [
+        f'link constants: alpha {constants.alpha_s * 1e6:.3g} us per '
+        f'message, eta {constants.eta:.3g} of the link rate '
+        f'({constants.source})',
+        'flat rings for all_reduce and all_gather (one node-link crossing '
+        'per node and direction); a flat all_to_all for int8, whose G ranks '
+        'per node all push their off-node shares through the node link (no '
+        'hierarchical all-to-all)',
+        'no propagation delay: the emulated links measured none, so alpha '
+        'holds only the software latency; long-haul links add their own',
+        codec.describe(),
+        'one link, first in first out: each bucket communicates after it is '
+        'ready and the previous bucket is done; its codec on a stream of its '
+        'own, beside the backward',
+        'steady state: DDP\'s rebuilt buckets (reverse parameter order), '
+        'PowerSGD after its warm-up; empty collectives cost nothing',
+        'latency as ring steps (2 (P - 1) alpha an all_reduce); NCCL '
+        'switches to trees (about 2 log2 P steps) for small messages, so '
+        'the many small collectives of PowerSGD may cost less than shown',
+    ]
+    if cluster is not None:
+        out.insert(
+            1, f'{cluster.nodes} nodes x {cluster.gpus_per_node} '
+            f'GPUs, intra-node {cluster.intra_bps / 8e9:g} GB/s '
+            'per GPU per direction')
+    return out

@@ -1,0 +1,330 @@
+"""What ``tools/analysis_tools/comm_cost_model.py`` prints and saves: the
+fit's report and validation table (:func:`fit_report`, :func:`fit_json`)
+and the projection of every hook's step to a cluster
+(:class:`ProjectionSettings`, :func:`project`), as Markdown lines and a
+JSON-ready dict."""
+import dataclasses
+import math
+import os.path as osp
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .buckets import ddp_buckets
+from .codecs import CodecCost
+from .collectives import Cluster, LinkConstants
+from .compute import Workload, estimate_compute
+from .fit import FitResult
+from .hooks import hook_costs, uncosted_hooks
+from .measurements import Benchmark
+from .model import config_params
+from .recommend import assumptions, recommend
+
+__all__ = ['fit_report', 'fit_json', 'ProjectionSettings', 'project']
+
+GB = 1e9
+
+
+# -- the fit --------------------------------------------------------------
+def _pct(x: float) -> str:
+    return f'{100 * x:+.1f}%'
+
+
+def _rates(points) -> str:
+    return ', '.join(f'{r:g}' for r in sorted({p.mbit for p in points}))
+
+
+def fit_report(result: FitResult, benchmarks: Sequence[Benchmark]) -> list:
+    """The fit in Markdown lines: the benchmarks, the constants, the
+    fitted points' error and the validation table."""
+    c = result.constants
+    lines = ['## Fit of the cost model', '']
+    for b in benchmarks:
+        lines.append(f'- {b.source}: {b.nodes} nodes x {b.ranks_per_node} '
+                     f'rank(s), {b.grad_bytes / 2**20:.2f} MiB of gradients '
+                     f'in {len(b.bucket_bytes)} buckets, backward '
+                     f'{b.backward_s * 1e3:.1f} ms, step '
+                     f'{b.compute_step_s * 1e3:.1f} ms unshaped')
+        for r in b.rates:
+            if r['mbit'] and r.get('calibrated_mbit'):
+                lines.append(
+                    f'  - {r["mbit"]:g} Mbit/s: plain all_reduce achieved '
+                    f'{r["calibrated_mbit"]:g} Mbit/s '
+                    f'({r["calibrated_mbit"] / r["mbit"]:.2f} of the rate)')
+    lines += [
+        '', f'alpha = {c.alpha_s * 1e6:.1f} us per message, eta = '
+        f'{c.eta:.3f} of the link rate'
+    ]
+    if c.overhead_share:
+        lines.append('overhead per step, as a share of the compute step: ' +
+                     ', '.join(f'{h} {100 * s:.1f}%'
+                               for h, s in c.overhead_share.items()))
+    fitted = [p for p in result.points if p.fitted]
+    check = [p for p in result.points if not p.fitted]
+    rms = math.sqrt(sum(p.rel_error**2 for p in fitted) / len(fitted))
+    worst = result.worst(fitted=True)
+    lines.append(f'fitted on {len(fitted)} points (rates '
+                 f'{_rates(fitted)} Mbit/s): RMS error {100 * rms:.1f}%, '
+                 f'worst {_pct(worst.rel_error)} ({worst.hook} at '
+                 f'{worst.mbit:g} Mbit/s, world size {worst.world_size})')
+    for note in result.skipped:
+        lines.append(f'skipped: {note}')
+    lines += [
+        '', '> - each point is predicted from the benchmark\'s own buckets, '
+        'ready times, collectives and codec time (measured without '
+        'network, added to each bucket\'s communication)',
+        '> - the emulated links have no propagation delay: alpha is the '
+        'software latency of this machine\'s backend, not a long-haul '
+        'link\'s',
+        '> - the fitted overheads belong to the benchmark machine (CPU '
+        'ranks sharing one host) and are not carried to projections'
+    ]
+    lines += ['', '### Validation (points not fitted on)', '']
+    if not check:
+        lines.append('none: every measured point was fitted on (choose '
+                     '--fit-rates to keep some for validation)')
+        return lines
+    lines += [
+        '| world size | hook | Mbit/s | measured s | predicted s | '
+        'error |', '|--:|---|--:|--:|--:|--:|'
+    ]
+    for p in check:
+        lines.append(f'| {p.world_size} | {p.hook} | {p.mbit:g} | '
+                     f'{p.measured_s:.4f} | {p.predicted_s:.4f} | '
+                     f'{_pct(p.rel_error)} |')
+    worst = result.worst()
+    lines += [
+        '', f'worst validation error: {_pct(worst.rel_error)} '
+        f'({worst.hook} at {worst.mbit:g} Mbit/s, world size '
+        f'{worst.world_size})'
+    ]
+    return lines
+
+
+def fit_json(result: FitResult) -> dict:
+    """The fit as JSON: the constants, the codec per byte and every point."""
+    c = result.constants
+    return dict(
+        alpha_s=c.alpha_s,
+        eta=c.eta,
+        overhead_share=dict(c.overhead_share),
+        codec_s_per_byte=dict(result.codec.per_byte),
+        source=c.source,
+        skipped=list(result.skipped),
+        points=[
+            dict(dataclasses.asdict(p), rel_error=p.rel_error)
+            for p in result.points
+        ])
+
+
+# -- the projection -----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ProjectionSettings:
+    """What a projection is of, as ``comm_cost_model.py``'s options state it
+    (None: from the config, else estimated).
+
+    Attributes:
+        config (str): The training config.
+        cfg_options (dict, optional): Keys to override in it.
+        nodes (int): ``M``. gpus_per_node (int): ``G``.
+        gbps (tuple[float]): Node link rates, Gbit/s per direction.
+        intra_gbps (float): Intra-node rate per GPU, Gbit/s.
+        hbm_tbps (float): HBM bandwidth, TB/s (for the optimizer's time).
+        backward_s, compute_step_s (float, optional): Given times.
+        tokens_per_gpu (float, optional): Tokens per GPU and step.
+        tflops (float): Achieved model TFLOP/s per GPU.
+        recompute (str, optional): ``'yes'``/``'no'``: activation
+            checkpointing (None: the config's ``backbone.with_cp``).
+        block_size, powersgd_rank, min_compression_rate: Hook settings
+            (:func:`~.hooks.hook_costs`).
+        bucket_cap_mb (float, optional): DDP's.
+        hooks (tuple[str], optional): Hooks to project (None: all).
+        recommend (bool): Add the recommendation per rate.
+    """
+    config: str
+    cfg_options: Optional[dict] = None
+    nodes: int = 8
+    gpus_per_node: int = 8
+    gbps: Tuple[float, ...] = (100.0, 200.0, 400.0)
+    intra_gbps: float = 3600.0
+    hbm_tbps: float = 3.0
+    backward_s: Optional[float] = None
+    compute_step_s: Optional[float] = None
+    tokens_per_gpu: Optional[float] = None
+    tflops: float = 400.0
+    recompute: Optional[str] = None
+    block_size: int = 256
+    powersgd_rank: int = 1
+    min_compression_rate: float = 2.0
+    bucket_cap_mb: Optional[float] = None
+    hooks: Optional[Tuple[str, ...]] = None
+    recommend: bool = False
+
+
+def _size(nbytes: float) -> str:
+    if nbytes >= GB / 10:
+        return f'{nbytes / GB:.2f} GB'
+    return f'{nbytes / 1e6:.2f} MB'
+
+
+def project(settings: ProjectionSettings, constants: LinkConstants,
+            codec: CodecCost) -> Tuple[List[str], Dict]:
+    """Every hook's predicted step on the cluster, per link rate.
+
+    Returns:
+        tuple[list[str], dict]: Markdown lines (the step table, the details,
+        the recommendation if asked for, the assumptions) and the same as
+        JSON.
+
+    Raises:
+        ValueError: The config's model has no trainable parameter.
+    """
+    params, total, facts = config_params(settings.config, settings.cfg_options)
+    if not params:
+        raise ValueError(f'{settings.config} has no trainable parameter: '
+                         'nothing is communicated')
+    recompute = (
+        settings.recompute == 'yes'
+        if settings.recompute is not None else bool(facts['with_cp']))
+    tokens = settings.tokens_per_gpu or facts.get('tokens')
+    workload = Workload(
+        tokens_per_gpu=tokens or Workload().tokens_per_gpu,
+        achieved_flops=settings.tflops * 1e12,
+        recompute=recompute)
+    cap = (
+        settings.bucket_cap_mb
+        if settings.bucket_cap_mb is not None else facts['bucket_cap_mb'])
+    hooks = hook_costs(settings.block_size, settings.powersgd_rank,
+                       settings.min_compression_rate)
+    if settings.hooks:
+        hooks = {n: h for n, h in hooks.items() if n in settings.hooks}
+    recs = [
+        recommend(
+            params,
+            Cluster(settings.nodes, settings.gpus_per_node, gbps * 1e9,
+                    settings.intra_gbps * 1e9),
+            backward_s=settings.backward_s,
+            compute_step_s=settings.compute_step_s,
+            constants=constants,
+            codec=codec,
+            hooks=hooks,
+            workload=workload,
+            total_params=total,
+            bucket_cap_mb=cap) for gbps in settings.gbps
+    ]
+    buckets = ddp_buckets(params, cap)
+    first = recs[0].predictions[next(iter(hooks))]
+    backward = (
+        settings.backward_s if settings.backward_s is not None else
+        estimate_compute(params, workload, total, settings.hbm_tbps * 1e12)[0])
+    how = ('given' if settings.backward_s is not None else
+           f'estimated: {4 + 2 * recompute} x {total:.3g} parameters x '
+           f'{workload.tokens_per_gpu:g} tokens per GPU / '
+           f'{settings.tflops:g} TFLOP/s' +
+           (', recomputing the forward' if recompute else ''))
+    token_how = ('given' if settings.tokens_per_gpu else facts.get(
+        'tokens_how', 'default (InternViT-6B at 504 px, 2 per GPU)'))
+    dtypes = {}
+    for p in params:
+        dtypes[p.dtype] = dtypes.get(p.dtype, 0) + p.numel
+    lines = [
+        f'## Projected step time per hook: {osp.basename(settings.config)}',
+        '',
+        f'- cluster: {settings.nodes} nodes x {settings.gpus_per_node} GPUs '
+        f'({settings.nodes * settings.gpus_per_node} ranks)',
+        f'- model: {sum(dtypes.values()):,} trainable parameters (' +
+        ', '.join(f'{n:,} {d}' for d, n in dtypes.items()) +
+        f'), {_size(sum(p.nbytes for p in params))} of gradients per step '
+        f'in {len(buckets)} DDP buckets (bucket_cap_mb '
+        f'{cap if cap is not None else "25, first 1"})',
+        f'- compute: backward {backward:.3f} s ({how}); step without '
+        f'communication {first.compute_step_s:.3f} s' +
+        ('' if settings.compute_step_s is not None else
+         ' (forward 2 N T, AdamW 7 passes over HBM)'),
+        f'- tokens per GPU: {workload.tokens_per_gpu:g} ({token_how})',
+    ]
+    unknown = uncosted_hooks()
+    if unknown:
+        lines.append(f'- not projected (their records state no cost): '
+                     f'{", ".join(unknown)}')
+    lines.append('')
+    lines += _step_table(settings, recs)
+    lines += [''] + _detail_table(settings, recs)
+    if settings.recommend:
+        lines += ['', '### Recommendation', '']
+        lines += [f'- {r.line()}' for r in recs]
+    lines += ['', '### Assumptions', '']
+    lines += [
+        f'> - {a}' for a in assumptions(constants, codec, recs[0].cluster)
+    ]
+    lines += [
+        '> - compute from FLOPs (4 N T for the backward, 6 with activation '
+        'checkpointing) counts the ViT\'s matmuls only, not the heads\' '
+        'convolutions, unless --backward-s/--compute-step-s are given',
+        '> - accuracy is not modelled: int8 and PowerSGD are lossy and keep '
+        'error-feedback state; fp16/bf16 are nearly lossless'
+    ]
+    out = dict(
+        config=settings.config,
+        nodes=settings.nodes,
+        gpus_per_node=settings.gpus_per_node,
+        constants=dict(
+            alpha_s=constants.alpha_s,
+            eta=constants.eta,
+            source=constants.source),
+        codec=codec.describe(),
+        backward_s=backward,
+        rates={
+            f'{g:g}':
+            dict(
+                best=r.best,
+                best_lossless=r.best_lossless,
+                hooks={
+                    n: dataclasses.asdict(p)
+                    for n, p in r.predictions.items()
+                })
+            for g, r in zip(settings.gbps, recs)
+        })
+    return lines, out
+
+
+def _step_table(settings, recs) -> list:
+    first = recs[0].predictions
+    lines = [
+        '| hook | sent per step | per node link | ' +
+        ' | '.join(f'{g:g} Gbit/s' for g in settings.gbps) + ' |',
+        '|---|--:|--:|' + '--:|' * len(recs)
+    ]
+    for name, p in first.items():
+        cells = []
+        for r in recs:
+            q, speedup = r.predictions[name], r.speedup(name)
+            cells.append(f'{q.step_s:.3f} s' +
+                         (f' ({speedup:.2f}x)' if speedup is not None else ''))
+        lines.append(f'| {p.label} | {_size(p.sent_bytes)} | '
+                     f'{_size(p.node_bytes)} | ' + ' | '.join(cells) + ' |')
+    lines += [
+        '', 'step = compute + exposed communication; (x) speed-up '
+        'against allreduce; sent: the tensors one rank reduces; per '
+        'node link: bytes through it each way'
+    ]
+    return lines
+
+
+def _detail_table(settings, recs) -> list:
+    lines = [
+        '| hook | Gbit/s | step s | exposed s | wire s | '
+        'overlap bound s | codec s | collectives |',
+        '|---|--:|--:|--:|--:|--:|--:|--:|'
+    ]
+    for name in recs[0].predictions:
+        for g, r in zip(settings.gbps, recs):
+            p = r.predictions[name]
+            lines.append(f'| {p.label} | {g:g} | {p.step_s:.3f} | '
+                         f'{p.exposed_s:.3f} | {p.wire_s:.3f} | '
+                         f'{p.overlap_bound_s:.3f} | {p.codec_s:.4f} | '
+                         f'{p.collectives} |')
+    lines += [
+        '', 'wire: bytes over the link rate, no latency; overlap '
+        'bound: exposed time with no latency, eta 1 and no codec (the '
+        'physical bound for this bucket order)'
+    ]
+    return lines

@@ -1,0 +1,311 @@
+"""What each built-in hook sends and computes, as the cost model reads it.
+
+A :class:`CostRecord` is the part of a hook's
+:class:`~.records.HookRecord` that :mod:`mmcv_custom.analysis.cost` needs
+to project its step time without running it: the collectives it issues for
+a bucket layout on a world size, the local work (the codec) per bucket,
+and what to know before choosing it. A user's hook gets the same
+projection by giving its record a ``cost``.
+
+The functions take buckets as the cost model lays them out
+(:class:`mmcv_custom.analysis.cost.Bucket`), by duck typing: a bucket has
+``params`` (each with ``numel``, ``itemsize``, ``dtype`` and ``matrix``,
+the ``(n, m)`` PowerSGD sees), ``indices`` (the parameters' positions in
+the model), ``numel`` and ``itemsize``. Settings are the hook's state keys
+of a ``comm_hook`` config (``block_size``, ``matrix_approximation_rank``,
+...), over :attr:`CostRecord.settings`' defaults. Standard library only,
+like the counting rule beside it (:mod:`.traffic`).
+"""
+import dataclasses
+import math
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
+
+from .util import align_up, ceil_div
+
+__all__ = [
+    'CostRecord', 'powersgd_compresses', 'square_side', 'ALLREDUCE_COST',
+    'HALF_PRECISION_COSTS', 'INT8_COST', 'POWERSGD_COST',
+    'BATCHED_POWERSGD_COST'
+]
+
+#: ``sends(buckets, world_size, settings)``: per bucket, in DDP's order, the
+#: ``(kind, nbytes)`` of the collectives one step issues, in their order.
+Sends = Callable[[Sequence[Any], int, Mapping], List[List[Tuple[str, float]]]]
+#: ``work(bucket, world_size, settings) -> float``.
+BucketWork = Callable[[Any, int, Mapping], float]
+
+
+def _no_flops(bucket, world_size: int, settings: Mapping) -> float:
+    return 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CostRecord:
+    """What the cost model knows about one hook.
+
+    Attributes:
+        sends (Callable): ``sends(buckets, world_size, settings)``: per
+            bucket, the ``(kind, nbytes)`` of its collectives (kinds and
+            byte conventions as :mod:`.traffic` states them); empty ones
+            may be left in (the cost model leaves them out).
+        codec_bytes (Callable): ``codec_bytes(bucket, world_size,
+            settings)``: bytes of memory traffic of the hook's local work
+            on ``bucket`` (divisions, casts, quantization, error feedback).
+        codec_flops (Callable): The same in matmul FLOPs. Defaults to none.
+        settings (Mapping): The state keys that change the bytes, with the
+            defaults the hook's state takes. Defaults to none.
+        detail (str): Appended to the hook's name in tables, formatted
+            with the settings (e.g. ``'(rank {matrix_approximation_rank})'``).
+            Defaults to none.
+        lossless (bool): Whether the averaged gradients are the exact (or
+            half-precision) average. Defaults to True.
+        overflows (bool): Whether its format overflows where fp32 does not
+            (fp16): where two hooks' steps tie, the other is preferred.
+            Defaults to False.
+        caveat (str): What to know before choosing it.
+    """
+    sends: Sends
+    codec_bytes: BucketWork
+    codec_flops: BucketWork = _no_flops
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    detail: str = ''
+    lossless: bool = True
+    overflows: bool = False
+    caveat: str = ''
+
+    def settings_with(self, given: Mapping[str, Any]) -> Dict[str, Any]:
+        """:attr:`settings` overridden by the keys of ``given`` it names
+        (a config's other state keys do not change the bytes)."""
+        return {k: given.get(k, v) for k, v in self.settings.items()}
+
+
+def _each_bucket(per_bucket: Callable) -> Sends:
+    """A :data:`Sends` of a hook whose buckets do not depend on each
+    other: ``per_bucket(bucket, world_size, settings)`` for each."""
+
+    def sends(buckets, world_size, settings):
+        return [per_bucket(b, world_size, settings) for b in buckets]
+
+    return sends
+
+
+# -- allreduce, fp16_compress, bf16_compress --------------------------------
+def _whole_bucket(bucket, world_size, settings):
+    return [('all_reduce', bucket.numel * bucket.itemsize)]
+
+
+def _half_bucket(bucket, world_size, settings):
+    return [('all_reduce', 2 * bucket.numel)]
+
+
+#: ``allreduce``: each bucket in its own dtype (fp32: 4 bytes an element, a
+#: bf16 model's 2); the local work is the division by the world size (read
+#: and write).
+ALLREDUCE_COST = CostRecord(
+    sends=_each_bucket(_whole_bucket),
+    codec_bytes=lambda b, world_size, settings: 2.0 * b.numel * b.itemsize,
+    caveat='exact: the reference')
+
+
+def _half_codec_bytes(bucket, world_size, settings):
+    # fp32 buckets are divided and cast (read 4, write 2) and written back
+    # (read 2, write 4): 12 bytes an element; a bucket already in 2 bytes
+    # is only divided in place (4).
+    return (12.0 if bucket.itemsize > 2 else 4.0) * bucket.numel
+
+
+#: ``fp16_compress`` / ``bf16_compress``: 2 bytes an element.
+HALF_PRECISION_COSTS = {
+    fmt:
+    CostRecord(
+        sends=_each_bucket(_half_bucket),
+        codec_bytes=_half_codec_bytes,
+        overflows=fmt == 'fp16',
+        caveat=('nearly lossless: 11 significant bits, overflows above 65504'
+                if fmt == 'fp16' else
+                "nearly lossless: 8 significant bits, fp32's range"))
+    for fmt in ('fp16', 'bf16')
+}
+
+
+# -- int8_compress ------------------------------------------------------------
+def _int8_firsts(buckets, block: int) -> Dict[int, int]:
+    """Parameter index -> number of its first block."""
+    params = {i: p for b in buckets for i, p in zip(b.indices, b.params)}
+    groups: Dict[str, List[int]] = {}
+    for i in sorted(params):
+        groups.setdefault(params[i].dtype, []).append(i)
+    # DDP's first layout: one bucket per dtype, reversed by first
+    # parameter, so the later group is met first.
+    order = sorted(groups.values(), key=lambda g: -g[0])
+    firsts, next_block = {}, 0
+    for group in order:
+        for i in group:
+            firsts[i] = next_block
+            next_block += ceil_div(params[i].numel, block)
+    return firsts
+
+
+def _int8_segments(bucket, firsts: Dict[int, int], world_size: int,
+                   block: int) -> List[int]:
+    """Bytes of each owner's segment of ``bucket``, aligned to 4."""
+    counts = [0] * world_size
+    numels = [0] * world_size
+    for index, param in zip(bucket.indices, bucket.params):
+        n = param.numel
+        blocks = ceil_div(n, block)
+        if not blocks:
+            continue
+        first = firsts[index]
+        q, rem = divmod(blocks, world_size)
+        for k in range(min(blocks, world_size)):
+            owner = (first + k) % world_size
+            counts[owner] += q + (1 if k < rem else 0)
+            numels[owner] += block * (q + (1 if k < rem else 0))
+        numels[(first + blocks - 1) % world_size] -= blocks * block - n
+    return [align_up(4 * c + n, 4) for c, n in zip(counts, numels)]
+
+
+def _int8_sends(buckets, world_size, settings):
+    """Exactly as :mod:`mmcv_custom.int8_hooks` lays its bytes out: every
+    parameter is cut into blocks of ``block_size`` (its last may be
+    shorter); block ``b`` of a parameter belongs to rank ``(first + b) %
+    P``, ``first`` numbering the parameter's blocks in the order the hook
+    first met them (DDP's first-step layout: one bucket per dtype, the one
+    holding the later parameters first, parameters in model order). Each
+    owner's segment is its blocks' fp32 scales then their int8 payload,
+    padded to 4 bytes; the all-to-all sends every segment (about ``numel
+    * (1 + 4 / block_size)``), the all-gather each rank's own, padded to
+    the largest."""
+    if any(len(b.indices) != len(b.params) for b in buckets):
+        raise ValueError('int8_compress\'s cost needs buckets with parameter '
+                         'indices (from ddp_buckets)')
+    block = settings['block_size']
+    firsts = _int8_firsts(buckets, block)
+    out = []
+    for bucket in buckets:
+        segments = _int8_segments(bucket, firsts, world_size, block)
+        out.append([('all_to_all', sum(segments)),
+                    ('all_gather', max(segments))])
+    return out
+
+
+def _int8_codec_bytes(bucket, world_size, settings):
+    # Per element: error feedback (read and write the fp32 residual, 8),
+    # reading the gradient and writing int8 (itemsize + 1), summing the
+    # received shares and quantizing the sum (about 2) and writing the
+    # result back (1 + itemsize): 2 itemsize + 12, or 2 itemsize + 4
+    # without error feedback.
+    per = 2 * bucket.itemsize + (12 if settings['error_feedback'] else 4)
+    return float(per * bucket.numel)
+
+
+#: ``int8_compress``: blockwise int8, an all-to-all then an all-gather.
+INT8_COST = CostRecord(
+    sends=_int8_sends,
+    codec_bytes=_int8_codec_bytes,
+    settings=dict(block_size=256, error_feedback=True),
+    detail='(block {block_size})',
+    lossless=False,
+    caveat=('lossy: int8 with a scale per block, moves a gradient by about '
+            '1%; keeps error-feedback state, one fp32 copy of the gradients '
+            'per rank'))
+
+
+# -- powerSGD, batched_powerSGD -----------------------------------------------
+def powersgd_compresses(n: int,
+                        m: int,
+                        rank: int,
+                        min_compression_rate: float = 2.0) -> bool:
+    """PyTorch's rule: an ``n x m`` gradient is compressed at rank ``r``
+    (``min(n, m, rank)``) iff ``(n + m) r * min_compression_rate < n m``
+    (``_should_compress``, the rule :func:`mmcv_custom.powersgd.compression`
+    applies to tensors). 1-d tensors (``m == 1``) never pass."""
+    r = min(n, m, rank)
+    return (n + m) * r * min_compression_rate < n * m
+
+
+def _powersgd_split(bucket, settings) -> Tuple[int, int, int, float]:
+    """Numbers uncompressed, in P, in Q; FLOPs."""
+    rank = settings['matrix_approximation_rank']
+    plain = ps = qs = 0
+    flops = 0.0
+    for param in bucket.params:
+        n, m = param.matrix
+        r = min(n, m, rank)
+        if powersgd_compresses(n, m, rank, settings['min_compression_rate']):
+            ps += n * r
+            qs += m * r
+            flops += 6.0 * n * m * r
+        else:
+            plain += n * m
+    return plain, ps, qs, flops
+
+
+def _powersgd_bucket(bucket, world_size, settings):
+    # The uncompressed tensors all-reduced as they are, then the P factors,
+    # then the Q factors, one after the other, in the bucket's dtype.
+    plain, ps, qs, _ = _powersgd_split(bucket, settings)
+    e = bucket.itemsize
+    return [('all_reduce', plain * e), ('all_reduce', ps * e),
+            ('all_reduce', qs * e)]
+
+
+def _powersgd_codec_bytes(bucket, world_size, settings):
+    # A compressed n x m gradient: error feedback (add, 3 passes of
+    # itemsize), a copy kept for the next residual (2), the two products
+    # P = M Q and Q = M^T P (reading M twice, 2), the decompression P Q^T
+    # (1) and the residual (3): 11 passes; an uncompressed one is packed,
+    # divided and unpacked (6). Orthogonalizing the skinny P is left out.
+    plain = _powersgd_split(bucket, settings)[0]
+    compressed = bucket.numel - plain
+    return float(bucket.itemsize * (11 * compressed + 6 * plain))
+
+
+#: ``powerSGD`` (PyTorch's, after its warm-up); ``6 n m r`` FLOPs a
+#: compressed gradient.
+POWERSGD_COST = CostRecord(
+    sends=_each_bucket(_powersgd_bucket),
+    codec_bytes=_powersgd_codec_bytes,
+    codec_flops=lambda b, world_size, s: _powersgd_split(b, s)[3],
+    settings=dict(matrix_approximation_rank=1, min_compression_rate=2.0),
+    detail='(rank {matrix_approximation_rank})',
+    lossless=False,
+    caveat=('lossy: low-rank approximation of every weight gradient; keeps '
+            'error-feedback state, a copy of the gradients, and warm-start '
+            'factors; needs a warm-up of plain all-reduces, '
+            'start_powerSGD_iter'))
+
+
+def square_side(numel: int) -> int:
+    """``ceil(sqrt(numel))``, exactly: the side of the square matrix
+    ``batched_powerSGD`` makes of a bucket."""
+    return math.isqrt(numel - 1) + 1 if numel > 0 else 0
+
+
+def _batched_bucket(bucket, world_size, settings):
+    # Two sequential all-reduces of side * r numbers each.
+    side = square_side(bucket.numel)
+    rank = min(side, settings['matrix_approximation_rank'])
+    return [('all_reduce', side * rank * bucket.itemsize)] * 2
+
+
+def _batched_flops(bucket, world_size, settings):
+    side = square_side(bucket.numel)
+    return 6.0 * side * side * min(side, settings['matrix_approximation_rank'])
+
+
+#: ``batched_powerSGD``: each bucket as one square matrix. Local work:
+#: error feedback (3 passes), a copy (2), the zero-padded square (2), two
+#: products (2), the decompression and copy back (3) and the residual (3):
+#: 15 passes and ``6 side^2 r`` FLOPs.
+BATCHED_POWERSGD_COST = CostRecord(
+    sends=_each_bucket(_batched_bucket),
+    codec_bytes=lambda b, world_size, s: 15.0 * b.itemsize * b.numel,
+    codec_flops=_batched_flops,
+    settings=dict(matrix_approximation_rank=1),
+    detail='(rank {matrix_approximation_rank})',
+    lossless=False,
+    caveat=('lossy, coarser than powerSGD: one low-rank matrix per bucket, '
+            'mixing parameters; keeps error-feedback state and warm-start '
+            'factors'))
