@@ -17,7 +17,7 @@ record names one, beside PyTorch's cast to the same half-precision format.
 import os
 import statistics
 import time
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from mmcv_custom.comm.records import HookRecord
 from mmcv_custom.comm.registry import COMM_HOOK_STATES
 from mmcv_custom.launcher import shutdown_distributed, write_results
 from .progress import Progress
-from .registered import registered_hooks
+from .registered import RegisteredHook, registered_hooks
 
 __all__ = [
     'MB', 'INT8_BLOCK', 'Pair', 'compared_hooks', 'pairs', 'codec_columns',
@@ -80,12 +80,14 @@ class Pair(NamedTuple):
             ``default_hooks`` has none.
         record (HookRecord): Its record.
         label (str): Its record's label (else its registry name).
+        hook (RegisteredHook): Our hook as registered.
     """
     family: str
     ours: str
     theirs: Optional[str]
     record: HookRecord
     label: str
+    hook: RegisteredHook
 
 
 def pairs() -> List[Pair]:
@@ -95,18 +97,15 @@ def pairs() -> List[Pair]:
     for hook in registered_hooks():
         if hook.record.powersgd_state:
             continue
-        theirs = f'torch.{hook.name}_hook'
+        twin = f'{hook.name}_hook'
+        theirs = f'torch.{twin}' if hasattr(default_hooks, twin) else None
         out.append(
-            Pair(
-                hook.record.wire or 'allreduce',
-                f'ours.{hook.name}_hook', theirs if hasattr(
-                    default_hooks, f'{hook.name}_hook') else None, hook.record,
-                hook.label))
+            Pair(hook.record.wire or 'allreduce', f'ours.{hook.name}_hook',
+                 theirs, hook.record, hook.label, hook))
     return out
 
 
-def compared_hooks(
-) -> Dict[str, Tuple[Optional[Callable], Optional[Callable]]]:
+def compared_hooks() -> Dict[str, Tuple[Optional[Callable], Any]]:
     """Name -> (hook or None for DDP's built-in all-reduce, state factory
     or None for the process group). Ours are registered as the runner hook
     builds them from a config of their type alone: with a state, which
@@ -114,13 +113,11 @@ def compared_hooks(
     steps. What each of ours sends is read from its record (see
     :func:`pairs`)."""
     out = {'noop': (_noop_hook, None), 'ddp_builtin': (None, None)}
-    by_name = {h.name: h for h in registered_hooks()}
     for pair in pairs():
-        name = pair.ours[len('ours.'):-len('_hook')]
         if pair.theirs:
-            out[pair.theirs] = (_called_through(
-                getattr(default_hooks, f'{name}_hook')), None)
-        out[pair.ours] = (by_name[name].hook, _state_of(name))
+            theirs = getattr(default_hooks, pair.theirs[len('torch.'):])
+            out[pair.theirs] = (_called_through(theirs), None)
+        out[pair.ours] = (pair.hook.hook, _state_of(pair.hook.name))
     return out
 
 

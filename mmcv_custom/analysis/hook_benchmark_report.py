@@ -84,7 +84,7 @@ def report(results, world_size, backend, repeat=None):
         hooks = entry['hooks']
         fp32_bytes = entry['numel'] * 4
         bucket = f'{entry["size_mb"]:g} MB'
-        for family, ours, theirs, record, _ in compared:
+        for family, ours, theirs, record, _, _ in compared:
             data = hooks[ours]
             theirs_s = hooks[theirs]['hook_s'] if theirs else math.nan
             r = (

@@ -51,6 +51,9 @@ def rate_label(mbit):
     return 'unshaped' if mbit is None else f'{mbit:g} Mbit/s'
 
 
+#: Marks the node workers' progress lines, the only ones shown on the
+#: console (every node's whole output goes to its log file): one per
+#: step of :func:`progress_steps`, in its order.
 PROGRESS = '[step-time] '
 
 #: Steps before any is timed: PowerSGD compresses from its second step on,
