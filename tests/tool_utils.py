@@ -1,12 +1,14 @@
 """Tools (scripts under tools/, not a package) loaded into the test process,
-their argument checks read back, and the network namespaces they leave."""
+their argument checks read back, the network namespaces they leave, and a
+plugin-like hook registered with a record for the length of a test."""
+import contextlib
 import importlib.util
 import subprocess
 import sys
 
 import pytest
 
-__all__ = ['load_script', 'usage_errors', 'netns_names']
+__all__ = ['load_script', 'usage_errors', 'netns_names', 'plugin_hook']
 
 
 def load_script(path: str, name: str):
@@ -41,3 +43,40 @@ def netns_names() -> set:
                             text=True,
                             check=True).stdout
     return {ln.split()[0] for ln in listed.splitlines() if ln.strip()}
+
+
+@contextlib.contextmanager
+def plugin_hook():
+    """A hook registered as ``'plugin_int4'`` with a record (label
+    ``'int4 (plugin)'``, a colour, a codec, a variant), as a plugin would
+    register one; removed again on leaving. Yields the hook's name
+    and its record."""
+    import torch
+
+    from mmcv_custom.comm.records import HOOK_RECORDS, HookRecord, HookVariant
+    from mmcv_custom.comm.registry import COMM_HOOKS
+
+    def plugin_int4_hook(process_group, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    def codec(bucket, world_size, rank):
+        return lambda: bucket.div_(world_size)
+
+    record = HookRecord(
+        wire='int4',
+        quantizes=True,
+        label='int4 (plugin)',
+        colour='tab:olive',
+        codec=codec,
+        variants=(HookVariant('int4_plugin', {}, 'int4 (plugin)',
+                              'tab:olive'), ))
+    name = 'plugin_int4'
+    COMM_HOOKS.register_module(name=name, module=plugin_int4_hook)
+    HOOK_RECORDS[plugin_int4_hook] = record
+    try:
+        yield name, record
+    finally:
+        del COMM_HOOKS.module_dict[name]
+        del HOOK_RECORDS[plugin_int4_hook]

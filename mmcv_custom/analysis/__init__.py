@@ -10,6 +10,15 @@ The cost model that projects each hook's step time to a GPU cluster is the
 subpackage :mod:`mmcv_custom.analysis.cost` (imported on its own: it reads
 the hooks' records).
 
+What the benchmarks and the convergence comparison measure and report
+lives in modules imported on their own, not with this package (they
+import the communication core): :mod:`.step_time` and
+:mod:`.step_time_report` (``benchmark_step_time.py``),
+:mod:`.hook_benchmark` and :mod:`.hook_benchmark_report`
+(``benchmark_comm_hooks.py``), :mod:`.convergence` and
+:mod:`.convergence_runs` (``compare_comm_convergence.py``), all reading
+their hooks through :mod:`.registered`.
+
 ``tools/analysis_tools/`` holds the command lines over them.
 """
 from .cli import (cfg_options, check_output, check_work_dir, read_config,

@@ -13,16 +13,16 @@ is in :mod:`.cost_records`; which collectives count as sent, in
 :mod:`.traffic`. Imports only torch (and the hooks' own modules).
 """
 import dataclasses
-from typing import Any, Callable, Mapping, Optional, Tuple, Type
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
 
-from .. import int8_codec
+from .. import ddp_hooks, int8_codec
 from ..batched_powersgd import batched_powersgd_hook
 from ..ddp_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from ..hook_state import HookStateKeeper
-from ..int8_hooks import Int8StateKeeper, int8_compress_hook
+from ..int8_hooks import Int8BucketPlan, Int8StateKeeper, int8_compress_hook
 from ..powersgd import compression, powersgd_hook
 from ..powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
 from .cost_records import (ALLREDUCE_COST, BATCHED_POWERSGD_COST,
@@ -30,11 +30,16 @@ from .cost_records import (ALLREDUCE_COST, BATCHED_POWERSGD_COST,
                            CostRecord)
 from .traffic import sent_bytes
 
-__all__ = ['HookRecord', 'HOOK_RECORDS', 'record_of', 'powersgd_numel']
+__all__ = [
+    'HookRecord', 'HOOK_RECORDS', 'record_of', 'powersgd_numel', 'HookVariant'
+]
 
 #: ``count_wire(hook, state, bucket) -> (future, bytes sent)``.
 WireCounter = Callable[[Callable, Any, dist.GradBucket],
                        Tuple[torch.futures.Future, int]]
+
+#: ``codec(bucket, world_size, rank) -> run``, see :attr:`HookRecord.codec`.
+Codec = Callable[[torch.Tensor, int, int], Callable[[], Any]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +87,23 @@ class HookRecord:
             from: its collectives per bucket on a world size, its codec's
             memory traffic and FLOPs, its caveat. None: it is left out of
             projections.
+        label (str, optional): Its short name in the analysis tools' tables
+            and legends; None: its registry name.
+        colour (str, optional): Its colour in their plots (a matplotlib
+            colour); None: the tool picks one.
+        codec (Callable, optional): ``codec(bucket, world_size, rank) ->
+            run``: ``run()`` compresses the fp32 ``bucket`` (one parameter)
+            and decompresses it back in place, as the hook does to each
+            element it sends (with the buffers its state keeps), so that
+            the benchmarks can time its local work alone; None: it has
+            none (it sends the bucket as it is, or low-rank factors).
+        benchmark_options (Mapping): State keys the benchmarks and the
+            convergence comparison run it with, where its defaults would
+            not show it at work in a short run.
+        variants (tuple[HookVariant]): The settings the convergence
+            comparison trains it under, each a variant of its own; empty:
+            one, named as registered, with :attr:`label` and
+            :attr:`colour`.
     """
     wire: Optional[str] = None
     quantizes: bool = False
@@ -95,6 +117,12 @@ class HookRecord:
     model_bytes: Optional[Callable[[Any, dict, bool, int], int]] = None
     sharded: Optional[str] = None
     cost: Optional[CostRecord] = None
+    label: Optional[str] = None
+    colour: Optional[str] = None
+    codec: Optional[Codec] = None
+    benchmark_options: Mapping[str, Any] = \
+        dataclasses.field(default_factory=dict)
+    variants: Tuple['HookVariant', ...] = ()
 
     @property
     def half_precision(self) -> Optional[str]:
@@ -108,6 +136,16 @@ class HookRecord:
 
 
 _HALF_DTYPES = {'fp16': torch.float16, 'bf16': torch.bfloat16}
+
+
+class HookVariant(NamedTuple):
+    """One setting of a hook that the convergence comparison trains
+    (:attr:`HookRecord.variants`): its name there, the state keys it sets,
+    its label and its plot colour."""
+    name: str
+    options: Mapping[str, Any]
+    label: str
+    colour: Optional[str] = None
 
 
 def _sends_bucket(element_bytes: Optional[int] = None) -> WireCounter:
@@ -206,6 +244,50 @@ _POWERSGD_DEFAULTS = {
     for wrapper, epsilon in ((None, 1e-8), ('bf16', 1e-8), ('fp16', 1e-6))
 }
 
+
+def _half_codec(dtype: torch.dtype) -> Callable:
+    """The fp16 or bf16 hook's codec: the bucket divided by the world size
+    and cast into the send buffer its state keeps, then cast back in
+    place."""
+
+    def codec(bucket: torch.Tensor, world_size: int, rank: int) -> Callable:
+        half = torch.empty(bucket.numel(), dtype=dtype, device=bucket.device)
+
+        def run():
+            sent = ddp_hooks._compress(bucket, world_size, dtype, out=half)
+            ddp_hooks._decompress(sent, bucket)
+
+        return run
+
+    return codec
+
+
+def _int8_codec(bucket: torch.Tensor,
+                world_size: int,
+                rank: int,
+                block_size: int = 256) -> Callable:
+    """The int8 hook's codec with its state's defaults (blocks of 256,
+    error feedback): quantize the bucket (plus the residual) into the
+    owners' segments, then dequantize in place. The owner's sum and
+    re-quantization of its share are left out."""
+    plan = Int8BucketPlan([(0, bucket.numel(), 0)], world_size, rank,
+                          block_size)
+    packed = torch.empty(
+        plan.send_bytes, dtype=torch.uint8, device=bucket.device)
+    residual = torch.zeros_like(bucket)
+
+    def run():
+        int8_codec.quantize_blocks(bucket, plan.send, packed, 1.0 / world_size,
+                                   residual)
+        int8_codec.dequantize_blocks(packed, plan.send, bucket)
+
+    return run
+
+
+# PowerSGD as the benchmarks run it: compressing from the second step on
+# (PyTorch's default waits 1000), at a rank that shows its products.
+_POWERSGD_BENCHMARK = dict(matrix_approximation_rank=4, start_powerSGD_iter=2)
+
 #: Hook function -> its record, for the built-in hooks.
 HOOK_RECORDS = {
     allreduce_hook:
@@ -213,21 +295,29 @@ HOOK_RECORDS = {
         count_wire=_sends_bucket(),
         model_bytes=_whole_bytes,
         sharded='reduce_scatter',
-        cost=ALLREDUCE_COST),
+        cost=ALLREDUCE_COST,
+        label='fp32 all-reduce',
+        colour='black'),
     fp16_compress_hook:
     HookRecord(
         wire='fp16',
         count_wire=_sends_bucket(2),
         model_bytes=_whole_bytes,
         sharded='reduce_scatter',
-        cost=HALF_PRECISION_COSTS['fp16']),
+        cost=HALF_PRECISION_COSTS['fp16'],
+        label='fp16',
+        colour='tab:green',
+        codec=_half_codec(torch.float16)),
     bf16_compress_hook:
     HookRecord(
         wire='bf16',
         count_wire=_sends_bucket(2),
         model_bytes=_whole_bytes,
         sharded='reduce_scatter',
-        cost=HALF_PRECISION_COSTS['bf16']),
+        cost=HALF_PRECISION_COSTS['bf16'],
+        label='bf16',
+        colour='tab:purple',
+        codec=_half_codec(torch.bfloat16)),
     # Both PowerSGD hooks and int8 wait between their collectives (PyTorch's
     # own PowerSGD hook would start collectives from future callbacks,
     # unsafe on gloo with several buckets in flight: pytorch/pytorch#48478);
@@ -240,7 +330,10 @@ HOOK_RECORDS = {
         defaults=_POWERSGD_DEFAULTS,
         count_wire=_powersgd_wire,
         model_bytes=_powersgd_bytes,
-        cost=POWERSGD_COST),
+        cost=POWERSGD_COST,
+        label='PowerSGD',
+        colour='tab:orange',
+        benchmark_options=_POWERSGD_BENCHMARK),
     batched_powersgd_hook:
     HookRecord(
         worker_waits=False,
@@ -248,7 +341,10 @@ HOOK_RECORDS = {
         state_keeper=BatchedPowerSGDRelayout,
         defaults=_POWERSGD_DEFAULTS,
         count_wire=_powersgd_wire,
-        cost=BATCHED_POWERSGD_COST),
+        cost=BATCHED_POWERSGD_COST,
+        label='batched PowerSGD',
+        colour='tab:brown',
+        benchmark_options=_POWERSGD_BENCHMARK),
     int8_compress_hook:
     HookRecord(
         wire='int8',
@@ -258,7 +354,14 @@ HOOK_RECORDS = {
         notes=_slow_int8_blocks,
         count_wire=_int8_wire,
         sharded='int8',
-        cost=INT8_COST),
+        cost=INT8_COST,
+        label='int8',
+        colour='tab:blue',
+        codec=_int8_codec,
+        variants=(HookVariant('int8_ef', dict(error_feedback=True),
+                              'int8 + error feedback', 'tab:blue'),
+                  HookVariant('int8_noef', dict(error_feedback=False),
+                              'int8, no error feedback', 'tab:red'))),
 }
 
 _UNKNOWN = HookRecord()

@@ -1,6 +1,6 @@
 """tools/analysis_tools/benchmark_comm_hooks.py end to end, in a small
-configuration, and its argument checks (usage errors before any rank
-starts)."""
+configuration, its hooks (read from the registry and the records), its
+report, and its argument checks (usage errors before any rank starts)."""
 import json
 import os
 import os.path as osp
@@ -11,7 +11,9 @@ import sys
 import pytest
 import torch
 
-from tests.tool_utils import load_script, usage_errors
+from mmcv_custom.analysis import hook_benchmark
+from mmcv_custom.analysis.hook_benchmark_report import report
+from tests.tool_utils import load_script, plugin_hook, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'benchmark_comm_hooks.py')
@@ -27,11 +29,18 @@ STEP_ROW = (r'\| (?P<size>[\d.]+) MB \| `(?P<hook>\w+)` \| ' + _MS +
             r' \| (?P<theirs>' + _MS + r'|—) \| (?P<ratio>\d+\.\d\d|—) \| '
             r'(?P<wire>[\d.]+) \| \d\.\de-\d\d \|')
 CODEC_ROW = r'\| (?P<size>[\d.]+) MB \| ' + _MS + r'( \| \d+\.\d\dx){5} \|'
+# The same, for the codecs the records name now.
+CODECS = hook_benchmark.codec_columns()
+TOOL_CODEC_HEADER = ('| bucket | fp32 copy | ' +
+                     ' | '.join(header for _, header, _ in CODECS) + ' |')
+TOOL_CODEC_ROW = (r'\| (?P<size>[\d.]+) MB \| ' + _MS +
+                  r'( \| \d+\.\d\dx){%d} \|' % len(CODECS))
 # A progress line: [done/total] what: seconds, ETA (or, last, done in).
 PROGRESS = (r'\[(?P<done>\d+)/(?P<total>\d+)\] (?P<note>.+): \d+\.\d s, '
             r'(?P<end>ETA (\d+:\d\d:\d\d|-:--:--)|done in \d+:\d\d:\d\d)')
-HOOK_ROWS = ('allreduce_hook', 'fp16_compress_hook', 'bf16_compress_hook',
-             'int8_compress_hook')
+# Every registered hook not on PowerSGD's state, as the tool reads them.
+HOOK_ROWS = tuple(p.ours[len('ours.'):] for p in hook_benchmark.pairs())
+HOOKS = list(hook_benchmark.compared_hooks())
 
 
 def _table(lines, header):
@@ -75,17 +84,19 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
         if re.match(r'\[\d+/\d+\] ', line)
     ]
     assert all(progress), out.stderr[-3000:]
-    assert [int(m['done']) for m in progress] == list(range(1, 25))
-    assert {m['total'] for m in progress} == {'24'}
+    # Per size: each hook's warm-up, 2 rounds, the codecs.
+    total = 2 * (len(HOOKS) + 2 + 1)
+    assert [int(m['done']) for m in progress] == list(range(1, total + 1))
+    assert {m['total'] for m in progress} == {str(total)}
     assert progress[0]['note'] == '0.25 MB, noop: warm-up and bytes'
-    assert progress[9]['note'] == '0.25 MB, round 1/2'
+    assert progress[len(HOOKS)]['note'] == '0.25 MB, round 1/2'
     assert progress[-1]['note'] == '1 MB, codecs'
     # An ETA from the second step on (the first carries one-off costs).
     assert progress[0]['end'] == 'ETA -:--:--'
     assert all(
         re.fullmatch(r'ETA \d+:\d\d:\d\d', m['end']) for m in progress[1:-1])
     assert progress[-1]['end'].startswith('done in ')
-    assert not re.search(r'^\[\d+/24\]', out.stdout, re.M)
+    assert not re.search(r'^\[\d+/\d+\]', out.stdout, re.M)
     # The two tables of docs/en/notes/benchmarks.md, row for row.
     lines = out.stdout.splitlines()
     step = [re.fullmatch(STEP_ROW, row) for row in _table(lines, STEP_HEADER)]
@@ -106,7 +117,8 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
         int8 = m['hook'] == 'int8_compress_hook'
         assert (m['theirs'] == '—') == int8 and (m['ratio'] == '—') == int8
     codec = [
-        re.fullmatch(CODEC_ROW, row) for row in _table(lines, CODEC_HEADER)
+        re.fullmatch(TOOL_CODEC_ROW, row)
+        for row in _table(lines, TOOL_CODEC_HEADER)
     ]
     assert [m['size'] for m in codec] == ['0.25', '1']
     assert data['world_size'] == 2 and data['backend'] == 'gloo'
@@ -143,13 +155,69 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
         # largest sits a few times above the bucket's RMS (1.3e-2 after
         # one step, 1.9e-2 after two, the second carrying fed-back error).
         assert hooks['ours.int8_compress_hook']['rel_error'] < 2**-5
-        assert set(entry['codec_s']) == {
-            'copy_fp32', 'ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16',
-            'ours.int8'
-        }
+        assert list(
+            entry['codec_s']) == ['copy_fp32'] + [key for key, _, _ in CODECS]
         # Asked in the ranks (one thread each): the C kernel when built.
         assert entry['int8_c_kernel'] is True
     assert (tmp_path / 'b.png').stat().st_size > 10000
+
+
+def test_the_built_in_hooks_and_codecs_as_before():
+    # Read from the registry and the records, in the order of before.
+    assert HOOKS == [
+        'noop', 'ddp_builtin', 'torch.allreduce_hook', 'ours.allreduce_hook',
+        'torch.fp16_compress_hook', 'ours.fp16_compress_hook',
+        'torch.bf16_compress_hook', 'ours.bf16_compress_hook',
+        'ours.int8_compress_hook'
+    ]
+    assert TOOL_CODEC_HEADER == CODEC_HEADER
+    assert [key for key, _, _ in CODECS] == [
+        'ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16', 'ours.int8'
+    ]
+
+
+def _results(hooks, codecs):
+    """One bucket size's results as the ranks gather them, made up."""
+    numel = 2**18
+    by = dict(all_reduce=numel * 2, all_to_all=0, all_gather=0)
+    return [
+        dict(
+            size_mb=1.0,
+            numel=numel,
+            int8_c_kernel=True,
+            hooks={
+                name:
+                dict(
+                    step_s=0.01,
+                    hook_s=0.005,
+                    wire_bytes=numel * 2,
+                    wire_bytes_by_collective=by,
+                    rel_error=1e-3)
+                for name in hooks
+            },
+            codec_s={key: 1e-4
+                     for key in ['copy_fp32', *codecs]})
+    ]
+
+
+def test_a_plugin_hook_with_a_record_is_compared_under_its_label():
+    with plugin_hook() as (name, record):
+        hooks = hook_benchmark.compared_hooks()
+        assert f'ours.{name}_hook' in hooks
+        # PyTorch has no hook of that name.
+        assert f'torch.{name}_hook' not in hooks
+        [pair] = [p for p in hook_benchmark.pairs() if p.record is record]
+        assert (pair.label, pair.family) == (record.label, record.wire)
+        columns = hook_benchmark.codec_columns()
+        assert (f'ours.{record.label}', f'ours {record.label}',
+                record) in columns
+        # A quantizing hook other than int8 gets a row and a codec column,
+        # and no int8 target.
+        text = report(
+            _results(hooks, [key for key, _, _ in columns]), 2, 'gloo')
+        assert f'| 1 MB | `{name}_hook` |' in text
+        assert f'| ours {record.label} |' in text
+    assert f'ours.{name}_hook' not in hook_benchmark.compared_hooks()
 
 
 def test_benchmarks_page_shows_the_tables_the_tool_prints():

@@ -1,5 +1,6 @@
-"""tools/analysis_tools/benchmark_step_time.py: its arithmetic, its
-arguments, and (slow) a real run on two emulated nodes."""
+"""tools/analysis_tools/benchmark_step_time.py: its arithmetic
+(:mod:`mmcv_custom.analysis.step_time_report`), its hooks, its arguments,
+and (slow) a real run on two emulated nodes."""
 import json
 import os
 import subprocess
@@ -8,7 +9,11 @@ import sys
 import pytest
 
 from mmcv_custom import emulated_cluster
-from tests.tool_utils import load_script, netns_names, usage_errors
+from mmcv_custom.analysis import step_time
+from mmcv_custom.analysis import step_time_report as st
+from mmcv_custom.comm.registry import COMM_HOOKS
+from tests.tool_utils import (load_script, netns_names, plugin_hook,
+                              usage_errors)
 
 ROOT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,27 +58,27 @@ BUCKETS = [
 def test_overlap_bound_hides_what_fits_before_the_backward_ends():
     # 1 MB at 1e8 B/s: 10 ms each. Buckets go at 10-20, 20-30, 30-40 ms:
     # all hidden.
-    assert bench.overlap_bound(BUCKETS, 0.04, 1.0, 1e8) == 0
+    assert st.overlap_bound(BUCKETS, 0.04, 1.0, 1e8) == 0
     # At 5e7 B/s, 20 ms each: 10-30, 30-50, 50-70 ms: 30 ms exposed.
-    assert bench.overlap_bound(BUCKETS, 0.04, 1.0, 5e7) == pytest.approx(0.03)
+    assert st.overlap_bound(BUCKETS, 0.04, 1.0, 5e7) == pytest.approx(0.03)
     # A quarter of the bytes (int8): 5 ms each, all hidden again.
-    assert bench.overlap_bound(BUCKETS, 0.04, 0.25, 5e7) == 0
+    assert st.overlap_bound(BUCKETS, 0.04, 0.25, 5e7) == 0
     # Comm-bound: 100 ms each, the first starts at 10 ms: 310 - 40 ms.
-    assert bench.overlap_bound(BUCKETS, 0.04, 1.0, 1e7) == pytest.approx(0.27)
+    assert st.overlap_bound(BUCKETS, 0.04, 1.0, 1e7) == pytest.approx(0.27)
 
 
 def test_overlap_bound_with_a_codec_in_each_chain():
     # 30 ms of codec, 10 ms per bucket, before its bytes. Unshaped the
     # chains end at 20, 30, 40 ms: nothing exposed. At 1e8 B/s (10 ms a
     # bucket): 10-30, 30-50, 50-70 ms: 30 ms, all the link's doing.
-    assert bench.overlap_bound(BUCKETS, 0.04, 1.0, 1e8,
-                               0.03) == pytest.approx(0.03)
+    assert st.overlap_bound(BUCKETS, 0.04, 1.0, 1e8,
+                            0.03) == pytest.approx(0.03)
     # A codec that alone runs 60 ms past the backward (40 ms a bucket:
     # 50, 90, 130 ms unshaped): every byte is exposed, 30 ms of 30.
-    assert bench.overlap_bound(BUCKETS, 0.04, 1.0, 1e8,
-                               0.12) == pytest.approx(0.03)
+    assert st.overlap_bound(BUCKETS, 0.04, 1.0, 1e8,
+                            0.12) == pytest.approx(0.03)
     # Without the codec the same link leaves nothing exposed.
-    assert bench.overlap_bound(BUCKETS, 0.04, 1.0, 1e8) == 0
+    assert st.overlap_bound(BUCKETS, 0.04, 1.0, 1e8) == 0
 
 
 def _results(step_times, wire, codec):
@@ -101,8 +106,8 @@ def _rows(int8_steps, n=1):
     results = _results(steps,
                        dict(noop=0, allreduce=3 * 10**6, int8_compress=780000),
                        dict(noop=0.0, allreduce=0.0, int8_compress=0.004))
-    return bench.summarize(results, [80.0, None],
-                           ['noop', 'allreduce', 'int8_compress'], 2)
+    return st.summarize(results, [80.0, None],
+                        ['noop', 'allreduce', 'int8_compress'], 2)
 
 
 def test_summary_rows_and_verdict():
@@ -117,7 +122,7 @@ def test_summary_rows_and_verdict():
     assert int8['wire_s'] == pytest.approx(0.078)
     assert int8['codec_s'] == 0.004
     assert int8['vs_allreduce'] == pytest.approx(0.30 / 0.41)
-    lines = bench.verdict(rows)
+    lines = st.verdict(rows)
     # allreduce exposes 100% against a bound of 90%: within 15 points,
     # and within 1.1x its wire time.
     assert lines[0] == ('80 Mbit/s, allreduce: exposed 300.0 ms = 100% of '
@@ -134,13 +139,13 @@ def test_a_miss_within_the_noise_is_not_a_failure():
     int8 = rows[2]
     # MAD 0.1 s: standard error 1.2533 * 1.4826 * 0.1 / sqrt(5).
     assert int8['noise_s'] == pytest.approx(0.0831, abs=1e-4)
-    line = bench.verdict(rows)[1]
+    line = st.verdict(rows)[1]
     # 180 ms exposed: above 52 + 12 ms and 86 ms, but not by 2 x 83 ms.
     # (Its 4 ms of codec, 1.3 ms before each bucket's 26 ms of bytes,
     # raise the bound from 48 to 52 ms.)
     assert line.endswith('bound+codec 67% + 15 points: within noise '
                          '(+-83.1 ms); <= 1.1x wire: within noise (+-83.1 ms)')
-    table = bench.report(
+    table = st.report(
         rows,
         dict(
             nodes=2,
@@ -162,14 +167,14 @@ def test_noise_counts_the_drift_between_rounds():
     # the steps' spread hides what the rounds show.
     shaped = [0.100, 0.101, 0.120, 0.121, 0.080, 0.081]
     unshaped = [0.100, 0.101, 0.100, 0.101, 0.100, 0.101]
-    assert bench.median_error(shaped) > 0
+    assert st.median_error(shaped) > 0
     # Per-round differences 0, 20, -20 ms: MAD 20 ms.
-    assert bench.round_error(shaped, unshaped, 3) == pytest.approx(
-        1.2533 * 1.4826 * 0.020 / 3**0.5)
+    assert st.round_error(shaped, unshaped,
+                          3) == pytest.approx(1.2533 * 1.4826 * 0.020 / 3**0.5)
     # Fewer than 3 rounds (or lists that do not split into them): no
     # estimate from the rounds.
-    assert bench.round_error(shaped, unshaped, 2) == 0.0
-    assert bench.round_error(shaped, unshaped[:4], 3) == 0.0
+    assert st.round_error(shaped, unshaped, 2) == 0.0
+    assert st.round_error(shaped, unshaped[:4], 3) == 0.0
     # summarize takes the larger of the two.
     steps = {
         'unshaped': dict(noop=[0.1] * 6, allreduce=unshaped),
@@ -177,10 +182,32 @@ def test_noise_counts_the_drift_between_rounds():
     }
     results = _results(steps, dict(noop=0, allreduce=3 * 10**6),
                        dict(noop=0.0, allreduce=0.0))
-    rows = bench.summarize(
+    rows = st.summarize(
         results, [80.0, None], ['noop', 'allreduce'], 2, rounds=3)
     assert rows[1]['noise_s'] == pytest.approx(
-        bench.round_error(shaped, unshaped, 3))
+        st.round_error(shaped, unshaped, 3))
+
+
+def test_the_hooks_are_noop_and_every_registered_one():
+    configs = step_time.hook_configs()
+    assert list(configs) == ['noop', *COMM_HOOKS.module_dict]
+    assert configs['noop'] is None
+    # PowerSGD compresses from its second step, as its record asks.
+    assert configs['powerSGD'] == dict(
+        type='powerSGD', matrix_approximation_rank=4, start_powerSGD_iter=2)
+    assert configs['int8_compress'] == dict(type='int8_compress')
+    assert step_time.hook_labels()['allreduce'] == 'fp32 all-reduce'
+
+
+def test_a_plugin_hook_with_a_record_is_a_choice_with_its_label(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with plugin_hook() as (name, record):
+        assert step_time.hook_configs()[name] == dict(type=name)
+        assert step_time.hook_labels()[name] == record.label
+        monkeypatch.setattr(sys, 'argv', [TOOL])
+        args = bench.parse_args(['--hooks', name])
+        assert args.hooks == ['noop', 'allreduce', name]
+    assert name not in step_time.hook_configs()
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,12 @@ import sys
 
 import pytest
 
+from mmcv_custom.analysis import convergence
+from mmcv_custom.analysis.convergence_runs import TrainLog, train_options
+from mmcv_custom.analysis.registered import DEFAULT_COLOURS
+from mmcv_custom.comm.registry import COMM_HOOKS
 from mmcv_custom.launcher import free_port
-from tests.tool_utils import load_script, usage_errors
+from tests.tool_utils import load_script, plugin_hook, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'compare_comm_convergence.py')
@@ -20,7 +24,8 @@ FCN = osp.join(ROOT, 'configs', 'fcn',
 # Four iterations and one validation: the shortest run that still logs a
 # loss curve (two points) and an mIoU.
 SHORT = ['--max-iters', '4', '--log-interval', '2']
-VALID = ('allreduce', 'fp16_compress', 'bf16_compress', 'int8_ef', 'int8_noef')
+# Every registered hook's variants, as the tool reads them.
+VALID = tuple(convergence.variants())
 
 
 def _tool(*args, timeout=300, env=None):
@@ -139,7 +144,7 @@ def test_max_iters_shortens_every_run(tool, tmp_path):
     args = tool.parse_args(
         [FCN, '--max-iters', '100', '--work-dir',
          str(tmp_path)])
-    options = tool.train_options(args, 'int8_ef')
+    options = train_options(args, 'int8_ef')
     assert options == [
         'comm_hook.type=int8_compress', 'comm_hook.block_size=256',
         'comm_hook.error_feedback=True', 'default_hooks.logger.interval=10',
@@ -152,7 +157,7 @@ def test_max_iters_shortens_every_run(tool, tmp_path):
         FCN, '--max-iters', '300', '--work-dir',
         str(tmp_path), '--cfg-options', 'train_cfg.val_interval=50'
     ])
-    assert tool.train_options(args, 'allreduce') == [
+    assert train_options(args, 'allreduce') == [
         'comm_hook.type=allreduce', 'default_hooks.logger.interval=10',
         'train_cfg.max_iters=300', 'train_cfg.val_interval=300',
         'train_cfg.val_interval=50'
@@ -160,17 +165,68 @@ def test_max_iters_shortens_every_run(tool, tmp_path):
     args = tool.parse_args(
         [FCN, '--max-iters', '6', '--work-dir',
          str(tmp_path)])
-    assert 'default_hooks.logger.interval=3' in tool.train_options(
+    assert 'default_hooks.logger.interval=3' in train_options(
         args, 'allreduce')
     # Without it, the config's length.
     args = tool.parse_args([FCN, '--work-dir', str(tmp_path)])
-    assert not any('max_iters' in o
-                   for o in tool.train_options(args, 'allreduce'))
+    assert not any('max_iters' in o for o in train_options(args, 'allreduce'))
 
 
-def test_train_log_reads_the_iterations_as_the_run_writes_them(tool, tmp_path):
+def test_the_variants_are_every_registered_hook_from_its_record():
+    variants = convergence.variants()
+    # Today's, with their labels and colours, now read from the records.
+    assert [(v.name, v.label, v.colour) for v in variants.values()
+            if not v.hook_type.endswith('powerSGD')] == [
+                ('allreduce', 'fp32 all-reduce', 'black'),
+                ('fp16_compress', 'fp16', 'tab:green'),
+                ('bf16_compress', 'bf16', 'tab:purple'),
+                ('int8_ef', 'int8 + error feedback', 'tab:blue'),
+                ('int8_noef', 'int8, no error feedback', 'tab:red'),
+            ]
+    assert {v.hook_type
+            for v in variants.values()} == set(COMM_HOOKS.module_dict)
+    # PowerSGD trains as its record asks: compressing from step 2.
+    assert convergence.hook_options(variants['powerSGD'], 256) == [
+        'comm_hook.type=powerSGD', 'comm_hook.matrix_approximation_rank=4',
+        'comm_hook.start_powerSGD_iter=2'
+    ]
+    # A run without its setting spelled out has its state's default.
+    assert convergence.mismatch(variants['int8_ef'],
+                                dict(type='int8_compress')) is None
+    assert convergence.mismatch(
+        variants['int8_ef'],
+        dict(type='int8_compress', error_feedback=False)) == (
+            "'int8_ef' should have error_feedback=True, but the run used "
+            'False')
+
+
+def test_a_plugin_hook_is_a_variant_with_its_record_label(
+        tool, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, 'argv', [TOOL])
+    with plugin_hook() as (name, record):
+        [variant] = [
+            v for v in convergence.variants().values() if v.hook_type == name
+        ]
+        assert (variant.name, variant.label,
+                variant.colour) == ('int4_plugin', record.label, record.colour)
+        args = tool.parse_args(
+            [FCN, '--variants', 'int4_plugin', '--work-dir',
+             str(tmp_path)])
+        assert train_options(args,
+                             'int4_plugin')[0] == (f'comm_hook.type={name}')
+    # Registered without a record: its name as label, a default colour.
+    COMM_HOOKS.register_module(name='plugin_bare', module=lambda s, b: None)
+    try:
+        bare = convergence.variants()['plugin_bare']
+        assert bare.label == 'plugin_bare'
+        assert bare.colour in DEFAULT_COLOURS
+    finally:
+        del COMM_HOOKS.module_dict['plugin_bare']
+
+
+def test_train_log_reads_the_iterations_as_the_run_writes_them(tmp_path):
     log = tmp_path / 'dist_train.log'
-    watch = tool.TrainLog(str(log))
+    watch = TrainLog(str(log))
     assert watch.poll() is None  # no file yet
     with open(log, 'w') as f:
         f.write('12/04 13:55:15 - mmengine - INFO - Checkpoints will be '

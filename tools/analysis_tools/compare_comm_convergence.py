@@ -5,7 +5,11 @@ as it does with the fp32 all-reduce. This tool trains the same config, with
 the same seed and data order, once per ``--variants`` entry (the default: the
 fp32 ``allreduce`` baseline, ``int8_compress`` with error feedback and
 ``int8_compress`` without it), each through ``tools/dist_train.sh`` on
-``--nproc`` ranks, in ``<work-dir>/<variant>``. Runs go one after another
+``--nproc`` ranks, in ``<work-dir>/<variant>``. Every registered hook is
+a variant, under the settings its record names (``int8_compress`` as
+``int8_ef`` and ``int8_noef``, PowerSGD compressing from its second step),
+with its record's label and colour in the plot (see
+:mod:`mmcv_custom.analysis.convergence`). Runs go one after another
 (each on ``PORT`` when it is set, as ``tools/dist_train.sh`` takes it,
 else each on a free port), so that they do not compete for the same cores.
 
@@ -62,365 +66,27 @@ Examples:
         --work-dir work_dirs/convergence_fcn --from-work-dirs
 """
 import argparse
-import ast
-import glob
 import json
 import math
 import os
 import os.path as osp
-import re
-import subprocess
 import sys
-import time
-from typing import Dict, List, Optional, Tuple
 
-from mmcv_custom.analysis import (Progress, check_output, check_work_dir,
-                                  format_eta, read_config, rendezvous_port)
+from mmcv_custom.analysis import (check_output, check_work_dir, read_config,
+                                  rendezvous_port)
+from mmcv_custom.analysis.convergence import (auto_smooth, format_table,
+                                              max_iters_options, plot,
+                                              summarize, variants, verdict)
+from mmcv_custom.analysis.convergence_runs import (collect, from_work_dirs,
+                                                   train_options)
 from mmcv_custom.integrity import checkpoint_candidates
-from mmcv_custom.launcher import free_port
-
-__all__ = [
-    'VARIANTS', 'parse_args', 'read_scalars', 'read_comm_hook', 'summarize',
-    'format_table', 'verdict', 'plot', 'train_options', 'TrainLog', 'main'
-]
 
 HERE = osp.dirname(osp.abspath(__file__))
 ROOT = osp.dirname(osp.dirname(HERE))
 DIST_TRAIN = osp.join(ROOT, 'tools', 'dist_train.sh')
-BASELINE = 'allreduce'
-
-# variant -> (comm_hook type, takes block_size / error_feedback, EF value)
-VARIANTS = {
-    'allreduce': ('allreduce', False, None),
-    'fp16_compress': ('fp16_compress', False, None),
-    'bf16_compress': ('bf16_compress', False, None),
-    'int8_ef': ('int8_compress', True, True),
-    'int8_noef': ('int8_compress', True, False),
-}
 DEFAULT_VARIANTS = ['allreduce', 'int8_ef', 'int8_noef']
-_LABELS = {
-    'allreduce': 'fp32 all-reduce',
-    'fp16_compress': 'fp16',
-    'bf16_compress': 'bf16',
-    'int8_ef': 'int8 + error feedback',
-    'int8_noef': 'int8, no error feedback',
-}
-_COLORS = {
-    'allreduce': 'black',
-    'fp16_compress': 'tab:green',
-    'bf16_compress': 'tab:purple',
-    'int8_ef': 'tab:blue',
-    'int8_noef': 'tab:red',
-}
 
-
-def _hook_options(variant: str, block_size: int) -> List[str]:
-    """The ``--cfg-options`` that select ``variant``'s hook. Only the int8
-    variants get ``block_size``/``error_feedback``: the other hooks' states
-    reject keys they do not take."""
-    hook_type, quantizes, feedback = VARIANTS[variant]
-    options = [f'comm_hook.type={hook_type}']
-    if quantizes:
-        options += [
-            f'comm_hook.block_size={block_size}',
-            f'comm_hook.error_feedback={feedback}'
-        ]
-    return options
-
-
-def _runs(work_dir: str) -> List[str]:
-    """Run folders (``YYYYmmdd_HHMMSS``) under ``work_dir`` that hold a
-    ``vis_data/scalars.json``, oldest first."""
-    return sorted(
-        osp.dirname(osp.dirname(p)) for p in glob.glob(
-            osp.join(work_dir, '2*_*', 'vis_data', 'scalars.json')))
-
-
-def read_scalars(path: str) -> dict:
-    """Loss curve, validations and telemetry from one ``scalars.json``.
-
-    MMEngine's ``LocalVisBackend`` writes one JSON object per line: training
-    lines carry ``loss`` (the mean over the logger's window) and ``iter``;
-    validation lines carry the metrics (``mIoU``...) and ``step``. A line
-    cut short by a killed run is skipped rather than failing the report.
-
-    Returns:
-        dict: ``iters``, ``loss``, ``val`` (a list of ``{'step', 'mIoU',
-        ...}``), ``comm_ratio`` and ``comm_MB`` (last logged value, or None).
-    """
-    iters, losses, val = [], [], []
-    comm_ratio = comm_mb = None
-    with open(path) as f:
-        for line in f:
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if 'loss' in entry:
-                iters.append(entry.get('iter', entry.get('step')))
-                losses.append(float(entry['loss']))
-                comm_ratio = entry.get('comm_ratio', comm_ratio)
-                comm_mb = entry.get('comm_MB', comm_mb)
-            elif 'mIoU' in entry:
-                val.append(entry)
-    return dict(
-        iters=iters,
-        loss=losses,
-        val=val,
-        comm_ratio=comm_ratio,
-        comm_MB=comm_mb)
-
-
-def read_comm_hook(run: str) -> Optional[dict]:
-    """The ``comm_hook`` a run was trained with, from the config MMEngine
-    dumped beside its scalars (``<run>/vis_data/config.py``, overrides
-    applied), or None if it has none.
-
-    Read with :mod:`ast`, not executed: a run folder may come from anywhere,
-    and the dump spells the dict out as ``dict(key=literal, ...)``.
-    """
-    path = osp.join(run, 'vis_data', 'config.py')
-    if not osp.isfile(path):
-        return None
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
-    for node in tree.body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name)
-                and node.targets[0].id == 'comm_hook'):
-            value = node.value
-            try:
-                if (isinstance(value, ast.Call)
-                        and isinstance(value.func, ast.Name)
-                        and value.func.id == 'dict' and not value.args):
-                    return {
-                        k.arg: ast.literal_eval(k.value)
-                        for k in value.keywords
-                    }
-                return ast.literal_eval(value)
-            except ValueError:
-                return None
-    return None
-
-
-def _mismatch(variant: str, hook: Optional[dict]) -> Optional[str]:
-    """Why ``hook`` (a run's own ``comm_hook``) is not ``variant``'s, or
-    None when it is (or the run does not say)."""
-    if not isinstance(hook, dict):
-        return None
-    hook_type, quantizes, feedback = VARIANTS[variant]
-    if hook.get('type') != hook_type:
-        return (f"{variant!r} should be comm_hook type {hook_type!r}, but "
-                f"the run used {hook.get('type')!r}")
-    if quantizes and hook.get('error_feedback', True) != feedback:
-        return (f'{variant!r} should have error_feedback={feedback}, but '
-                f"the run used {hook.get('error_feedback', True)}")
-    return None
-
-
-def _smooth(values: List[float], weight: float) -> List[float]:
-    """TensorBoard's debiased exponential moving average: early points are
-    not pulled towards zero, so curves of different runs compare from the
-    first logged iteration."""
-    out, avg = [], 0.0
-    for i, v in enumerate(values, 1):
-        avg = weight * avg + (1 - weight) * v
-        out.append(avg / (1 - weight**i) if weight else v)
-    return out
-
-
-def _auto_smooth(runs: Dict[str, dict]) -> float:
-    """An EMA weight whose lag is about 3% of the longest curve: a fixed
-    weight that suits 60 logged points would drag a 20-point curve far
-    behind its raw values."""
-    points = max([len(r['loss']) for r in runs.values() if r] or [1])
-    lag = points / 30
-    return lag / (1 + lag)
-
-
-def summarize(runs: Dict[str, dict], smooth: float) -> List[dict]:
-    """One row per variant (in ``runs``' order): the final mIoU, its
-    difference to ``allreduce`` in points, comm_ratio, final smoothed loss.
-    A variant whose run failed (``None`` in ``runs``) keeps its row, with
-    its values empty."""
-    base = runs.get(BASELINE)
-    base_miou = base['val'][-1]['mIoU'] if base and base['val'] else None
-    rows = []
-    for variant, run in runs.items():
-        row = dict(
-            variant=variant,
-            mIoU=None,
-            delta_mIoU=None,
-            comm_ratio=None,
-            final_loss=None,
-            final_iter=None)
-        if run is not None:
-            if run['val']:
-                row['mIoU'] = run['val'][-1]['mIoU']
-                if base_miou is not None:
-                    row['delta_mIoU'] = row['mIoU'] - base_miou
-            if run['loss']:
-                row['final_loss'] = _smooth(run['loss'], smooth)[-1]
-                row['final_iter'] = run['iters'][-1]
-            row['comm_ratio'] = run['comm_ratio']
-        rows.append(row)
-    return rows
-
-
-def _fmt(value, spec: str) -> str:
-    return '-' if value is None else format(value, spec)
-
-
-def format_table(rows: List[dict]) -> str:
-    """The rows as a Markdown table."""
-    lines = [
-        '| variant | final mIoU | vs fp32 (points) | comm_ratio | '
-        'final loss (smoothed) |', '|---|---|---|---|---|'
-    ]
-    for row in rows:
-        lines.append(f"| `{row['variant']}` | {_fmt(row['mIoU'], '.2f')} | "
-                     f"{_fmt(row['delta_mIoU'], '+.2f')} | "
-                     f"{_fmt(row['comm_ratio'], '.3f')} | "
-                     f"{_fmt(row['final_loss'], '.4f')} |")
-    return '\n'.join(lines)
-
-
-def verdict(rows: List[dict], tolerance: float) -> Optional[str]:
-    """PASS/FAIL for ``int8_ef`` against ``allreduce``, and where
-    ``int8_noef`` lands (informational), or None when the runs compared
-    do not include both."""
-    by = {row['variant']: row for row in rows}
-    lines = []
-    ef = by.get('int8_ef')
-    if ef and BASELINE in by:
-        if ef['delta_mIoU'] is None:
-            lines.append(
-                'int8_ef within {:g} mIoU point(s) of fp32 '
-                'all-reduce: FAIL (no mIoU to compare)'.format(tolerance))
-        else:
-            ok = abs(ef['delta_mIoU']) <= tolerance
-            lines.append(f'int8_ef within {tolerance:g} mIoU point(s) of fp32 '
-                         f"all-reduce: {'PASS' if ok else 'FAIL'} "
-                         f"({ef['delta_mIoU']:+.2f})")
-    noef = by.get('int8_noef')
-    if noef and noef['delta_mIoU'] is not None:
-        lines.append(f"int8_noef vs fp32 all-reduce: "
-                     f"{noef['delta_mIoU']:+.2f} mIoU points" +
-                     (f" (int8_noef - int8_ef: "
-                      f"{noef['delta_mIoU'] - ef['delta_mIoU']:+.2f})"
-                      if ef and ef['delta_mIoU'] is not None else ''))
-    return '\n'.join(lines) or None
-
-
-def plot(runs: Dict[str, dict],
-         rows: List[dict],
-         path: str,
-         title: str,
-         smooth: float,
-         tolerance: float = 1.0) -> None:
-    """Three panels: loss curves (smoothed, raw faint), smoothed loss
-    relative to fp32's, final mIoU per variant."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, (ax1, ax2, ax3) = plt.subplots(
-        1, 3, figsize=(16, 4.6), gridspec_kw=dict(width_ratios=[5, 5, 3]))
-    done = {v: r for v, r in runs.items() if r is not None and r['loss']}
-    base = done.get(BASELINE)
-    base_smooth = dict(zip(base['iters'], _smooth(base['loss'], smooth))) \
-        if base else {}
-    for variant, run in done.items():
-        color = _COLORS.get(variant)
-        label = _LABELS.get(variant, variant)
-        smoothed = _smooth(run['loss'], smooth)
-        ax1.plot(run['iters'], run['loss'], color=color, alpha=0.25, lw=0.8)
-        ax1.plot(run['iters'], smoothed, color=color, lw=1.8, label=label)
-        if base_smooth and variant != BASELINE:
-            pairs = [(i, 100 * (s / base_smooth[i] - 1))
-                     for i, s in zip(run['iters'], smoothed)
-                     if i in base_smooth]
-            ax2.plot([p[0] for p in pairs], [p[1] for p in pairs],
-                     color=color,
-                     lw=1.8,
-                     label=label)
-    ax1.set(
-        yscale='log',
-        xlabel='iteration',
-        ylabel='training loss',
-        title=f'Loss (EMA {smooth:.2f}; raw faint)')
-    ax1.legend(fontsize=8)
-    ax2.axhline(0.0, color='black', lw=0.8)
-    ax2.set(
-        xlabel='iteration',
-        ylabel='smoothed loss vs fp32 all-reduce (%)',
-        title='Loss relative to fp32 all-reduce')
-    if base_smooth and len(done) > 1:
-        ax2.legend(fontsize=8)
-    scored = [r for r in rows if r['mIoU'] is not None]
-    names = [_LABELS.get(r['variant'], r['variant']) for r in scored]
-    values = [r['mIoU'] for r in scored]
-    bars = ax3.bar(
-        range(len(scored)),
-        values,
-        color=[_COLORS.get(r['variant']) for r in scored],
-        alpha=0.85)
-    for bar, value in zip(bars, values):
-        ax3.text(
-            bar.get_x() + bar.get_width() / 2,
-            value,
-            f'{value:.2f}',
-            ha='center',
-            va='bottom',
-            fontsize=8)
-    base_row = next((r for r in scored if r['variant'] == BASELINE), None)
-    if base_row:
-        # Lines, not a shaded band: a band would hide behind the bars.
-        for edge in (-tolerance, tolerance):
-            ax3.axhline(
-                base_row['mIoU'] + edge,
-                color='grey',
-                ls='--',
-                lw=1,
-                label=f'fp32 +/- {tolerance:g} point' if edge < 0 else None)
-        ax3.legend(fontsize=8, loc='lower right')
-    if values:
-        low = min(values +
-                  ([base_row['mIoU'] - tolerance] if base_row else []))
-        ax3.set_ylim(max(0, low - 3), min(100, max(values) + 2))
-    ax3.set_xticks(range(len(scored)))
-    ax3.set_xticklabels(names, rotation=20, ha='right', fontsize=8)
-    ax3.set(ylabel='mIoU (last validation)', title='Final mIoU')
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _parse_from(parser, args) -> Dict[str, str]:
-    """``--from-work-dirs``: ``{variant: work dir}``, every one holding a
-    run with a ``scalars.json``."""
-    if args.from_work_dirs:
-        dirs = {}
-        for item in args.from_work_dirs:
-            variant, sep, folder = item.partition('=')
-            if not sep or not folder:
-                parser.error(f'--from-work-dirs expects VARIANT=DIR, but got '
-                             f'{item!r}')
-            if variant not in VARIANTS:
-                parser.error(f'--from-work-dirs: unknown variant '
-                             f'{variant!r}; valid variants: '
-                             f"{', '.join(VARIANTS)}")
-            if variant in dirs:
-                parser.error(f'--from-work-dirs names {variant!r} twice')
-            dirs[variant] = folder
-    else:
-        dirs = {v: osp.join(args.work_dir, v) for v in args.variants}
-    for variant, folder in dirs.items():
-        if not _runs(folder):
-            parser.error(f'--from-work-dirs: no run with '
-                         f'vis_data/scalars.json under {folder} (for '
-                         f'{variant!r})')
-    return dirs
+__all__ = ['parse_args', 'train_options', 'main']
 
 
 def _positive_int(text: str) -> int:
@@ -435,32 +101,8 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _interval(cfg, key: str) -> Optional[int]:
-    """The int at dotted ``key`` of ``cfg``, or None where it has none."""
-    node = cfg
-    for part in key.split('.'):
-        node = node.get(part) if hasattr(node, 'get') else None
-        if node is None:
-            return None
-    return node if isinstance(node, int) else None
-
-
-#: What ``--max-iters`` lowers to N where the config's value is longer.
-_INTERVALS = ('train_cfg.val_interval', 'default_hooks.checkpoint.interval')
-
-
-def _max_iters_options(cfg, max_iters: int) -> List[str]:
-    """The ``--cfg-options`` of ``--max-iters``: the run's length, and
-    the validation and checkpoint intervals at most that long."""
-    options = [f'train_cfg.max_iters={max_iters}']
-    for key in _INTERVALS:
-        value = _interval(cfg, key)
-        if value is not None and value > max_iters:
-            options.append(f'{key}={max_iters}')
-    return options
-
-
 def parse_args(argv=None) -> argparse.Namespace:
+    known = list(variants())
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -470,9 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         '--variants',
         nargs='+',
         default=DEFAULT_VARIANTS,
-        choices=list(VARIANTS),
+        choices=known,
         metavar='VARIANT',
-        help=f"hooks to compare, from: {', '.join(VARIANTS)} "
+        help=f"hooks to compare, from: {', '.join(known)} "
         f"(default: {' '.join(DEFAULT_VARIANTS)})")
     parser.add_argument(
         '--block-size',
@@ -572,12 +214,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error('--max-iters sets how long runs train, but '
                      '--from-work-dirs trains none')
     args.max_iters_options = ([] if args.max_iters is None else
-                              _max_iters_options(cfg, args.max_iters))
+                              max_iters_options(cfg, args.max_iters))
     if args.work_dir is None:
         args.work_dir = osp.join('work_dirs', 'compare_comm_convergence',
                                  osp.splitext(osp.basename(args.config))[0])
     if args.from_work_dirs is not None:
-        args.run_dirs = _parse_from(parser, args)
+        args.run_dirs = from_work_dirs(parser, args)
         args.variants = list(args.run_dirs)
         args.port = None
     else:
@@ -610,186 +252,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def train_options(args, variant: str) -> List[str]:
-    """The ``--cfg-options`` of ``variant``'s run: its hook, the log
-    interval, the seed, ``--max-iters``' and the user's own (last, so
-    they win)."""
-    options = _hook_options(variant, args.block_size)
-    options.append(f'default_hooks.logger.interval={args.log_interval}')
-    if args.seed is not None:
-        options.append(f'randomness.seed={args.seed}')
-    return options + args.max_iters_options + args.cfg_options
-
-
-#: MMEngine's training log line: ``Iter(train) [ 50/600]  ... loss: 0.51``.
-_TRAIN_LINE = re.compile(r'Iter\(train\)\s*\[\s*(\d+)/(\d+)\]')
-_LOSS = re.compile(r'\bloss: (\S+)')
-
-
-class TrainLog:
-    """The training iterations a run has logged, read from its log file
-    as it grows (MMEngine's logger line, on rank 0's output).
-
-    Args:
-        path (str): The run's log file (``dist_train.log``).
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._offset = 0
-        self._partial = b''
-
-    def poll(self) -> Optional[Tuple[int, int, Optional[float]]]:
-        """The newest training line since the last call, as
-        ``(iteration, max_iters, loss or None)``; None if none came."""
-        try:
-            with open(self.path, 'rb') as f:
-                f.seek(self._offset)
-                data = f.read()
-        except OSError:
-            return None
-        self._offset += len(data)
-        *lines, self._partial = (self._partial + data).split(b'\n')
-        newest = None
-        for raw in lines:
-            line = raw.decode('utf-8', 'replace')
-            match = _TRAIN_LINE.search(line)
-            if match is None:
-                continue
-            loss = _LOSS.search(line, match.end())
-            try:
-                value = float(loss.group(1)) if loss else None
-            except ValueError:
-                value = None
-            newest = (int(match.group(1)), int(match.group(2)), value)
-        return newest
-
-
-#: Seconds between two looks at a training run's log.
-_POLL_S = 2.0
-
-
-def _wait(proc: subprocess.Popen, log: str, variant: str) -> int:
-    """Wait for ``proc``, reporting its iterations from ``log`` (done of
-    total, loss, ETA) on stderr; its exit code."""
-    watch, progress = TrainLog(log), None
-    start = time.monotonic()
-    try:
-        while True:
-            try:
-                code = proc.wait(timeout=_POLL_S)
-            except subprocess.TimeoutExpired:
-                code = None
-            seen = watch.poll()
-            if seen is not None:
-                done, total, loss = seen
-                if progress is None:
-                    # From the first logged iteration on: start-up (data,
-                    # model, process group) is not training speed.
-                    progress = Progress(
-                        max(total, 1),
-                        label=variant,
-                        step_time=False,
-                        done=done,
-                        since=start)
-                progress.update(done,
-                                '' if loss is None else f'loss {loss:.4g}')
-            if code is not None:
-                return code
-    except BaseException:
-        # Ctrl-C or any error here: the run does not outlive the tool.
-        proc.terminate()
-        proc.wait()
-        raise
-    finally:
-        if progress is not None:
-            progress.close()
-
-
-def _train(args, variant: str, number: str) -> Optional[str]:
-    """Train ``variant`` (run ``number``, e.g. ``'2/3'``); its new run
-    folder, or None if it failed (its log,
-    ``<work-dir>/<variant>/dist_train.log``, says why)."""
-    work_dir = args.run_dirs[variant]
-    try:
-        os.makedirs(work_dir, exist_ok=True)
-    except OSError as e:
-        print(
-            f'[{variant}] FAILED: cannot create {work_dir} '
-            f'({e.strerror})',
-            file=sys.stderr,
-            flush=True)
-        return None
-    before = set(_runs(work_dir))
-    cmd = [
-        'bash', DIST_TRAIN, args.config,
-        str(args.nproc), '--work-dir', work_dir, '--cfg-options',
-        *train_options(args, variant)
-    ]
-    port = args.port or free_port()
-    log = osp.join(work_dir, 'dist_train.log')
-    print(
-        f'[{variant}] run {number} starts: PORT={port} {" ".join(cmd[1:])}',
-        file=sys.stderr,
-        flush=True)
-    start = time.time()
-    with open(log, 'w') as f:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, PORT=port))
-        code = _wait(proc, log, variant)
-    new = [r for r in _runs(work_dir) if r not in before]
-    if code != 0 or not new:
-        print(
-            f'[{variant}] FAILED (exit code {code}) after '
-            f'{time.time() - start:.0f} s; log: {log}',
-            file=sys.stderr,
-            flush=True)
-        return None
-    print(
-        f'[{variant}] run {number} done in {time.time() - start:.0f} s: '
-        f'{new[-1]}',
-        file=sys.stderr,
-        flush=True)
-    return new[-1]
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    runs, folders, hooks, failed = {}, {}, {}, []
-    started = time.time()
-    for i, variant in enumerate(args.variants):
-        if args.from_work_dirs is not None:
-            folder = _runs(args.run_dirs[variant])[-1]
-        else:
-            folder = _train(args, variant, f'{i + 1}/{len(args.variants)}')
-            left = len(args.variants) - i - 1
-            if left:
-                # The runs are alike: the ones left take as long.
-                eta = (time.time() - started) / (i + 1) * left
-                print(
-                    f'{left} run(s) left, ETA {format_eta(eta)}',
-                    file=sys.stderr,
-                    flush=True)
-        if folder is None:
-            failed.append(variant)
-            runs[variant] = None
-            continue
-        folders[variant] = folder
-        hooks[variant] = read_comm_hook(folder)
-        wrong = _mismatch(variant, hooks[variant])
-        if wrong:
-            print(f'warning: {folder}: {wrong}', file=sys.stderr)
-        runs[variant] = read_scalars(
-            osp.join(folder, 'vis_data', 'scalars.json'))
+    known = variants()
+    runs, folders, hooks, failed = collect(args, DIST_TRAIN)
     if args.smooth is None:
-        args.smooth = _auto_smooth(runs)
+        args.smooth = auto_smooth(runs)
     rows = summarize(runs, args.smooth)
     blocks = sorted({
         h.get('block_size', 256)
-        for v, h in hooks.items() if isinstance(h, dict) and VARIANTS[v][1]
+        for v, h in hooks.items()
+        if isinstance(h, dict) and known[v].takes_block_size
     })
     title = args.title or (
         osp.splitext(osp.basename(args.config))[0] +

@@ -1,0 +1,236 @@
+"""What ``tools/analysis_tools/benchmark_comm_hooks.py`` reports from the
+ranks' results (see :mod:`.hook_benchmark`): the two tables of
+docs/en/notes/benchmarks.md, the verdict on the targets, and the plot.
+
+The rows and columns are the hooks :mod:`.hook_benchmark` compared, read
+from the registry and the records; the targets of a wire format (bytes,
+int8's phases) apply to the hooks whose record names that format.
+"""
+import math
+import statistics
+
+import torch
+
+from mmcv_custom import ddp_hooks
+from .hook_benchmark import INT8_BLOCK, MB, codec_columns, pairs
+
+__all__ = ['report', 'plot']
+
+
+def _ratio(a, b):
+    return a / b if b > 0 else float('nan')
+
+
+def _ms(seconds):
+    ms = seconds * 1e3
+    return f'{ms:.1f} ms' if ms >= 1 else f'{ms:.2f} ms'
+
+
+def _table(header, rows):
+    """A Markdown table, as docs/en/notes/benchmarks.md shows the results."""
+    lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+    lines += ['| ' + ' | '.join(row) + ' |' for row in rows]
+    return lines
+
+
+def _dash_or(value, fmt):
+    """``value`` formatted, or a dash where there is none (NaN)."""
+    return '—' if math.isnan(value) else fmt(value)
+
+
+# Quantize with error feedback reads the bucket and the residual (4 + 4
+# bytes an element), writes the residual and the int8 value (4 + 1); the
+# dequantize reads 1 and writes 4: 18 bytes against the copy's 8.
+_INT8_CODEC_FLOOR = 18 / 8
+
+
+def _int8_codec_note(results):
+    """What ran the int8 codec: each rank asked, as its thread count (and
+    device) decides it, not this process."""
+    flags = {bool(e.get('int8_c_kernel')) for e in results}
+    if flags == {True}:
+        return 'C kernel (mmcv_custom._cpu_codec) in every rank'
+    if flags == {False}:
+        return 'torch ops (no C kernel: not built, GPU, or threads > 1)'
+    return 'C kernel at some sizes, torch ops at others'
+
+
+def report(results, world_size, backend, repeat=None):
+    """The results as the two tables of docs/en/notes/benchmarks.md, then
+    the verdict on the targets, as text."""
+    rounds = '' if repeat is None else f', {repeat} rounds'
+    lines = [
+        f'{world_size} ranks, backend {backend}, torch '
+        f'{torch.__version__}{rounds}'
+    ]
+    if backend == 'gloo':
+        lines.append(f'CPU casts: {ddp_hooks.cpu_codec()}')
+    lines.append(f'int8 codec (block {INT8_BLOCK}): '
+                 f'{_int8_codec_note(results)}')
+    compared, columns = pairs(), codec_columns()
+    # Only pairs with a PyTorch hook have a ratio and a target.
+    ratios = {p.family: [] for p in compared if p.theirs}
+    # Where int8's numbers are compared to bf16's, and codecs to a copy.
+    bf16 = next((p.ours for p in compared if p.record.wire == 'bf16'), None)
+    codec_of = {
+        record.wire: key
+        for key, _, record in columns if key.startswith('ours.')
+    }
+    bytes_ok, worst = True, (0.0, '', 0)
+    int8_phases = []  # (size, all_to_all send / fp32, gathered / fp32)
+    int8_vs_bf16, int8_cost = [], []  # step / bf16's; codec / copy, bf16
+    step_rows, codec_rows = [], []
+    for entry in results:
+        hooks = entry['hooks']
+        fp32_bytes = entry['numel'] * 4
+        bucket = f'{entry["size_mb"]:g} MB'
+        for family, ours, theirs, record, _, _ in compared:
+            data = hooks[ours]
+            theirs_s = hooks[theirs]['hook_s'] if theirs else math.nan
+            r = (
+                _ratio(data['step_s'], hooks[theirs]['step_s'])
+                if theirs else math.nan)
+            if theirs:
+                ratios[family].append(r)
+            wire = data['wire_bytes']
+            if record.half_precision:
+                bytes_ok &= wire == fp32_bytes // 2
+            elif record.wire == 'int8':
+                by = data['wire_bytes_by_collective']
+                int8_phases.append(
+                    (entry['size_mb'], by['all_to_all'] / fp32_bytes,
+                     by['all_gather'] * world_size / fp32_bytes))
+                if bf16:
+                    int8_vs_bf16.append(
+                        _ratio(data['step_s'], hooks[bf16]['step_s']))
+            step_rows.append([
+                bucket, f'`{ours[len("ours."):]}`',
+                _ms(data['hook_s']),
+                _dash_or(theirs_s, _ms),
+                _dash_or(r, '{:.2f}'.format), f'{wire / MB:.4g}',
+                f'{data["rel_error"]:.1e}'
+            ])
+        codec = entry['codec_s']
+        cells = [bucket, _ms(codec['copy_fp32'])]
+        for name, _, record in columns:
+            r = _ratio(codec[name], codec['copy_fp32'])
+            if name.startswith('ours.') and record.half_precision:
+                worst = max(worst, (r, name, entry['size_mb']))
+            cells.append(f'{r:.2f}x')
+        if 'int8' in codec_of:
+            int8 = codec[codec_of['int8']]
+            int8_cost.append((_ratio(int8, codec['copy_fp32']),
+                              _ratio(int8, codec[codec_of['bf16']])
+                              if 'bf16' in codec_of else math.nan))
+        codec_rows.append(cells)
+    lines += [
+        '', 'Time per bucket: `ours` and `PyTorch` are the hook\'s own time '
+        '(the step minus that of a hook that communicates nothing); '
+        '`ours / PyTorch` is the ratio of whole step times (medians; the '
+        'slowest rank sets each step); PyTorch has no int8 hook that runs '
+        'here (—). `wire MB (ours)`: MiB a rank hands to its collectives '
+        'as input (the most of any rank, from the profiler): the '
+        'all_reduce\'s tensor; for int8 the all_to_all\'s send tensor, '
+        'the quantized bucket (every owner\'s segment, its own included), '
+        'which the all_gather then brings back one owner\'s segment from '
+        'each rank. Each rank sends (N - 1) / N of it in each phase, as a '
+        'ring all-reduce does of its tensor.', ''
+    ]
+    lines += _table([
+        'bucket', 'hook', 'ours', 'PyTorch', 'ours / PyTorch',
+        'wire MB (ours)', 'rel. error'
+    ], step_rows)
+    lines += [
+        '', 'Compress + decompress on every rank at once, as a '
+        'multiple of a plain copy of the fp32 bucket (int8: quantize '
+        'with error feedback, then dequantize):', ''
+    ]
+    lines += _table(['bucket', 'fp32 copy'] +
+                    [header for _, header, _ in columns], codec_rows)
+    lines.append('')
+    lines.append('Targets (step time incl. the shared backward; median '
+                 'over bucket sizes):')
+    for family, values in ratios.items():
+        med = statistics.median(values)
+        lines.append(f'  ours/torch {family:<9}: {med:.3f} '
+                     f'{"PASS" if med <= 1.05 else "FAIL"} (<= 1.05)')
+    lines.append(f'  wire bytes fp16/bf16 = 0.5 x fp32: '
+                 f'{"PASS" if bytes_ok else "FAIL"}')
+    # Each phase moves the quantized bucket: 1 byte an element plus a 4-byte
+    # scale a block, against 4 bytes of fp32 (0.2539 for blocks of 256);
+    # 0.27 leaves room for padding to whole blocks and equal segments.
+    if int8_phases:
+        target = (1 + 4 / INT8_BLOCK) / 4
+        send = max(int8_phases, key=lambda p: p[1])
+        gathered = max(int8_phases, key=lambda p: p[2])
+        ok = send[1] <= 0.27 and gathered[2] <= 0.27
+        lines.append(
+            f'  wire bytes int8 <= 0.27 x fp32 per phase ((1 + 4/'
+            f'{INT8_BLOCK}) / 4 = {target:.4f}), every size: '
+            f'{"PASS" if ok else "FAIL"} (worst: all_to_all send '
+            f'{send[1]:.4f} at {send[0]:g} MB, {world_size} x all_gather '
+            f'input {gathered[2]:.4f} at {gathered[0]:g} MB)')
+    # 1.5 is the byte ratio of the two (read 4 + write 2, then read 2 +
+    # write 4, against read 4 + write 4): the floor for memory-bound passes.
+    r, name, size = worst
+    if name:
+        lines.append(f'  compress+decompress <= 1.5 x fp32 copy, every size: '
+                     f'{"PASS" if r <= 1.5 else "FAIL"} (worst {r:.2f}x, '
+                     f'{name} at {size:g} MB)')
+    lines.append('Reported, no target:')
+    if int8_vs_bf16:
+        lines.append(f'  int8/bf16 step time (ours, median over sizes): '
+                     f'{statistics.median(int8_vs_bf16):.3f}')
+    if int8_cost:
+        copies = [c for c, _ in int8_cost]
+        bf16s = [b for _, b in int8_cost]
+        lines.append(
+            f'  int8 compress+decompress: {min(copies):.2f}x to '
+            f'{max(copies):.2f}x an fp32 copy (it moves '
+            f'{_INT8_CODEC_FLOOR:.2f}x the copy\'s bytes), {min(bf16s):.2f}x '
+            f'to {max(bf16s):.2f}x ours bf16')
+    return '\n'.join(lines)
+
+
+def plot(results, path):
+    """Two panels against the bucket size: each hook's time per bucket,
+    and each codec's cost as a multiple of a plain copy."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    sizes = [e['size_mb'] for e in results]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    # The hooks and codecs the ranks measured, in their order.
+    for name in results[0]['hooks']:
+        if name == 'noop':
+            continue
+        style = '-' if name.startswith('ours.') else '--'
+        ax1.plot(
+            sizes, [e['hooks'][name]['hook_s'] * 1e3 for e in results],
+            style,
+            marker='o',
+            label=name)
+    ax1.set(
+        xscale='log',
+        yscale='log',
+        xlabel='bucket size (MB of fp32)',
+        ylabel='ms per bucket (hook only)',
+        title='Time per bucket')
+    ax1.legend(fontsize=7)
+    for name in list(results[0]['codec_s'])[1:]:
+        style = '-' if name.startswith('ours.') else '--'
+        ax2.plot(
+            sizes,
+            [e['codec_s'][name] / e['codec_s']['copy_fp32'] for e in results],
+            style,
+            marker='o',
+            label=name)
+    ax2.axhline(1.5, color='grey', lw=0.8, ls=':', label='target 1.5x')
+    ax2.set(
+        xscale='log',
+        xlabel='bucket size (MB of fp32)',
+        ylabel='x time of a plain fp32 copy',
+        title='Compress + decompress cost')
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

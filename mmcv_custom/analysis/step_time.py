@@ -1,0 +1,366 @@
+"""What ``tools/analysis_tools/benchmark_step_time.py`` runs on each
+emulated node: the model built from the config, one DDP model per hook,
+the timed training steps at every link rate, the buckets' ready times and
+the codecs' times on one-rank groups; and what it shows on the console
+meanwhile (:class:`ProgressOnly`) or after a failure (:func:`log_tails`).
+The report on the results is :mod:`.step_time_report`.
+
+The hooks compared are ``noop`` (a hook that sends nothing) and every
+registered hook (:func:`hook_configs`), each with the settings its record
+asks benchmarks to use.
+"""
+import copy
+import faulthandler
+import json
+import os
+import os.path as osp
+import signal
+import statistics
+import time
+from datetime import timedelta
+
+from .registered import registered_hooks
+
+__all__ = [
+    'hook_configs', 'hook_labels', 'rate_label', 'progress_steps',
+    'ProgressOnly', 'node_worker', 'log_tails', 'PROGRESS'
+]
+
+
+def hook_configs():
+    """Hook name -> its ``comm_hook`` config, in the tool's order:
+    ``noop`` (None: it sends nothing), then every registered hook with
+    its record's ``benchmark_options``."""
+    out = {'noop': None}
+    for hook in registered_hooks():
+        out[hook.name] = dict(type=hook.name, **hook.record.benchmark_options)
+    return out
+
+
+def hook_labels():
+    """Hook name -> its label in the plot's legend (its record's, else
+    its name), for the hooks of :func:`hook_configs`."""
+    labels = {'noop': 'noop'}
+    labels.update((h.name, h.label) for h in registered_hooks())
+    return labels
+
+
+def rate_label(mbit):
+    """A rate's name in the tables and the JSON: ``'unshaped'`` for None,
+    else ``'<mbit> Mbit/s'``."""
+    return 'unshaped' if mbit is None else f'{mbit:g} Mbit/s'
+
+
+#: Marks the node workers' progress lines, the only ones shown on the
+#: console (every node's whole output goes to its log file): one per
+#: step of :func:`progress_steps`, in its order.
+PROGRESS = '[step-time] '
+
+#: Steps before any is timed: PowerSGD compresses from its second step on,
+#: and DDP lays its buckets out again after the first.
+_WARMUP = 3
+
+
+# -- the node worker (runs on every emulated node) ---------------------------
+def _noop_hook(state, bucket):
+    import torch
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+class _Clock:
+    """When each bucket reached the ``noop`` hook, from backward's start."""
+
+    def __init__(self, positions):
+        self.backward_start = 0.0
+        self.ready = {}
+        self.bytes = {}
+        self.params = {}
+        self.positions = positions  # id(parameter) -> its index
+
+    def hook(self, state, bucket):
+        self.ready.setdefault(bucket.index(), []).append(time.perf_counter() -
+                                                         self.backward_start)
+        buffer = bucket.buffer()
+        self.bytes[bucket.index()] = buffer.numel() * buffer.element_size()
+        self.params[bucket.index()] = [
+            dict(
+                shape=list(p.shape),
+                dtype=str(p.dtype).split('.')[-1],
+                index=self.positions[id(p)]) for p in bucket.parameters()
+        ]
+        return _noop_hook(state, bucket)
+
+
+def _build(cfg):
+    """Model, one batch (already preprocessed) and the optimizer config."""
+    import torch
+    from mmengine.registry import init_default_scope
+    from mmengine.runner import Runner
+    from mmengine.utils import import_modules_from_strings
+    from mmseg.registry import MODELS
+
+    from mmcv_custom.launcher import prepare_launch
+    init_default_scope(cfg.get('default_scope', 'mmseg'))
+    if cfg.get('custom_imports'):
+        import_modules_from_strings(**cfg.custom_imports)
+    prepare_launch(cfg, 'none', cuda=False)  # SyncBN -> BN on CPU
+    torch.manual_seed(0)
+    model = MODELS.build(cfg.model)
+    model.init_weights()
+    loader = Runner.build_dataloader(
+        copy.deepcopy(cfg.train_dataloader), seed=0)
+    batch = next(iter(loader))
+    data = model.data_preprocessor(batch, True)
+    return model, data
+
+
+def _ddp_models(model, cfg, spec, group):
+    """One DDP model per hook (a hook is registered once per model), each
+    on its own copy of the same weights."""
+    from mmengine.optim import build_optim_wrapper
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mmcv_custom.comm.builder import build_comm_hook
+    from mmcv_custom.comm.telemetry import CommCounter
+    out = {}
+    configs = hook_configs()
+    for name in spec['hooks']:
+        module = copy.deepcopy(model)
+        ddp = DDP(
+            module, process_group=group, bucket_cap_mb=spec['bucket_cap_mb'])
+        counter = CommCounter()
+        clock = None
+        if configs[name] is None:
+            clock = _Clock({
+                id(p): i
+                for i, p in enumerate(
+                    p for p in ddp.module.parameters() if p.requires_grad)
+            })
+            ddp.register_comm_hook(None, clock.hook)
+        else:
+            built = build_comm_hook(
+                dict(configs[name]), process_group=group, counter=counter)
+            ddp.register_comm_hook(built.state, built.hook)
+        optim = build_optim_wrapper(ddp.module,
+                                    copy.deepcopy(cfg.optim_wrapper))
+        out[name] = dict(ddp=ddp, optim=optim, counter=counter, clock=clock)
+    return out
+
+
+def _grad_bytes(model):
+    """Bytes of the model's trainable gradients, as DDP hands them over."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()
+               if p.requires_grad)
+
+
+def _step(entry, data):
+    """One training step; its seconds and its backward's."""
+    ddp, optim, clock = entry['ddp'], entry['optim'], entry['clock']
+    start = time.perf_counter()
+    optim.zero_grad()
+    losses = ddp(**data, mode='loss')
+    loss, _ = ddp.module.parse_losses(losses)
+    backward = time.perf_counter()
+    if clock is not None:
+        clock.backward_start = backward
+    loss.backward()
+    backward = time.perf_counter() - backward
+    optim.step()
+    return time.perf_counter() - start, backward
+
+
+def progress_steps(hooks, rates, rounds, steps):
+    """What rank 0 of the nodes reports, as ``(what, weight)``: building
+    and warming up, every (round, rate) block, the codec timings. A
+    weight is the block's training steps."""
+    out = [('model built, hooks warmed up', len(hooks) * _WARMUP)]
+    out += [(f'round {r + 1}/{rounds}, {rate_label(mbit)}', len(hooks) * steps)
+            for r in range(rounds) for mbit in rates]
+    out.append(('codec times', len(hooks) * (_WARMUP + rounds * steps)))
+    return out
+
+
+class ProgressOnly:
+    """The console side of the nodes' output: their progress lines only,
+    as done/total with an ETA (:class:`~mmcv_custom.analysis.Progress`,
+    on stderr)."""
+
+    def __init__(self, progress):
+        self.progress = progress
+
+    def write(self, line):
+        if PROGRESS in line:
+            self.progress.advance(line.split(PROGRESS, 1)[1].strip())
+
+    def flush(self):
+        pass
+
+
+def _set_rate(spec, mbit):
+    from mmcv_custom.emulated_cluster import shape_links
+    shape_links([tuple(link) for link in spec['links']], mbit)
+
+
+def _codec_times(model, cfg, spec, data, rank, world_size):
+    """Per hook, its step on a one-rank group minus ``noop``'s there.
+
+    The hooks take turns step by step (not block by block), so that a rank
+    descheduled for a while (more ranks than cores) slows them all alike.
+    """
+    import torch.distributed as dist
+    solos = [dist.new_group([r]) for r in range(world_size)]
+    models = _ddp_models(model, cfg, spec, solos[rank])
+    times = {name: [] for name in models}
+    for name, entry in models.items():
+        for _ in range(_WARMUP):
+            _step(entry, data)
+    for _ in range(spec['rounds'] * spec['steps']):
+        for name, entry in models.items():
+            times[name].append(_step(entry, data)[0])
+    noop = statistics.median(times['noop'])
+    return {
+        name: max(0.0,
+                  statistics.median(t) - noop)
+        for name, t in times.items()
+    }
+
+
+def node_worker(spec_path):
+    # Stopped for a timeout (SIGTERM), a node says where it was: every
+    # thread's stack goes to its log before it ends.
+    faulthandler.register(signal.SIGTERM, chain=True)
+    import torch
+    import torch.distributed as dist
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    rank = int(os.environ['NODE_RANK'])
+    world_size = int(os.environ['NNODES'])
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK='0',
+        MASTER_PORT=os.environ['PORT'])
+    torch.set_num_threads(spec['threads'])
+    dist.init_process_group(
+        'gloo',
+        init_method='env://',
+        timeout=None if spec['timeout'] is None else timedelta(
+            seconds=spec['timeout']))
+    from mmcv_custom.launcher import shutdown_distributed
+
+    # Every DDP model lives in _measure's frame and is gone when it
+    # returns: see shutdown_distributed for why that must come first.
+    result = _measure(spec, rank, world_size)
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        with open(spec['out'], 'w') as f:
+            json.dump(gathered, f)
+    dist.barrier()
+    shutdown_distributed()
+
+
+def _measure(spec, rank, world_size):
+    """Build, warm up and time every hook at every rate, then the codecs;
+    what this node measured."""
+    import torch.distributed as dist
+
+    from mmcv_custom.launcher import load_config
+    cfg = load_config(spec['config'], spec.get('cfg_options'))
+    model, data = _build(cfg)
+    grad_bytes = _grad_bytes(model)
+    if spec['bucket_cap_mb'] is None:
+        # A sixth of the gradients, for at least 4 buckets.
+        spec['bucket_cap_mb'] = round(grad_bytes / 6 / 2**20, 4)
+    models = _ddp_models(model, cfg, spec, None)
+    for entry in models.values():
+        for _ in range(_WARMUP):
+            _step(entry, data)
+            entry['counter'].pop()
+    if rank == 0:
+        print(
+            f'{PROGRESS}model built, {len(models)} hooks warmed up',
+            flush=True)
+    clock = models['noop']['clock']
+    clock.ready.clear()
+
+    labels = [rate_label(mbit) for mbit in spec['rates']]
+    steps = {label: {name: [] for name in models} for label in labels}
+    wire = {name: [] for name in models}
+    backward = []
+    for round_ in range(spec['rounds']):
+        for mbit, label in zip(spec['rates'], labels):
+            dist.barrier()
+            if rank == 0:
+                _set_rate(spec, mbit)
+            dist.barrier()
+            for name, entry in models.items():
+                dist.barrier()
+                for _ in range(spec['steps']):
+                    seconds, back = _step(entry, data)
+                    steps[label][name].append(seconds)
+                    _, sent = entry['counter'].pop()
+                    if sent:
+                        wire[name].append(sent)
+                    if name == 'noop':
+                        backward.append(back)
+            if rank == 0:
+                print(
+                    f'{PROGRESS}round {round_ + 1}/{spec["rounds"]}, '
+                    f'{label}: ' + ', '.join(
+                        f'{n} {statistics.median(t[-spec["steps"]:]):.3f}s'
+                        for n, t in steps[label].items()),
+                    flush=True)
+    if rank == 0:
+        _set_rate(spec, None)
+    dist.barrier()
+    codec = _codec_times(model, cfg, spec, data, rank, world_size)
+    if rank == 0:
+        print(f'{PROGRESS}codec times on one-rank groups', flush=True)
+    result = dict(
+        rank=rank,
+        steps=steps,
+        bucket_cap_mb=spec['bucket_cap_mb'],
+        wire_bytes={
+            n: max(w) if w else 0
+            for n, w in wire.items()
+        },
+        backward_s=statistics.median(backward),
+        buckets=_bucket_records(clock),
+        codec_s=codec,
+        grad_bytes=grad_bytes)
+    return result
+
+
+def _bucket_records(clock):
+    """Each bucket's bytes, median ready time and parameters, in DDP's
+    order."""
+    return [
+        dict(
+            index=index,
+            bytes=clock.bytes[index],
+            ready_s=statistics.median(clock.ready[index]),
+            params=clock.params[index]) for index in sorted(clock.ready)
+    ]
+
+
+def log_tails(result, work_dir, lines=15):
+    """The end of the failed node's log; after a timeout, of every
+    node's (which one is stuck, and where, is the question)."""
+    nodes = (
+        range(len(result.returncodes))
+        if result.failed_node is None else [result.failed_node])
+    out = []
+    for node in nodes:
+        log = osp.join(work_dir, f'node{node}.log')
+        try:
+            with open(log, errors='replace') as f:
+                tail = f.readlines()[-lines:]
+        except OSError as e:
+            out.append(f'; cannot read {log}: {e.strerror}')
+            continue
+        out.append(f'; the end of {log}:\n' + ''.join(tail))
+    return ''.join(out)
