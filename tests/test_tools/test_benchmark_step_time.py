@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mmcv_custom import emulated_cluster
+from mmcv_custom.launching import emulated_cluster
 from tests.tool_utils import load_script, netns_names, usage_errors
 
 ROOT = os.path.dirname(
