@@ -8,7 +8,7 @@ once with ``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``, ``PORT`` and
 ``tools/dist_test.sh`` read for a multi-node torchrun job); prints each
 node's output prefixed with ``[node<i>]``; removes everything on exit. Only
 the rate is emulated: no propagation delay, jitter or loss, and all nodes
-share this host's CPUs (see :mod:`mmcv_custom.emulated_cluster`).
+share this host's CPUs (see :mod:`mmcv_custom.launching.emulated_cluster`).
 
 Needs root, or unprivileged user namespaces (then it re-executes itself in
 one). Exit code: the first failing node's, 124 after ``--timeout``, 130 on
@@ -34,12 +34,18 @@ import signal
 import sys
 import time
 
-from mmcv_custom.emulated_cluster import (DEFAULT_PORT, MAX_NODES,
-                                          TIMEOUT_EXIT_CODE, ClusterError,
-                                          ClusterUnavailable, EmulatedCluster,
-                                          Interrupted, NodesFailed, calibrate,
-                                          reexec_in_user_namespace,
-                                          run_on_nodes, signal_exit_code)
+from mmcv_custom.launching.emulated_cluster.availability import (
+    ClusterUnavailable, reexec_in_user_namespace)
+from mmcv_custom.launching.emulated_cluster.calibrate import calibrate
+from mmcv_custom.launching.emulated_cluster.cluster import (MAX_NODES,
+                                                            EmulatedCluster,
+                                                            Interrupted)
+from mmcv_custom.launching.emulated_cluster.namespaces import ClusterError
+from mmcv_custom.launching.emulated_cluster.node_start import signal_exit_code
+from mmcv_custom.launching.emulated_cluster.run import (DEFAULT_PORT,
+                                                        TIMEOUT_EXIT_CODE,
+                                                        NodesFailed,
+                                                        run_on_nodes)
 
 PROG = 'emulated_cluster.py'
 _UNSHAPED = 'unshaped'

@@ -3,9 +3,9 @@
 Same arguments as MMSegmentation 1.x's ``tools/test.py``; without CUDA a
 distributed launch runs on gloo (see :mod:`mmcv_custom.launcher`). What
 the run needs is checked first, every problem in one message (exit status
-2; :mod:`mmcv_custom.preflight`): the test data, the work dir, and the
-checkpoint, which must exist and hold only what is on the safe-loading
-allow-list (:mod:`mmcv_custom.checkpoint`). ``--out`` is
+2; :mod:`mmcv_custom.launching.preflight`): the test data, the work dir,
+and the checkpoint, which must exist and hold only what is on the
+safe-loading allow-list (:mod:`mmcv_custom.checkpoint`). ``--out`` is
 created on every rank, since each writes its predictions there.
 
 CHECKPOINT may also be a sharded checkpoint directory of FSDP2Strategy
@@ -31,9 +31,9 @@ from mmcv_custom.engine.console import ToolConsole, report_failure
 from mmcv_custom.integrity import CheckpointDamagedError
 from mmcv_custom.launcher import (is_launch_rank0, prepare_launch, run_runner,
                                   uses_fsdp2)
+from mmcv_custom.launching.preflight import (PreflightError, check_preflight,
+                                             checked_config, exit_on_problems)
 from mmcv_custom.lifetime import die_with_launcher
-from mmcv_custom.preflight import (PreflightError, check_preflight,
-                                   checked_config, exit_on_problems)
 from mmcv_custom.sharded_checkpoint import consolidated_file
 
 

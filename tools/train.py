@@ -15,12 +15,13 @@ Same arguments as MMSegmentation 1.x's ``tools/train.py``. Additionally:
   dir's lock (:mod:`mmcv_custom.work_dir_lock`) until the run ends, and a
   rank ends with its launcher (:mod:`mmcv_custom.lifetime`);
 * everything the run needs is checked first, before the model, the
-  process group or the runner exists (:mod:`mmcv_custom.preflight`): the
-  training and validation data, the pretrained files, the checkpoint the
-  run will load (missing, failing its ``.sha256`` digest, or holding what
-  torch's safe loader refuses) and the work dir (writable, room for a
-  save); every problem is said in one message, with what to do, and the
-  run exits with status 2;
+  process group or the runner exists
+  (:mod:`mmcv_custom.launching.preflight`): the training and validation
+  data, the pretrained files, the checkpoint the run will load (missing,
+  failing its ``.sha256`` digest, or holding what torch's safe loader
+  refuses) and the work dir (writable, room for a save); every problem
+  is said in one message, with what to do, and the run exits with
+  status 2;
 * ``load_from`` logs how many of the model's tensors it fills, and stops
   the run below ``load_from_min_match`` (default 0.5) of them;
 * every rank's random generators are saved with each checkpoint and
@@ -57,9 +58,10 @@ from mmcv_custom.engine.hook_state_files import remove_orphan_state_files
 from mmcv_custom.integrity import CheckpointDamagedError
 from mmcv_custom.launcher import (is_launch_rank0, prepare_launch,
                                   restart_count, run_runner, uses_fsdp2)
+from mmcv_custom.launching.preflight import (PreflightError, Problem,
+                                             check_preflight, checked_config,
+                                             exit_on_problems)
 from mmcv_custom.lifetime import die_with_launcher
-from mmcv_custom.preflight import (PreflightError, Problem, check_preflight,
-                                   checked_config, exit_on_problems)
 from mmcv_custom.run_start import apply_start_plan, plan_start
 from mmcv_custom.sharded_checkpoint import consolidated_file
 from mmcv_custom.work_dir_lock import WorkDirBusy, WorkDirLock

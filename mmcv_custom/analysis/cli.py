@@ -13,7 +13,7 @@ import sys
 from typing import Mapping, Optional, Sequence
 
 from mmcv_custom.launcher import check_writable
-from mmcv_custom.preflight import PreflightError, checked_config
+from mmcv_custom.launching.preflight import PreflightError, checked_config
 
 __all__ = [
     'check_output', 'check_work_dir', 'read_config', 'cfg_options',

@@ -199,7 +199,7 @@ class ProgressOnly:
 
 
 def _set_rate(spec, mbit):
-    from mmcv_custom.emulated_cluster import shape_links
+    from mmcv_custom.launching.emulated_cluster import shape_links
     shape_links([tuple(link) for link in spec['links']], mbit)
 
 

@@ -163,6 +163,6 @@ class ToyShapesDataset(BaseSegDataset):
     def generates_data(cfg: dict) -> bool:
         """Whether a dataset built from ``cfg`` writes its own data, so
         that its folders may be missing before the run
-        (:mod:`mmcv_custom.preflight` leaves them alone): unless
+        (:mod:`mmcv_custom.launching.preflight` leaves them alone): unless
         ``generate=False``."""
         return cfg.get('generate') is not False

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mmcv_custom import emulated_cluster
+from mmcv_custom.launching import emulated_cluster
 from mmcv_custom.analysis import step_time
 from mmcv_custom.analysis import step_time_report as st
 from mmcv_custom.comm.registry import COMM_HOOKS

@@ -1,4 +1,4 @@
-"""The emulated cluster (``mmcv_custom/emulated_cluster.py`` and
+"""The emulated cluster (``mmcv_custom/launching/emulated_cluster/`` and
 ``tools/emulated_cluster.py``) on real network namespaces: what it makes
 and that it all goes, the shaping, who reaches whom, that a failing node,
 a timeout or a signal stops every node and removes everything, the usage
@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-from mmcv_custom import emulated_cluster as ec
+from mmcv_custom.launching import emulated_cluster as ec
+from mmcv_custom.launching.emulated_cluster.namespaces import run_command
 from tests.tool_utils import load_script, netns_names, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -276,8 +277,8 @@ def test_nodes_end_with_their_maker_and_leftovers_go_once_idle(caplog):
     seconds = _unique_seconds()
     child = subprocess.Popen([
         sys.executable, '-c', 'import sys\n'
-        'from mmcv_custom.emulated_cluster import EmulatedCluster, '
-        'run_on_nodes\n'
+        'from mmcv_custom.launching.emulated_cluster import '
+        'EmulatedCluster, run_on_nodes\n'
         'with EmulatedCluster(2) as c:\n'
         '    print(c._keeper.pid, " ".join(c.namespaces), flush=True)\n'
         f'    run_on_nodes(c, ["sleep", "{seconds}"])\n'
@@ -344,7 +345,7 @@ def test_a_failure_while_creating_removes_what_was_made(monkeypatch):
 
     def add_node(node):
         if node.rank == 2:
-            ec._run(['ip', 'link', 'add', 'name', 'x', 'type', 'no-such'])
+            run_command(['ip', 'link', 'add', 'name', 'x', 'type', 'no-such'])
         real_add_node(node)
 
     monkeypatch.setattr(cluster, '_add_node', add_node)
@@ -591,7 +592,11 @@ def test_calibration_measures_a_gloo_all_reduce():
 # Without root ----------------------------------------------------------
 _AS_NOBODY = r'''
 import importlib.util, os, sys
-spec = importlib.util.spec_from_file_location('_ec', sys.argv[1])
+# The package alone, without mmcv_custom (torch, MMEngine), as a bare
+# python3 would load it.
+package = os.path.dirname(sys.argv[1])
+spec = importlib.util.spec_from_file_location(
+    '_ec', sys.argv[1], submodule_search_locations=[package])
 ec = importlib.util.module_from_spec(spec)
 sys.modules['_ec'] = ec
 spec.loader.exec_module(ec)
@@ -737,3 +742,21 @@ def test_two_node_training_and_resume_through_the_tool(tmp_path):
     assert (tmp_path / 'work' / 'iter_4.pth').is_file()
     for out in (first, resumed):
         assert not _tool_namespaces(out.stdout) & netns_names()
+
+
+# The files run as programs -------------------------------------------------
+@pytest.mark.parametrize('module',
+                         ['namespaces', 'node_start', 'calibration_rank'])
+def test_program_files_run_alone(module):
+    """The keeper, a node's first program and a calibration rank run these
+    files by path: without ``site`` (so neither mmcv_custom nor torch can
+    be imported) each still starts, and without its arguments says it is a
+    library."""
+    path = osp.join(osp.dirname(ec.__file__), f'{module}.py')
+    done = subprocess.run([sys.executable, '-P', '-S', path],
+                          capture_output=True,
+                          text=True,
+                          timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith('this module is a library; run '
+                                  'tools/emulated_cluster.py')

@@ -12,11 +12,12 @@ import time
 import pytest
 import torch
 
-import mmcv_custom.preflight as preflight_module
+import mmcv_custom.launching.preflight as preflight_module
 from mmcv_custom.launcher import LAUNCH_ENV, load_config
-from mmcv_custom.preflight import (PreflightError, Problem, check_preflight,
-                                   format_problems, preflight,
-                                   preflight_report)
+from mmcv_custom.launching.preflight import (PreflightError, Problem,
+                                             check_preflight, format_problems,
+                                             preflight, preflight_report)
+from mmcv_custom.launching.preflight import work_dir as work_dir_check
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOLS = osp.join(ROOT, 'tools')
@@ -155,8 +156,8 @@ def test_toy_data_that_must_exist_is_checked(tmp_path):
 def test_ade20k_folders_empty_folders_and_few_shot_splits(
         tmp_path, monkeypatch):
     # (The room for a 6B checkpoint is not this test's business.)
-    monkeypatch.setattr(preflight_module, 'estimate_checkpoint_bytes',
-                        lambda cfg: None)
+    monkeypatch.setattr(
+        work_dir_check, 'checkpoint_size', lambda cfg, world_size=1: None)
     root = tmp_path / 'ADEChallengeData2016'
     (root / 'images' / 'training').mkdir(parents=True)
     (root / 'images' / 'training' / 'a.jpg').write_bytes(b'')

@@ -2,7 +2,7 @@
 
 What a hook buys is time, and only a link slow enough for the gradients'
 bytes to matter shows it (over loopback, bytes are free). This tool starts
-``--nodes`` emulated nodes (``mmcv_custom.emulated_cluster``: network
+``--nodes`` emulated nodes (``mmcv_custom.launching.emulated_cluster``: network
 namespaces, one rank each, every node's link shaped in both directions by
 tc's tbf; rate yes, propagation delay no), and on them trains a real model
 (default: the tiny InternViT UperNet on the toy data) with every hook at
@@ -68,7 +68,7 @@ from mmcv_custom.analysis.step_time import (ProgressOnly, hook_configs,
                                             progress_steps, rate_label)
 from mmcv_custom.analysis.step_time_report import (bench_json, plot, report,
                                                    summarize, verdict)
-from mmcv_custom.emulated_cluster import MAX_NODES
+from mmcv_custom.launching.emulated_cluster import MAX_NODES
 
 _DEFAULT_CONFIG = osp.join(
     'configs', 'intern_vit',
@@ -230,7 +230,7 @@ def main(argv=None):
     if args.node_worker:
         node_worker(args.node_worker)
         return 0
-    from mmcv_custom import emulated_cluster as ec
+    from mmcv_custom.launching import emulated_cluster as ec
     reason = ec.check_available()
     if reason is not None:
         print(

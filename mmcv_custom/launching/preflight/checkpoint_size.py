@@ -1,0 +1,135 @@
+"""How large one save of a run is (weights, optimizer state, every rank's
+hook state file), estimated from the model built on the meta device.
+"""
+import copy
+import warnings
+from typing import NamedTuple, Optional
+
+from mmengine.config import Config
+
+from ...launcher import uses_fsdp2
+
+__all__ = [
+    'CheckpointSize', 'checkpoint_size', 'estimate_checkpoint_bytes',
+    'format_size'
+]
+
+_GIB = 1024**3
+
+#: Optimizer states per trainable parameter, each of its size, that a
+#: checkpoint saves (SGD: its momentum buffer, when momentum is set).
+_OPTIMIZER_STATES = {
+    'Adam': 2,
+    'AdamW': 2,
+    'Adamax': 2,
+    'NAdam': 2,
+    'RAdam': 2,
+    'Adadelta': 2,
+    'Adagrad': 1,
+    'RMSprop': 1,
+}
+
+
+def _optimizer_states(cfg: Config) -> int:
+    """Tensors the checkpoint saves per trainable parameter for the
+    optimizer (0 when unknown: the estimate stays a lower bound)."""
+    checkpoint_hook = (cfg.get('default_hooks') or {}).get('checkpoint') or {}
+    if checkpoint_hook.get('save_optimizer', True) is False:
+        return 0
+    optimizer = (cfg.get('optim_wrapper') or {}).get('optimizer') or {}
+    kind = optimizer.get('type', '')
+    name = kind if isinstance(kind, str) else getattr(kind, '__name__', '')
+    name = name.split('.')[-1]
+    if name == 'SGD':
+        return 1 if optimizer.get('momentum') else 0
+    return _OPTIMIZER_STATES.get(name, 0)
+
+
+class CheckpointSize(NamedTuple):
+    """What one save of a run writes, in bytes (see
+    :func:`checkpoint_size`)."""
+    weights: int  # parameters and buffers, in their dtypes
+    optimizer: int  # the optimizer's state per trainable parameter
+    hook_state: int  # every rank's communication-hook state file
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.optimizer + self.hook_state
+
+    def describe(self) -> str:
+        parts = [f'weights {format_size(self.weights)}']
+        if self.optimizer:
+            parts.append(f'optimizer state {format_size(self.optimizer)}')
+        if self.hook_state:
+            parts.append('communication-hook state files '
+                         f'{format_size(self.hook_state)}')
+        return ', '.join(parts)
+
+
+def format_size(size: float) -> str:
+    """``size`` bytes for a message: GiB from 1 GiB, MiB below (so that a
+    small model's checkpoint is not "0.0 GiB")."""
+    if size >= _GIB:
+        return f'{size / _GIB:.1f} GiB'
+    return f'{size / 2**20:.1f} MiB'
+
+
+def _hook_state_bytes(cfg: Config, params, world_size: int) -> int:
+    """Every rank's hook state file for one save: the keeper of the
+    ``comm_hook``'s record says how large one is (no table by hook)."""
+    comm_hook = cfg.get('comm_hook')
+    if not isinstance(comm_hook, dict) or uses_fsdp2(cfg):
+        return 0
+    try:
+        from ...comm.builder import check_comm_hook_cfg, hook_record
+        keeper = hook_record(comm_hook.get('type')).state_keeper
+        if keeper is None:
+            return 0
+        state_kwargs = check_comm_hook_cfg(comm_hook)['state_kwargs']
+    except (KeyError, TypeError, ValueError):
+        return 0  # said as a comm_hook problem
+    return world_size * keeper.file_bytes(params, state_kwargs)
+
+
+def checkpoint_size(cfg: Config,
+                    world_size: int = 1) -> Optional[CheckpointSize]:
+    """About how large one save of ``cfg``'s run is: the model's
+    parameters and buffers in their dtypes, the optimizer's state per
+    trainable parameter (two for Adam/AdamW), and the state file every one
+    of ``world_size`` ranks writes beside it for a stateful ``comm_hook``
+    (int8's and PowerSGD's error feedback).
+
+    The model is built on the meta device, so no memory is allocated
+    (InternViT-6B: about a second). Returns None when it cannot be built
+    that way; the caller then checks nothing.
+    """
+    model_cfg = cfg.get('model')
+    if not isinstance(model_cfg, dict):
+        return None
+    try:
+        import torch
+        from mmengine.registry import MODELS
+        with warnings.catch_warnings():
+            # The real build shows them again.
+            warnings.simplefilter('ignore')
+            with MODELS.switch_scope_and_registry(
+                    cfg.get('default_scope')) as registry:
+                with torch.device('meta'):
+                    model = registry.build(copy.deepcopy(model_cfg))
+        params = list(model.parameters())
+        size = sum(p.numel() * p.element_size() for p in params)
+        size += sum(b.numel() * b.element_size() for b in model.buffers())
+        trainable = sum(p.numel() * p.element_size() for p in params
+                        if p.requires_grad)
+    except Exception:
+        return None
+    return CheckpointSize(size,
+                          _optimizer_states(cfg) * trainable,
+                          _hook_state_bytes(cfg, params, world_size))
+
+
+def estimate_checkpoint_bytes(cfg: Config,
+                              world_size: int = 1) -> Optional[int]:
+    """:func:`checkpoint_size`'s total; None where it is unknown."""
+    size = checkpoint_size(cfg, world_size)
+    return None if size is None else size.total

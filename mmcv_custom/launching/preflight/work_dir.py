@@ -1,0 +1,125 @@
+"""The work dir, and the CheckpointHook's ``out_dir`` when it has one:
+writable (nothing is left behind), and, for training, room on the
+checkpoints' disk for one save.
+"""
+import os
+import os.path as osp
+import shutil
+import tempfile
+from typing import List, Optional, Tuple
+
+from mmengine.config import Config
+
+from ...launcher import LAUNCH_ENV
+from .checkpoint_size import checkpoint_size, format_size
+from .problems import Problem
+
+__all__ = ['work_dir_problems']
+
+# How often a folder that another rank made and removed meanwhile is
+# looked for again.
+_VANISHING_TRIES = 5
+
+
+def _world_size(launcher: str) -> int:
+    """The ranks of this launch, from its launcher's environment (1 when
+    it says none)."""
+    env = LAUNCH_ENV.get(launcher)
+    value = os.environ.get(env.world, '') if env else ''
+    return int(value) if value.strip().isdigit() else 1
+
+
+def _folder_problems(key: str,
+                     folder: str) -> Tuple[List[Problem], Optional[str]]:
+    """Whether ``folder`` (a work dir, or the checkpoint folder) can be
+    made and written; returns the problems and its nearest existing
+    folder (None with a problem)."""
+    fix = ('choose another --work-dir' if key == 'work_dir' else
+           f'set {key} to another folder (--cfg-options {key}=PATH)')
+    what = 'work dir' if key == 'work_dir' else 'folder'
+    for _ in range(_VANISHING_TRIES):
+        existing = _nearest_existing(folder)
+        if not osp.isdir(existing):
+            return [
+                Problem(
+                    f'{key} {folder!r}: {existing} is a file, not a folder, '
+                    f'so the {what} cannot be '
+                    f'{"used" if existing == osp.abspath(folder) else "made"}',
+                    fix)
+            ], None
+        try:
+            # A real write (read-only mounts, ACLs), removed at once.
+            os.rmdir(tempfile.mkdtemp(prefix='.preflight-', dir=existing))
+        except FileNotFoundError:
+            # Another rank's lock made the folder and removed it again
+            # (its start was refused): look again.
+            continue
+        except OSError as e:
+            return [
+                Problem(
+                    f'{key} {folder!r}: cannot write in {existing} '
+                    f'({e.strerror})', f'{fix} (one you can write to)')
+            ], None
+        return [], existing
+    return [
+        Problem(
+            f'{key} {folder!r}: it kept disappearing while it was checked '
+            '(another process makes and removes it)', fix)
+    ], None
+
+
+def _nearest_existing(folder: str) -> str:
+    """``folder`` itself, or the nearest folder above it that exists."""
+    existing = osp.abspath(folder)
+    while not osp.exists(existing):
+        existing = osp.dirname(existing)
+    return existing
+
+
+def _free_bytes(existing: str) -> int:
+    """Free space on the disk of ``existing``, or of the nearest folder
+    above it when another rank removed it meanwhile."""
+    for _ in range(_VANISHING_TRIES):
+        try:
+            return shutil.disk_usage(existing).free
+        except FileNotFoundError:
+            existing = _nearest_existing(existing)
+    return shutil.disk_usage(_nearest_existing(existing)).free
+
+
+def work_dir_problems(cfg: Config,
+                      mode: str,
+                      launcher: str = 'none') -> List[Problem]:
+    """The work dir, and the checkpoint folder (``out_dir``) when it is
+    elsewhere: writable, and (training) room for one save."""
+    work_dir = cfg.get('work_dir')
+    if not isinstance(work_dir, str) or not work_dir or '://' in work_dir:
+        return []
+    problems, existing = _folder_problems('work_dir', work_dir)
+    if problems or mode != 'train':
+        return problems
+    key = 'work_dir'
+    hook = (cfg.get('default_hooks') or {}).get('checkpoint') or {}
+    out_dir = hook.get('out_dir') if isinstance(hook, dict) else None
+    if out_dir and '://' not in str(out_dir):
+        key = 'default_hooks.checkpoint.out_dir'
+        problems, existing = _folder_problems(key, str(out_dir))
+        if problems:
+            return problems
+        fix = f'free space there, or set {key} to a disk with room'
+    else:
+        fix = 'free space there, or choose another --work-dir on a disk ' \
+              'with room'
+    need = checkpoint_size(cfg, _world_size(launcher))
+    if need is None:
+        return []
+    free = _free_bytes(existing)
+    if need.total <= free:
+        return []
+    where = work_dir if key == 'work_dir' else out_dir
+    return [
+        Problem(
+            f'{key} {where!r}: {format_size(free)} free on its disk, but '
+            f'one checkpoint of this run takes about '
+            f'{format_size(need.total)} ({need.describe()})', fix)
+    ]
