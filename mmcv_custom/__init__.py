@@ -4,14 +4,12 @@
 in a config) registers the communication-hook registry and the
 ``CommHookRegistrationHook`` runner hook and the ``FSDP2Strategy`` of
 MMEngine's FlexibleRunner, and lets torch's safe loader read
-MMEngine's own checkpoints (see :mod:`mmcv_custom.checkpoint`), so
+MMEngine's own checkpoints (see :mod:`mmcv_custom.integrity.checkpoint`), so
 ``--resume`` works on torch >= 2.6, and makes every local checkpoint write
 atomic with a ``.sha256`` digest that loads verify (see
 :mod:`mmcv_custom.engine.checkpoint_io`). The hook functions themselves live in
 :mod:`mmcv_custom.ddp_hooks`, which needs only torch.
 """
-from .checkpoint import (UnsafeCheckpointError, allow_mmengine_checkpoints,
-                         check_checkpoint, load_checkpoint_file)
 from .ddp_hooks import (CompressState, allreduce_hook, bf16_compress_hook,
                         bf16_compress_wrapper, check_bf16_support,
                         default_predivide_factor, fp16_compress_hook,
@@ -21,6 +19,9 @@ from .engine import (CommHookRegistrationHook, CPUAmpOptimWrapper,
                      NonFiniteGradientsError, install_checkpoint_integrity)
 from .int8_hooks import Int8State, int8_compress_hook
 from .integrity import CheckpointDamagedError
+from .integrity.checkpoint import (UnsafeCheckpointError,
+                                   allow_mmengine_checkpoints,
+                                   check_checkpoint, load_checkpoint_file)
 from .registry import (COMM_HOOK_STATES, COMM_HOOKS, CommCounter, CommHookSpec,
                        build_comm_hook, check_comm_hook_cfg, require_bool,
                        require_int, require_real, with_args_check)

@@ -42,8 +42,8 @@ class KillAtRandomHook(Hook):
     """SIGKILL one rank at a random moment in each attempt of a run that
     dist_train.sh restarts, one kill per entry of ``moments``.
 
-    Attempt ``n`` (:func:`mmcv_custom.launcher.restart_count`) dies as
-    ``moments[n]`` says, at a rank, an iteration (one to three past where
+    Attempt ``n`` (:func:`mmcv_custom.engine.process_group.restart_count`) dies
+    as ``moments[n]`` says, at a rank, an iteration (one to three past where
     the attempt resumed) and a delay drawn from
     ``random.Random(seed * 1000 + n)``:
 
@@ -74,7 +74,7 @@ class KillAtRandomHook(Hook):
     def before_train(self, runner):
         import random
 
-        from mmcv_custom.launcher import restart_count
+        from mmcv_custom.engine.process_group import restart_count
         attempt = restart_count()
         if attempt >= len(self.moments):
             return
@@ -105,7 +105,8 @@ class KillAtRandomHook(Hook):
             timer.daemon = True
             timer.start()
             return
-        from mmcv_custom import integrity
+        # The module whose functions the writes call, to patch them there.
+        from mmcv_custom.integrity import files as integrity
         if how == 'save':
             write = integrity._write_then_rename
             wanted = (r'iter_\d+\.pth' if get_rank() == 0 else

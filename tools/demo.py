@@ -30,8 +30,8 @@ import sys
 import time
 from typing import Optional
 
-from mmcv_custom.analysis import read_config, rendezvous_port
-from mmcv_custom.launcher import free_port
+from mmcv_custom.analysis import read_config
+from mmcv_custom.launching.ports import free_port, rendezvous_port
 
 HERE = osp.dirname(osp.abspath(__file__))
 ROOT = osp.dirname(HERE)

@@ -4,7 +4,7 @@
 # PYTHON picks the interpreter; by default the repository's .venv/bin/python
 # when it exists (what `make install` builds), else python on PATH.
 # A failed run ends with the cause (from the first rank that failed), the log
-# file and the exit code (mmcv_custom/torchrun.py: torchrun, reporting so).
+# file and the exit code (mmcv_custom/launching/torchrun.py: torchrun, reporting so).
 PROG=dist_test.sh
 USAGE="usage: $PROG CONFIG CHECKPOINT NPROC_PER_NODE [test.py args...]"
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -43,7 +43,7 @@ if [ -z "${OMP_NUM_THREADS+set}" ] && [ "$NPROC" -gt 1 ]; then
 fi
 
 PYTHONPATH="$HERE/..":$PYTHONPATH \
-exec "${PYTHON:-python}" "$(dirname "$HERE")/mmcv_custom/torchrun.py" "$PROG" \
+exec "${PYTHON:-python}" "$(dirname "$HERE")/mmcv_custom/launching/torchrun.py" "$PROG" \
     --nnodes="$NNODES" \
     --node_rank="$NODE_RANK" \
     --master_addr="$MASTER_ADDR" \

@@ -7,7 +7,7 @@
 # after exit code 2 (a usage or preflight error); a restarted run resumes from
 # the newest intact checkpoint. Ranks end with the launcher, SIGKILL included.
 # A failed run ends with the cause (from the first rank that failed), the log
-# file and the exit code (mmcv_custom/torchrun.py: torchrun, reporting so).
+# file and the exit code (mmcv_custom/launching/torchrun.py: torchrun, reporting so).
 PROG=dist_train.sh
 USAGE="usage: $PROG CONFIG NPROC_PER_NODE [train.py args...]"
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -44,7 +44,7 @@ if [ -z "${OMP_NUM_THREADS+set}" ] && [ "$NPROC" -gt 1 ]; then
 fi
 
 PYTHONPATH="$HERE/..":$PYTHONPATH \
-exec "${PYTHON:-python}" "$(dirname "$HERE")/mmcv_custom/torchrun.py" "$PROG" \
+exec "${PYTHON:-python}" "$(dirname "$HERE")/mmcv_custom/launching/torchrun.py" "$PROG" \
     --nnodes="$NNODES" \
     --node_rank="$NODE_RANK" \
     --master_addr="$MASTER_ADDR" \

@@ -35,7 +35,7 @@ fi
 export MASTER_PORT=${MASTER_PORT:-29500}
 
 # Each task names its parent (slurmstepd) in MMCV_CUSTOM_LAUNCHER_PID: a rank
-# ends with it, SIGKILL included (mmcv_custom/lifetime.py).
+# ends with it, SIGKILL included (mmcv_custom/launching/lifetime.py).
 PYTHONPATH="$HERE/..":$PYTHONPATH \
 srun -p "${PARTITION}" \
     --job-name="${JOB_NAME}" \

@@ -44,7 +44,7 @@ case "$MAX_RESTARTS" in
 esac
 
 # Each task names its parent (slurmstepd) in MMCV_CUSTOM_LAUNCHER_PID: a rank
-# ends with it, SIGKILL included (mmcv_custom/lifetime.py).
+# ends with it, SIGKILL included (mmcv_custom/launching/lifetime.py).
 attempt=0
 while true; do
     PYTHONPATH="$HERE/..":$PYTHONPATH \

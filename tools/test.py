@@ -1,12 +1,12 @@
 """Evaluate a checkpoint, the MMSegmentation way, on GPUs or CPUs.
 
 Same arguments as MMSegmentation 1.x's ``tools/test.py``; without CUDA a
-distributed launch runs on gloo (see :mod:`mmcv_custom.launcher`). What
-the run needs is checked first, every problem in one message (exit status
-2; :mod:`mmcv_custom.launching.preflight`): the test data, the work dir,
-and the checkpoint, which must exist and hold only what is on the
-safe-loading allow-list (:mod:`mmcv_custom.checkpoint`). ``--out`` is
-created on every rank, since each writes its predictions there.
+distributed launch runs on gloo (see :mod:`mmcv_custom.launching.cpu_start`).
+What the run needs is checked first, every problem in one message (exit
+status 2; :mod:`mmcv_custom.launching.preflight`): the test data, the work
+dir, and the checkpoint, which must exist and hold only what is on the
+safe-loading allow-list (:mod:`mmcv_custom.integrity.checkpoint`). ``--out``
+is created on every rank, since each writes its predictions there.
 
 CHECKPOINT may also be a sharded checkpoint directory of FSDP2Strategy
 (``iter_N.pth/``): an FSDP2 config reads it on any number of ranks; any
@@ -26,15 +26,16 @@ from mmengine.config import DictAction
 from mmengine.logging import print_log
 
 import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
-from mmcv_custom.checkpoint import is_sharded_checkpoint
-from mmcv_custom.engine.console import ToolConsole, report_failure
+from mmcv_custom.engine.process_group import is_launch_rank0
 from mmcv_custom.integrity import CheckpointDamagedError
-from mmcv_custom.launcher import (is_launch_rank0, prepare_launch, run_runner,
-                                  uses_fsdp2)
+from mmcv_custom.integrity.checkpoint import is_sharded_checkpoint
+from mmcv_custom.integrity.sharded_checkpoint import consolidated_file
+from mmcv_custom.launching.console import ToolConsole, report_failure
+from mmcv_custom.launching.cpu_start import prepare_launch, uses_fsdp2
+from mmcv_custom.launching.lifetime import die_with_launcher
 from mmcv_custom.launching.preflight import (PreflightError, check_preflight,
                                              checked_config, exit_on_problems)
-from mmcv_custom.lifetime import die_with_launcher
-from mmcv_custom.sharded_checkpoint import consolidated_file
+from mmcv_custom.launching.running import run_runner
 
 
 def parse_args():

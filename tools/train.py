@@ -5,15 +5,16 @@ Same arguments as MMSegmentation 1.x's ``tools/train.py``. Additionally:
 * ``mmcv_custom`` is imported, so ``comm_hook`` configs work without
   ``custom_imports``; a config that sets ``comm_hook`` but forgot the runner
   hook in ``custom_hooks`` gets it added (with one log line);
-* a run never goes backwards (:mod:`mmcv_custom.run_start`): a restart
-  (``MAX_RESTARTS=N tools/dist_train.sh``, ``tools/slurm_train.sh``'s
+* a run never goes backwards (:mod:`mmcv_custom.launching.run_start`): a
+  restart (``MAX_RESTARTS=N tools/dist_train.sh``, ``tools/slurm_train.sh``'s
   loop, a Slurm requeue) or ``--resume`` continues from the run's own
   newest intact checkpoint, whatever ``load_from`` says (it seeds a run at
   its start only); a new run where checkpoints are saved is refused unless
   ``--overwrite`` (they are moved aside); ``--resume`` with nothing
   resumable stops, naming each checkpoint; global rank 0 holds the work
-  dir's lock (:mod:`mmcv_custom.work_dir_lock`) until the run ends, and a
-  rank ends with its launcher (:mod:`mmcv_custom.lifetime`);
+  dir's lock (:mod:`mmcv_custom.launching.work_dir_lock`) until the run
+  ends, and a rank ends with its launcher
+  (:mod:`mmcv_custom.launching.lifetime`);
 * everything the run needs is checked first, before the model, the
   process group or the runner exists
   (:mod:`mmcv_custom.launching.preflight`): the training and validation
@@ -29,7 +30,7 @@ Same arguments as MMSegmentation 1.x's ``tools/train.py``. Additionally:
   the uninterrupted one would have;
 * without CUDA, a distributed launch starts a gloo process group and a
   CPU DDP, and SyncBN becomes BN; a ``model_wrapper_cfg`` other than a DDP
-  is refused by name (see :mod:`mmcv_custom.launcher`);
+  is refused by name (see :mod:`mmcv_custom.launching.cpu_start`);
 * ``runner_type='FlexibleRunner'`` configs are built by MMEngine's
   ``RUNNERS`` (FSDP2Strategy, see :mod:`mmcv_custom.engine.fsdp2_strategy`);
   an ordinary config given a sharded checkpoint as ``load_from`` loads its
@@ -52,19 +53,21 @@ from mmengine.config import Config, DictAction
 from mmengine.logging import print_log
 
 import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
-from mmcv_custom.checkpoint import checkpoint_folder, is_sharded_checkpoint
-from mmcv_custom.engine.console import ToolConsole, report_failure
 from mmcv_custom.engine.hook_state_files import remove_orphan_state_files
+from mmcv_custom.engine.process_group import is_launch_rank0, restart_count
 from mmcv_custom.integrity import CheckpointDamagedError
-from mmcv_custom.launcher import (is_launch_rank0, prepare_launch,
-                                  restart_count, run_runner, uses_fsdp2)
+from mmcv_custom.integrity.checkpoint import is_sharded_checkpoint
+from mmcv_custom.integrity.checkpoint_choice import checkpoint_folder
+from mmcv_custom.integrity.sharded_checkpoint import consolidated_file
+from mmcv_custom.launching.console import ToolConsole, report_failure
+from mmcv_custom.launching.cpu_start import prepare_launch, uses_fsdp2
+from mmcv_custom.launching.lifetime import die_with_launcher
 from mmcv_custom.launching.preflight import (PreflightError, Problem,
                                              check_preflight, checked_config,
                                              exit_on_problems)
-from mmcv_custom.lifetime import die_with_launcher
-from mmcv_custom.run_start import apply_start_plan, plan_start
-from mmcv_custom.sharded_checkpoint import consolidated_file
-from mmcv_custom.work_dir_lock import WorkDirBusy, WorkDirLock
+from mmcv_custom.launching.run_start import apply_start_plan, plan_start
+from mmcv_custom.launching.running import run_runner
+from mmcv_custom.launching.work_dir_lock import WorkDirBusy, WorkDirLock
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
 

@@ -5,7 +5,8 @@ what a rank actually holds (:mod:`~mmcv_custom.analysis.held_memory`), and
 the third-party warnings the tools keep off the console
 (:mod:`~mmcv_custom.analysis.tool_warnings`), their progress lines
 (:mod:`~mmcv_custom.analysis.progress`) and the checks of their command
-lines and of the ``PORT`` their runs use (:mod:`~mmcv_custom.analysis.cli`).
+lines (:mod:`~mmcv_custom.analysis.cli`, which also re-exports the check of
+the ``PORT`` their runs use, :mod:`~mmcv_custom.launching.ports`).
 The cost model that projects each hook's step time to a GPU cluster is the
 subpackage :mod:`mmcv_custom.analysis.cost` (imported on its own: it reads
 the hooks' records).

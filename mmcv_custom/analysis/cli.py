@@ -4,15 +4,14 @@ A bad value fails in a second as a usage error (``parser.error``: one
 line, exit code 2), not as a traceback after minutes of measuring.
 """
 import argparse
-import errno
 import os
 import os.path as osp
-import re
-import socket
 import sys
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
-from mmcv_custom.launcher import check_writable
+from mmcv_custom.launching.output_paths import check_writable
+# Re-exported (it lives beside free_port): tools import it from here too.
+from mmcv_custom.launching.ports import rendezvous_port
 from mmcv_custom.launching.preflight import PreflightError, checked_config
 
 __all__ = [
@@ -37,8 +36,8 @@ def check_output(parser, option: str, path: str) -> None:
     ``--json work_dirs/bench/bench.json`` works on a fresh checkout.
     Elsewhere the folder must exist: a typo in ``/data/reslts/x.json``
     is a usage error, not a new folder. Then
-    :func:`mmcv_custom.launcher.check_writable` (a folder, a read-only
-    place: a usage error).
+    :func:`~mmcv_custom.launching.output_paths.check_writable` (a folder, a
+    read-only place: a usage error).
 
     Args:
         parser (argparse.ArgumentParser): The tool's parser.
@@ -141,62 +140,3 @@ def cfg_options(parser, items: Optional[Sequence[str]]) -> Optional[dict]:
                          f'({e})')
         merged.update(parsed.options)
     return merged
-
-
-def _bind_error(port: int) -> Optional[OSError]:
-    """Why a rendezvous store could not listen on ``port`` here now; None
-    if it could. Bound as torch's TCPStore binds (every address, with
-    ``SO_REUSEADDR``), so a port another process listens on is taken, and
-    one the previous run of the same tool left in TIME_WAIT is not."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(('', port))
-        except OSError as e:
-            return e
-    return None
-
-
-def rendezvous_port(parser,
-                    environ: Optional[Mapping[str,
-                                              str]] = None) -> Optional[str]:
-    """The ``PORT`` the tool's runs rendezvous on, for the tools that start
-    ``tools/dist_train.sh`` themselves (``tools/demo.py``,
-    ``compare_comm_convergence.py``): ``PORT`` from the environment, as
-    ``dist_train.sh`` reads it, so that ``PORT=29600 make demo`` keeps off
-    a port another job uses. Unset (or empty), None: the tool then takes
-    :func:`~mmcv_custom.launcher.free_port` just before each run, so that
-    two runs never meet.
-
-    A ``PORT`` that is not an int from 1 to 65535, or that this host
-    cannot listen on now (taken by another process, or privileged), is a
-    usage error naming it, before any run starts. On a node other than
-    the first (``NODE_RANK`` > 0) the port is the first node's, and only
-    its form is checked.
-
-    Args:
-        parser (argparse.ArgumentParser): The tool's parser.
-        environ (Mapping[str, str], optional): Where ``PORT`` is read.
-            Defaults to ``os.environ``.
-
-    Returns:
-        str or None: The port, as ``PORT`` for ``tools/dist_train.sh``;
-        None when ``PORT`` is unset.
-    """
-    environ = os.environ if environ is None else environ
-    value = environ.get('PORT', '')
-    if not value:
-        return None
-    port = int(value) if re.fullmatch(r'[0-9]{1,5}', value) else 0
-    if not 1 <= port <= 65535:
-        parser.error(f'PORT={value!r} is not a TCP port: give an int from 1 '
-                     'to 65535, or leave PORT unset for a free port')
-    if environ.get('NODE_RANK', '0') in ('', '0'):
-        error = _bind_error(port)
-        if error is not None:
-            why = ('another process listens there'
-                   if error.errno == errno.EADDRINUSE else error.strerror)
-            parser.error(f'PORT={port} cannot be used on this host ({why}): '
-                         'set PORT to a free port, or leave it unset for a '
-                         'free one')
-    return str(port)

@@ -27,9 +27,10 @@ from mmengine.fileio import io as _fileio
 from mmengine.fileio import register_backend
 from mmengine.runner import CheckpointLoader
 
-from ..checkpoint import newest_intact, say_unverified_once
 from ..integrity import (DIGEST_SUFFIX, atomic_write_bytes, atomic_write_text,
                          require_intact)
+from ..integrity.checkpoint import say_unverified_once
+from ..integrity.checkpoint_choice import newest_intact
 
 __all__ = [
     'AtomicLocalBackend', 'load_verified', 'install_checkpoint_integrity'

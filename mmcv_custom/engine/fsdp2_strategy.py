@@ -43,14 +43,16 @@ from mmengine.dist import is_distributed
 from mmengine.registry import STRATEGIES
 from torch import nn
 
-from ..checkpoint import (SHARDED_META_FILE, is_sharded_checkpoint,
-                          load_checkpoint_file)
 from ..integrity import (CheckpointDamagedError, atomic_write_bytes,
                          digest_path, file_sha256, remove_stale_temporaries,
                          temporary_name)
-from ..sharded_checkpoint import (MANIFEST_FILE, damaged_message,
-                                  safe_dcp_load, verify_sharded_checkpoint,
-                                  write_manifest)
+from ..integrity.checkpoint import (SHARDED_META_FILE, is_sharded_checkpoint,
+                                    load_checkpoint_file)
+from ..integrity.sharded_checkpoint import (MANIFEST_FILE, damaged_message,
+                                            safe_dcp_load,
+                                            verify_sharded_checkpoint,
+                                            write_manifest)
+from .process_group import init_gloo
 
 __all__ = ['FSDP2Strategy', 'select_units', 'unit_parameters']
 
@@ -291,7 +293,6 @@ class FSDP2Strategy(DDPStrategy):
         if is_distributed():
             return
         if not torch.cuda.is_available():
-            from ..launcher import init_gloo
             init_gloo(launcher)
             return
         super()._setup_distributed(launcher, backend, **kwargs)

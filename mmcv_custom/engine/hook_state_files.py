@@ -21,7 +21,7 @@ Rules, each for a failure seen in practice:
   different collectives (gloo aborts, NCCL hangs) or train on mixed state.
   Rank 0 logs one warning naming each rank that failed and why.
 * **Safe loading.** The files go through the same allow-list as
-  checkpoints (:func:`mmcv_custom.checkpoint.load_checkpoint_file`).
+  checkpoints (:func:`mmcv_custom.integrity.checkpoint.load_checkpoint_file`).
 * **Atomic writes, with a digest.** A file is written under a temporary
   name and renamed (:mod:`mmcv_custom.integrity`), so a run killed while
   saving never leaves a truncated file under the real name, and its
@@ -44,9 +44,9 @@ import torch.distributed as dist
 from mmengine.dist import get_rank, get_world_size, is_main_process
 from mmengine.hooks import CheckpointHook
 
-from ..checkpoint import UnsafeCheckpointError, load_checkpoint_file
 from ..hook_state import HookStateKeeper
 from ..integrity import CheckpointDamagedError, atomic_write_bytes, digest_path
+from ..integrity.checkpoint import UnsafeCheckpointError, load_checkpoint_file
 
 __all__ = [
     'HookStateFiles', 'state_file_path', 'remove_orphan_state_files',

@@ -12,7 +12,7 @@ import torch
 
 import mmcv_custom  # noqa: F401  (installs the backend and the loader)
 from mmcv_custom import integrity
-from mmcv_custom.checkpoint import choose_resume_checkpoint
+from mmcv_custom.integrity.checkpoint_choice import choose_resume_checkpoint
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TRAIN = osp.join(ROOT, 'tools', 'train.py')

@@ -19,10 +19,11 @@ import torch.distributed as dist
 from torch import nn
 
 import mmcv_custom  # noqa: F401  (registers the strategy and the hook)
-from mmcv_custom.checkpoint import is_sharded_checkpoint
-from mmcv_custom.launcher import free_port
+from mmcv_custom.integrity.checkpoint import is_sharded_checkpoint
+from mmcv_custom.integrity.sharded_checkpoint import \
+    consolidate_sharded_checkpoint
+from mmcv_custom.launching.ports import free_port
 from mmcv_custom.registry import CommCounter, build_sharded_comm
-from mmcv_custom.sharded_checkpoint import consolidate_sharded_checkpoint
 from mmcv_custom.sharded_comm import (AveragingReduceScatter,
                                       install_reduce_scatter)
 from mmcv_custom.testing import run_ranks
@@ -237,7 +238,7 @@ def test_strategy_arguments_are_checked(kwargs, error, message):
 def test_fsdp1_strategy_is_refused_on_cpu_before_gloo_starts():
     from mmengine.config import Config
 
-    from mmcv_custom.launcher import check_cpu_strategy
+    from mmcv_custom.launching.cpu_start import check_cpu_strategy
     cfg = Config(
         dict(runner_type='FlexibleRunner', strategy=dict(type='FSDPStrategy')))
     with pytest.raises(ValueError) as info:
@@ -257,7 +258,7 @@ def _cfg(work_dir, max_iters, **overrides):
     on 16 toy images, checkpointing every 2 iterations."""
     from mmengine.config import Config
 
-    from mmcv_custom.launcher import prepare_launch
+    from mmcv_custom.launching.cpu_start import prepare_launch
     cfg = Config.fromfile(overrides.pop('config', TINY_FSDP2))
     cfg.work_dir = work_dir
     prepare_launch(cfg, overrides.pop('launcher', 'pytorch'), cuda=False)
@@ -605,9 +606,9 @@ def test_unsafe_contents_of_a_sharded_checkpoint_are_refused(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    from mmcv_custom.checkpoint import (UnsafeCheckpointError,
-                                        check_checkpoint_file)
-    from mmcv_custom.sharded_checkpoint import safe_dcp_load
+    from mmcv_custom.integrity.checkpoint import UnsafeCheckpointError
+    from mmcv_custom.integrity.checkpoint_choice import check_checkpoint_file
+    from mmcv_custom.integrity.sharded_checkpoint import safe_dcp_load
 
     path = str(tmp_path / 'iter_1.pth')
     state = {
@@ -646,7 +647,7 @@ def test_unsafe_contents_of_a_sharded_checkpoint_are_refused(tmp_path):
 def test_model_wrapper_cfg_with_a_flexible_runner_is_refused():
     from mmengine.config import Config
 
-    from mmcv_custom.launcher import prepare_launch
+    from mmcv_custom.launching.cpu_start import prepare_launch
     cfg = Config(
         dict(
             runner_type='FlexibleRunner',
@@ -680,7 +681,7 @@ def test_a_damaged_checkpoint_is_named_before_any_work(tmp_path):
     meta.pth) fails the start-up check in words, not in torch's."""
     import torch.distributed.checkpoint as dcp
 
-    from mmcv_custom.checkpoint import check_checkpoint_file
+    from mmcv_custom.integrity.checkpoint_choice import check_checkpoint_file
     plain = tmp_path / 'iter_2.pth'
     torch.save({'state_dict': {'w': torch.ones(2)}}, plain)
     plain.write_bytes(plain.read_bytes()[:100])

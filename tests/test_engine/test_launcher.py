@@ -10,7 +10,8 @@ from mmengine.hooks import Hook
 from mmengine.registry import HOOKS, MODEL_WRAPPERS
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from mmcv_custom.launcher import prepare_launch, run_runner
+from mmcv_custom.launching.cpu_start import prepare_launch
+from mmcv_custom.launching.running import run_runner
 from mmcv_custom.testing import run_ranks
 
 
@@ -205,7 +206,7 @@ _SHUTDOWN_SCRIPT = """
 import sys, threading, time
 import torch, torch.distributed as dist
 from torch import nn
-from mmcv_custom.launcher import shutdown_distributed
+from mmcv_custom.launching.running import shutdown_distributed
 
 store, rank, order = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 freeing = threading.Event()

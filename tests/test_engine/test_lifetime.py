@@ -1,7 +1,7 @@
 """Ranks end with their launcher, SIGKILL included
-(``mmcv_custom/lifetime.py``): the death signal itself, a rank orphaned
-before it asks, ranks of a SIGKILLed torchrun agent
-(``mmcv_custom/torchrun.py``, as ``dist_train.sh`` runs it) and of a
+(``mmcv_custom/launching/lifetime.py``): the death signal itself, a rank
+orphaned before it asks, ranks of a SIGKILLed torchrun agent
+(``mmcv_custom/launching/torchrun.py``, as ``dist_train.sh`` runs it) and of a
 SIGKILLed ``srun`` (stood in for by ``tests/srun_standin.py``), and a
 real 2-rank ``dist_train.sh`` training whose agent is SIGKILLed. Real
 processes and real signals throughout."""
@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from mmcv_custom import lifetime, torchrun
-from mmcv_custom.launcher import free_port
+from mmcv_custom.launching import lifetime, torchrun
+from mmcv_custom.launching.ports import free_port
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
-TORCHRUN = osp.join(ROOT, 'mmcv_custom', 'torchrun.py')
+TORCHRUN = osp.join(ROOT, 'mmcv_custom', 'launching', 'torchrun.py')
 SRUN = osp.join(ROOT, 'tests', 'srun_standin.py')
 DIST_TRAIN = osp.join(ROOT, 'tools', 'dist_train.sh')
 MLP = osp.join(ROOT, 'configs', 'demo', 'mlp_2xb32-300iter_synthetic.py')
@@ -28,7 +28,7 @@ MLP = osp.join(ROOT, 'configs', 'demo', 'mlp_2xb32-300iter_synthetic.py')
 #: in ``FOLDER/rank<R>``, and sleeps.
 RANK = '''
 import os, sys, time
-from mmcv_custom.lifetime import die_with_launcher
+from mmcv_custom.launching.lifetime import die_with_launcher
 launcher, folder, wait = sys.argv[1], sys.argv[2], sys.argv[3]
 rank = os.environ.get('RANK', os.environ.get('SLURM_PROCID'))
 with open(os.path.join(folder, f'waiting{rank}'), 'w') as f:

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mmcv_custom import integrity
-from mmcv_custom.launcher import free_port
-from mmcv_custom.work_dir_lock import LOCK_FILE
+from mmcv_custom.launching.ports import free_port
+from mmcv_custom.launching.work_dir_lock import LOCK_FILE
 from .test_checkpoint_integrity import FAST, MLP, ROOT, TRAIN, _flip, _train
 from .test_restart import _config, _dist_train, _weights
 

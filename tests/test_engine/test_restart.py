@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mmcv_custom import integrity
-from mmcv_custom.launcher import free_port
+from mmcv_custom.launching.ports import free_port
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 DIST_TRAIN = osp.join(ROOT, 'tools', 'dist_train.sh')
@@ -201,16 +201,16 @@ if rank == '1' and int(attempt) < until:
     ids=['exit-code', 'sigkill', 'report', 'exit-code-2'])
 def test_the_launchers_restart_loop(tmp_path, until, how, restarts, code,
                                     attempts, lines):
-    """``mmcv_custom/torchrun.py --max-restarts=N`` (what ``MAX_RESTARTS``
-    gives): one torchrun launch per attempt, ``MMCV_CUSTOM_RESTART_COUNT``
-    counting them, one line per restart naming the failed rank after
-    that failure's report, the last failure reported as before; exit code
-    2 never restarted."""
+    """``mmcv_custom/launching/torchrun.py --max-restarts=N`` (what
+    ``MAX_RESTARTS`` gives): one torchrun launch per attempt,
+    ``MMCV_CUSTOM_RESTART_COUNT`` counting them, one line per restart naming
+    the failed rank after that failure's report, the last failure reported as
+    before; exit code 2 never restarted."""
     script = tmp_path / 'rank.py'
     script.write_text(_RANK)
     out = subprocess.run([
         sys.executable,
-        osp.join(ROOT, 'mmcv_custom',
+        osp.join(ROOT, 'mmcv_custom', 'launching',
                  'torchrun.py'), 'test', '--nproc_per_node=2',
         f'--master_port={free_port()}', f'--max-restarts={restarts}',
         str(script),

@@ -1,7 +1,7 @@
-"""Where a run starts (``mmcv_custom.run_start``) and what its work dir
-lock does (``mmcv_custom.work_dir_lock``), on real checkpoint files with
-their digests and real processes holding the lock. The same rules through
-``tools/train.py`` are in ``test_never_backwards.py``."""
+"""Where a run starts (``mmcv_custom.launching.run_start``) and what its work
+dir lock does (``mmcv_custom.launching.work_dir_lock``), on real checkpoint
+files with their digests and real processes holding the lock. The same rules
+through ``tools/train.py`` are in ``test_never_backwards.py``."""
 import logging
 import os
 import os.path as osp
@@ -16,9 +16,10 @@ import torch
 from mmengine.config import Config
 
 from mmcv_custom import integrity
-from mmcv_custom.checkpoint import checkpoint_folder
-from mmcv_custom.run_start import apply_start_plan, plan_start
-from mmcv_custom.work_dir_lock import LOCK_FILE, WorkDirBusy, WorkDirLock
+from mmcv_custom.integrity.checkpoint_choice import checkpoint_folder
+from mmcv_custom.launching.run_start import apply_start_plan, plan_start
+from mmcv_custom.launching.work_dir_lock import (LOCK_FILE, WorkDirBusy,
+                                                 WorkDirLock)
 
 
 def _save(path, step=0):
@@ -291,7 +292,7 @@ def test_a_file_without_a_digest_among_files_with_one_is_refused(tmp_path):
 
 # -- the lock ----------------------------------------------------------------
 _HOLD = ('import sys, time\n'
-         'from mmcv_custom.work_dir_lock import WorkDirLock\n'
+         'from mmcv_custom.launching.work_dir_lock import WorkDirLock\n'
          'lock = WorkDirLock(sys.argv[1]).acquire()\n'
          'print("held", flush=True)\n'
          'time.sleep(120)\n')
@@ -344,7 +345,7 @@ def test_a_released_lock_leaves_nothing_and_is_taken_again(tmp_path):
         assert lock.previous == {} and lock.stale_note() is None
         other = subprocess.run([
             sys.executable, '-c', 'import sys\n'
-            'from mmcv_custom.work_dir_lock import WorkDirLock\n'
+            'from mmcv_custom.launching.work_dir_lock import WorkDirLock\n'
             'WorkDirLock(sys.argv[1]).acquire()\n',
             str(work)
         ],
@@ -370,7 +371,7 @@ def test_a_released_lock_leaves_nothing_and_is_taken_again(tmp_path):
 
 
 def test_a_slurm_requeue_counts_as_a_restart(monkeypatch):
-    from mmcv_custom.launcher import restart_count
+    from mmcv_custom.engine.process_group import restart_count
     for name in ('TORCHELASTIC_RESTART_COUNT', 'MMCV_CUSTOM_RESTART_COUNT',
                  'SLURM_RESTART_COUNT'):
         monkeypatch.delenv(name, raising=False)

@@ -24,10 +24,9 @@ from torch import nn
 # (Importing mmcv_custom registers the strategy.)
 from mmcv_custom.integrity import (CheckpointDamagedError, atomic_write_bytes,
                                    verify_file)
-from mmcv_custom.sharded_checkpoint import (MANIFEST_FILE,
-                                            consolidate_sharded_checkpoint,
-                                            read_manifest,
-                                            verify_sharded_checkpoint)
+from mmcv_custom.integrity.sharded_checkpoint import (
+    MANIFEST_FILE, consolidate_sharded_checkpoint, read_manifest,
+    verify_sharded_checkpoint)
 from mmcv_custom.testing import run_ranks
 from tests.tool_utils import load_script
 

@@ -242,7 +242,7 @@ def _train_tiny(rank, world_size, work_dir, comm_hook):
     from mmengine.config import Config
     from mmengine.runner import Runner
 
-    from mmcv_custom.launcher import prepare_launch
+    from mmcv_custom.launching.cpu_start import prepare_launch
 
     os.chdir(work_dir)  # the toy dataset is generated under the cwd
     cfg = Config.fromfile(TINY)

@@ -17,7 +17,7 @@ from PIL import Image
 import mmcv_custom.datasets  # noqa: F401  (registers ToyShapesDataset)
 from mmcv_custom import check_comm_hook_cfg
 from mmcv_custom.datasets.toy_shapes import CLASSES, generate_toy_shapes
-from mmcv_custom.launcher import free_port
+from mmcv_custom.launching.ports import free_port
 from mmcv_custom.testing import run_ranks
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))

@@ -1,8 +1,8 @@
-"""The tools' console (``mmcv_custom.engine.console``, the launchers and
-``mmcv_custom/torchrun.py``): a header, the progress and a summary on the
-console, everything in the log file, one report of a failure, usage errors
-of the shell launchers. Pieces on real MMEngine loggers; end to end
-through ``tools/dist_train.sh`` on 2 gloo ranks."""
+"""The tools' console (``mmcv_custom.launching.console``, the launchers and
+``mmcv_custom/launching/torchrun.py``): a header, the progress and a summary on
+the console, everything in the log file, one report of a failure, usage errors
+of the shell launchers. Pieces on real MMEngine loggers; end to end through
+``tools/dist_train.sh`` on 2 gloo ranks."""
 import logging
 import os
 import os.path as osp
@@ -15,9 +15,9 @@ import warnings
 import pytest
 from mmengine.logging import MMLogger
 
-from mmcv_custom.engine.console import FILE_ONLY, ConsoleFilter, ToolConsole
-from mmcv_custom.launcher import free_port
-from mmcv_custom.torchrun import first_failure, format_report
+from mmcv_custom.launching.console import FILE_ONLY, ConsoleFilter, ToolConsole
+from mmcv_custom.launching.ports import free_port
+from mmcv_custom.launching.torchrun import first_failure, format_report
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOLS = osp.join(ROOT, 'tools')

@@ -33,8 +33,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mmcv_custom.integrity import atomic_write_bytes, verify_file
+from mmcv_custom.integrity.sharded_checkpoint import (MANIFEST_FILE,
+                                                      write_manifest)
 from mmcv_custom.models import InternViT
-from mmcv_custom.sharded_checkpoint import MANIFEST_FILE, write_manifest
 from tests.tool_utils import load_script
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))

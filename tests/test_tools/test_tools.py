@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mmcv_custom.demo import SyntheticRegressionDataset
-from mmcv_custom.launcher import free_port
+from mmcv_custom.launching.ports import free_port
 from tests.tool_utils import load_script
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from mmcv_custom.launcher import free_port
+from mmcv_custom.launching.ports import free_port
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOLS = osp.join(ROOT, 'tools')
@@ -151,7 +151,7 @@ def test_load_from_is_checked_like_resume(trained, tmp_path):
     unsafe file is refused, a missing one named, before anything starts."""
     import argparse
 
-    from mmcv_custom.checkpoint import check_checkpoint_file
+    from mmcv_custom.integrity.checkpoint_choice import check_checkpoint_file
     cwd, out = trained
     assert out.returncode == 0
     good = str(cwd / 'work' / 'iter_2.pth')
@@ -209,7 +209,8 @@ def test_resume_in_a_copied_work_dir_continues_the_copy(trained, tmp_path):
     ], str(cwd))
     log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, log[-3000:]
-    # (The wording is mmcv_custom.checkpoint.resolve_resume_checkpoint's.)
+    # (The wording is resolve_resume_checkpoint's, in
+    # mmcv_custom.integrity.checkpoint_choice.)
     assert f'{copy}/last_checkpoint names {cwd}/work/iter_2.pth' in log
     assert f'so resuming from {copy}/iter_2.pth.' in log
     assert 'resumed epoch: 0, iter: 2' in log
@@ -321,7 +322,8 @@ def test_resume_checkpoint_is_the_work_dirs_own(tmp_path):
     """What tools/train.py --resume continues from, for a work dir whose
     last_checkpoint names another folder (moved, copied, or a CheckpointHook
     out_dir)."""
-    from mmcv_custom.checkpoint import resolve_resume_checkpoint
+    from mmcv_custom.integrity.checkpoint_choice import \
+        resolve_resume_checkpoint
     here, there = tmp_path / 'here', tmp_path / 'there'
     here.mkdir()
     there.mkdir()

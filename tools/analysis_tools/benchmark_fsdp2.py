@@ -58,7 +58,7 @@ import torch.distributed as dist
 from mmcv_custom.analysis import (GatheredPeak, Progress, check_output,
                                   filter_tool_warnings, fsdp2_memory,
                                   held_bytes, read_config)
-from mmcv_custom.launcher import spawn_ranks, write_results
+from mmcv_custom.launching.bench_ranks import spawn_ranks, write_results
 
 __all__ = ['report', 'parse_args']
 
@@ -113,7 +113,8 @@ def _worker(rank, world_size, folder, args):
     from mmengine.runner import Runner
     from mmengine.utils import import_modules_from_strings
 
-    from mmcv_custom.launcher import load_config, prepare_launch
+    from mmcv_custom.launching.cpu_start import prepare_launch
+    from mmcv_custom.launching.running import load_config
 
     # Before any logger exists: the tool prints its table, not INFO lines.
     MMLogger.get_current_instance().setLevel(logging.WARNING)

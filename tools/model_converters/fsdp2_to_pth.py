@@ -36,10 +36,9 @@ import torch
 
 from mmcv_custom.analysis import tool_error, write_failure_reason
 from mmcv_custom.integrity import CheckpointDamagedError, atomic_write_stream
-from mmcv_custom.sharded_checkpoint import (MANIFEST_FILE,
-                                            consolidate_sharded_checkpoint,
-                                            damaged_message,
-                                            verify_sharded_checkpoint)
+from mmcv_custom.integrity.sharded_checkpoint import (
+    MANIFEST_FILE, consolidate_sharded_checkpoint, damaged_message,
+    verify_sharded_checkpoint)
 
 __all__ = ['convert', 'UnverifiedSourceError', 'main']
 

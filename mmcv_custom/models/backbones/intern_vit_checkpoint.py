@@ -21,9 +21,10 @@ share one conversion (see ``docs/en/user_guides/intern_vit.md``):
   through unchanged.
 
 Files: ``.pth`` / ``.bin`` (read with torch's safe loader through
-:func:`mmcv_custom.checkpoint.load_checkpoint_file`) and ``.safetensors``
-(needs the ``safetensors`` package, imported only for such a file), or a
-Hugging Face ``*.index.json`` naming the shards of a large checkpoint.
+:func:`mmcv_custom.integrity.checkpoint.load_checkpoint_file`) and
+``.safetensors`` (needs the ``safetensors`` package, imported only for such
+a file), or a Hugging Face ``*.index.json`` naming the shards of a large
+checkpoint.
 Resizing to a model's grid and patch size is the model's business
 (:meth:`InternViT.load_public_state_dict`), not this module's.
 
@@ -122,7 +123,7 @@ def read_state_file(path: str):
         UnsafeCheckpointError: A torch file holds objects off the allow-list.
     """
     if osp.isdir(path):
-        from mmcv_custom.checkpoint import is_sharded_checkpoint
+        from mmcv_custom.integrity.checkpoint import is_sharded_checkpoint
         hint = (': an FSDP2 sharded checkpoint; make it one file first with '
                 'tools/model_converters/fsdp2_to_pth.py'
                 if is_sharded_checkpoint(path) else '')
@@ -140,9 +141,9 @@ def read_state_file(path: str):
         except Exception as e:  # SafetensorError derives from Exception
             raise ValueError(f'{path} is not a readable safetensors file '
                              f'({e})') from e
-    from mmcv_custom.checkpoint import (UnsafeCheckpointError,
-                                        load_checkpoint_file)
     from mmcv_custom.integrity import CheckpointDamagedError
+    from mmcv_custom.integrity.checkpoint import (UnsafeCheckpointError,
+                                                  load_checkpoint_file)
     try:
         return load_checkpoint_file(path, map_location='cpu')
     except (UnsafeCheckpointError, CheckpointDamagedError):

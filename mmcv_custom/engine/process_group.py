@@ -1,0 +1,99 @@
+"""What a launcher's environment says, and a gloo process group from it.
+
+torchrun, ``srun`` and ``mpirun`` each name a process's rank, the world size
+and the restart in variables of their own (:data:`LAUNCH_ENV`). On a
+CPU-only machine MMEngine's ``init_dist`` fails (it calls
+``torch.cuda.set_device``), so :func:`init_gloo` starts a gloo group from
+them instead, for the tools (through
+:func:`mmcv_custom.launching.cpu_start.prepare_launch`) and for
+:class:`~mmcv_custom.engine.FSDP2Strategy`'s own start-up alike. It lives
+here, below the launching package, because the strategy needs it.
+"""
+import os
+from typing import NamedTuple, Tuple
+
+import torch.distributed as dist
+
+__all__ = [
+    'LaunchEnv', 'LAUNCH_ENV', 'init_gloo', 'restart_count', 'is_launch_rank0'
+]
+
+
+class LaunchEnv(NamedTuple):
+    """The variables a ``--launcher``'s starter sets in each process."""
+    rank: str  # global rank
+    world: str  # world size
+    local: str  # rank on the node
+    others: Tuple[str, ...]  # the rest the process group needs
+
+
+#: Per ``--launcher``: what torchrun, ``srun`` and Open MPI's ``mpirun``
+#: set. A gloo start copies the Slurm and MPI ones into torchrun's names.
+LAUNCH_ENV = {
+    'pytorch':
+    LaunchEnv('RANK', 'WORLD_SIZE', 'LOCAL_RANK',
+              ('MASTER_ADDR', 'MASTER_PORT')),
+    'slurm':
+    LaunchEnv('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID', ()),
+    'mpi':
+    LaunchEnv('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
+              'OMPI_COMM_WORLD_LOCAL_RANK', ()),
+}
+
+
+def is_launch_rank0() -> bool:
+    """Whether this process is global rank 0, before or after the process
+    group starts (torchrun sets ``RANK``, Slurm ``SLURM_PROCID``), so the
+    tools log configuration facts once per run rather than once per rank."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get('RANK', os.environ.get('SLURM_PROCID', 0))) == 0
+
+
+def init_gloo(launcher: str) -> None:
+    """Start a gloo process group from ``launcher``'s environment
+    (``pytorch``: torchrun's; ``slurm``; ``mpi``), for CPU runs, where
+    MMEngine's ``init_dist`` fails (it calls ``torch.cuda.set_device``)."""
+    if launcher in ('slurm', 'mpi'):
+        ours, theirs = LAUNCH_ENV['pytorch'], LAUNCH_ENV[launcher]
+        for field in ('rank', 'world', 'local'):
+            os.environ.setdefault(
+                getattr(ours, field), os.environ[getattr(theirs, field)])
+    if launcher == 'slurm':
+        os.environ.setdefault('MASTER_PORT', '29500')
+        if 'MASTER_ADDR' not in os.environ:
+            raise RuntimeError(
+                'MASTER_ADDR is not set: on CPU nodes the Slurm launcher '
+                'needs it (e.g. the first host of $SLURM_NODELIST); '
+                'tools/slurm_train.sh sets it.')
+    elif launcher not in ('pytorch', 'mpi'):
+        raise ValueError(f"launcher should be 'none', 'pytorch', 'slurm' or "
+                         f"'mpi', but got {launcher!r}")
+    restart = restart_count()
+    if not restart:
+        dist.init_process_group(backend='gloo', init_method='env://')
+        return
+    # A restart under torchrun meets its peers through the agent's store,
+    # which still holds the killed attempt's gloo addresses under the same
+    # keys: ranks would dial dead ports ("Connection refused") and the
+    # restart fail. A prefix per attempt keeps each attempt's keys apart.
+    store, rank, world_size = next(dist.rendezvous('env://'))
+    dist.init_process_group(
+        backend='gloo',
+        store=dist.PrefixStore(f'attempt{restart}', store),
+        rank=rank,
+        world_size=world_size)
+
+
+def restart_count() -> int:
+    """How many times this run was restarted after a failure: torchrun's
+    ``TORCHELASTIC_RESTART_COUNT`` (``--max-restarts``),
+    ``MMCV_CUSTOM_RESTART_COUNT`` (``tools/slurm_train.sh``'s loop), or
+    ``SLURM_RESTART_COUNT`` (a job Slurm requeued: ``scontrol requeue``,
+    ``--requeue`` after a node failure)."""
+    for name in ('TORCHELASTIC_RESTART_COUNT', 'MMCV_CUSTOM_RESTART_COUNT',
+                 'SLURM_RESTART_COUNT'):
+        value = os.environ.get(name, '').strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 0
