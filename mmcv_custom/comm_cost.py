@@ -994,7 +994,7 @@ class StepPrediction:
         sent_bytes (float): Bytes the hook reduces per step, as the size
             of the tensors an all-reduce would carry (what
             :class:`~mmcv_custom.registry.CommCounter` counts as
-            ``wire_bytes``): all-reduced tensors, and int8's quantized
+            ``bytes_sent``): all-reduced tensors, and int8's quantized
             bucket once (its all-to-all; the all-gather that completes the
             reduction adds nothing).
         node_bytes (float): Bytes through each node link per direction.

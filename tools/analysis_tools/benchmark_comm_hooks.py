@@ -422,14 +422,14 @@ def _pytorch_twin(ours):
 
 def _pairs():
     """(family, our hook, PyTorch's or None, our hook's record) in the
-    order of the step-time table. The family is the wire format the record
-    names (``'fp16'``, ``'bf16'``, ``'int8'``), or ``'allreduce'`` for a
+    order of the step-time table. The family is the format the record
+    sends (``'fp16'``, ``'bf16'``, ``'int8'``), or ``'allreduce'`` for a
     hook that sends the gradients' own dtype."""
     out = []
     for name, (hook, _) in HOOKS.items():
         if name.startswith('ours.'):
             record = hook_record(hook)
-            out.append((record.wire
+            out.append((record.sent_format
                         or 'allreduce', name, _pytorch_twin(name), record))
     return out
 
