@@ -55,6 +55,7 @@ __all__ = [
     'bf16_compress_wrapper',
     'check_bf16_support',
     'CompressState',
+    'check_compress_args',
     'default_predivide_factor',
     'cpu_codec',
 ]
@@ -162,8 +163,8 @@ def default_predivide_factor(world_size: int) -> int:
     return factor
 
 
-def _check_compress_args(predivide_factor: Any = None,
-                         check_finite: Any = False) -> None:
+def check_compress_args(predivide_factor: Any = None,
+                        check_finite: Any = False) -> None:
     """Raise unless the arguments make a valid :class:`CompressState`.
 
     ``TypeError`` for a wrong type, ``ValueError`` for a value out of range,
@@ -221,7 +222,7 @@ class CompressState:
                  check_finite: bool = False,
                  *,
                  wire: Optional[str] = None) -> None:
-        _check_compress_args(predivide_factor, check_finite)
+        check_compress_args(predivide_factor, check_finite)
         if wire not in (None, 'fp16', 'bf16'):
             raise ValueError(f"wire should be 'fp16', 'bf16' or None, but "
                              f'got {wire!r}')

@@ -16,10 +16,12 @@ Users add their own hooks the MMEngine way::
 and, for a stateful hook, a state factory registered in
 ``COMM_HOOK_STATES`` under the same name (see
 :func:`~mmcv_custom.comm.validation.with_args_check` for checking its
-values before anything is built).
+values before anything is built); ``register_module(record=HookRecord(...))``
+gives the hook its record (see :mod:`mmcv_custom.comm.records`).
 """
 from .comm.builder import (CommHookSpec, build_comm_hook, check_comm_hook_cfg,
                            hook_record)
+from .comm.records import HookRecord, register_hook_record, sends_bucket
 from .comm.registry import COMM_HOOK_STATES, COMM_HOOKS
 from .comm.sharded import ShardedCommSpec, build_sharded_comm
 from .comm.telemetry import CommCounter
@@ -30,5 +32,6 @@ __all__ = [
     'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommCounter', 'CommHookSpec',
     'ShardedCommSpec', 'build_sharded_comm', 'build_comm_hook',
     'check_comm_hook_cfg', 'with_args_check', 'require_int', 'require_real',
-    'require_bool', 'hook_record'
+    'require_bool', 'hook_record', 'HookRecord', 'register_hook_record',
+    'sends_bucket'
 ]

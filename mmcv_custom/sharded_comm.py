@@ -80,7 +80,7 @@ class AveragingReduceScatter(_SummingReduceScatter):
             default reduction). Gradients already in a 2-byte float are
             sent as they are.
         counter (object, optional): Anything with ``baseline_bytes`` and
-            ``wire_bytes`` attributes (e.g. ``registry.CommCounter``):
+            ``bytes_sent`` attributes (e.g. ``registry.CommCounter``):
             each call adds the bytes of its input as FSDP would send them
             and as sent. Defaults to None.
 
@@ -113,7 +113,7 @@ class AveragingReduceScatter(_SummingReduceScatter):
         if self.counter is not None:
             numel = input_tensor.numel()
             self.counter.baseline_bytes += numel * input_tensor.element_size()
-            self.counter.wire_bytes += numel * torch.finfo(wire).bits // 8
+            self.counter.bytes_sent += numel * torch.finfo(wire).bits // 8
         if wire is input_tensor.dtype:
             input_tensor.mul_(1.0 / world)
             return dist.reduce_scatter_single(
@@ -198,7 +198,7 @@ class Int8ReduceScatter(_SummingReduceScatter):
         output_tensor.view(-1).copy_(total)
         if self.counter is not None:
             self.counter.baseline_bytes += numel * input_tensor.element_size()
-            self.counter.wire_bytes += world * size
+            self.counter.bytes_sent += world * size
         return None
 
 

@@ -100,7 +100,7 @@ def pairs() -> List[Pair]:
         twin = f'{hook.name}_hook'
         theirs = f'torch.{twin}' if hasattr(default_hooks, twin) else None
         out.append(
-            Pair(hook.record.wire or 'allreduce', f'ours.{hook.name}_hook',
+            Pair(hook.record.sent_format or 'allreduce', f'ours.{hook.name}_hook',
                  theirs, hook.record, hook.label, hook))
     return out
 
@@ -131,7 +131,7 @@ def codec_columns() -> List[Tuple[str, str, HookRecord]]:
         if pair.record.codec is None:
             continue
         out.append((f'ours.{pair.label}', f'ours {pair.label}', pair.record))
-        if pair.theirs and pair.record.wire_dtype is not None:
+        if pair.theirs and pair.record.sent_dtype is not None:
             out.append(
                 (f'torch.{pair.label}', f'PyTorch {pair.label}', pair.record))
     return out
@@ -243,7 +243,7 @@ def _time_codecs(numel, world_size, device, repeat):
             # buffers its state keeps (see HookRecord.codec).
             methods[key] = record.codec(buffer, world_size, dist.get_rank())
         else:
-            methods[key] = (lambda dt: lambda: theirs(dt))(record.wire_dtype)
+            methods[key] = (lambda dt: lambda: theirs(dt))(record.sent_dtype)
     times = {k: [] for k in methods}
     for _ in range(repeat + 1):
         # Every method divides the buffer by world_size: without a fresh

@@ -71,9 +71,9 @@ def report(results, world_size, backend, repeat=None):
     # Only pairs with a PyTorch hook have a ratio and a target.
     ratios = {p.family: [] for p in compared if p.theirs}
     # Where int8's numbers are compared to bf16's, and codecs to a copy.
-    bf16 = next((p.ours for p in compared if p.record.wire == 'bf16'), None)
+    bf16 = next((p.ours for p in compared if p.record.sent_format == 'bf16'), None)
     codec_of = {
-        record.wire: key
+        record.sent_format: key
         for key, _, record in columns if key.startswith('ours.')
     }
     bytes_ok, worst = True, (0.0, '', 0)
@@ -95,7 +95,7 @@ def report(results, world_size, backend, repeat=None):
             wire = data['wire_bytes']
             if record.half_precision:
                 bytes_ok &= wire == fp32_bytes // 2
-            elif record.wire == 'int8':
+            elif record.sent_format == 'int8':
                 by = data['wire_bytes_by_collective']
                 int8_phases.append(
                     (entry['size_mb'], by['all_to_all'] / fp32_bytes,

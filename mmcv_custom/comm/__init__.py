@@ -5,12 +5,15 @@ Modules, each with one concern:
 * :mod:`.validation`: ``require_int``/``require_real``/``require_bool`` and
   ``with_args_check`` (standard library only);
 * :mod:`.util`: helpers the hook modules share (standard library only);
-* :mod:`.registry`: ``COMM_HOOKS`` and ``COMM_HOOK_STATES`` (MMEngine);
-* :mod:`.records`: one :class:`~.records.HookRecord` per built-in hook;
+* :mod:`.records`: :class:`~.records.HookRecord`, one per hook (the
+  built-ins', and those plugins register), read with ``record_of``;
+* :mod:`.registry`: ``COMM_HOOKS`` (whose ``register_module`` takes a
+  ``record``) and ``COMM_HOOK_STATES`` (MMEngine);
 * :mod:`.states`: the built-in state factories and their value checks;
 * :mod:`.builder`: ``check_comm_hook_cfg``, ``build_comm_hook``,
   ``CommHookSpec``;
-* :mod:`.telemetry`: ``CommCounter``, bytes in and on the wire;
+* :mod:`.telemetry`: ``CommCounter``, the bytes handed to the hooks and
+  the bytes they send;
 * :mod:`.sharded`: the FSDP2 form of a config.
 
 The names below are imported on first use, not with the package: the
@@ -23,8 +26,9 @@ import importlib
 __all__ = [
     'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommCounter', 'CommHookSpec',
     'HookRecord', 'ShardedCommSpec', 'build_comm_hook', 'build_sharded_comm',
-    'check_comm_hook_cfg', 'hook_record', 'record_of', 'require_bool',
-    'require_int', 'require_real', 'with_args_check'
+    'check_comm_hook_cfg', 'hook_record', 'lookup_hook', 'record_of',
+    'register_hook_record', 'require_bool', 'require_int', 'require_real',
+    'sends_bucket', 'with_args_check'
 ]
 
 _HOME = {
@@ -38,10 +42,13 @@ _HOME = {
     'build_sharded_comm': 'sharded',
     'check_comm_hook_cfg': 'builder',
     'hook_record': 'builder',
+    'lookup_hook': 'builder',
     'record_of': 'records',
+    'register_hook_record': 'records',
     'require_bool': 'validation',
     'require_int': 'validation',
     'require_real': 'validation',
+    'sends_bucket': 'records',
     'with_args_check': 'validation',
 }
 

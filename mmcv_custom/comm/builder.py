@@ -5,9 +5,9 @@ function, looked up by ``type`` in :data:`~.registry.COMM_HOOKS`; its
 *state*, built from the remaining keys by the factory registered under the
 same name in :data:`~.registry.COMM_HOOK_STATES` (hooks without one get the
 process group as state and accept no extra keys); and an optional
-half-precision *wrapper*. What the project knows about each built-in hook
-(its wire format, worker, state keeper, defaults) is its
-:class:`~.records.HookRecord`.
+half-precision *wrapper*. What the project knows about a hook (the format
+it sends, its worker, state keeper, defaults), a built-in's or a plugin's,
+is its :class:`~.records.HookRecord`.
 
 :func:`check_comm_hook_cfg` checks a config with no process group (the
 runner hook calls it at the start of every run, distributed or not);
@@ -29,11 +29,11 @@ from ..int8_hooks import Int8State
 from . import states  # noqa: F401 (registers the built-in factories)
 from .records import HookRecord, record_of
 from .registry import COMM_HOOK_STATES, COMM_HOOKS
-from .telemetry import CommCounter, _count_baseline, _count_wire
+from .telemetry import CommCounter, add_baseline_count, add_sent_count
 
 __all__ = [
     'CommHookSpec', 'check_comm_hook_cfg', 'build_comm_hook', 'hook_record',
-    'describe_sent_as_they_are', 'CommHookConfigError'
+    'lookup_hook', 'describe_sent_as_they_are', 'CommHookConfigError'
 ]
 
 _WRAPPERS: Dict[str, Callable] = {
@@ -57,7 +57,7 @@ class CommHookSpec:
         defaults_set (tuple[str]): Names in ``state_kwargs`` that the user
             did not write and this project chose.
         on_worker (bool): True when the hook runs on the communication
-            worker thread (see ``HookRecord.worker_waits``): CPU buckets are
+            worker thread (see ``HookRecord.on_worker``): CPU buckets are
             communicated one at a time, in DDP's order, while the backward
             pass goes on.
         state_keeper (HookStateKeeper, optional): Saves and restores the
@@ -77,11 +77,6 @@ class CommHookSpec:
     on_worker: bool = False
     state_keeper: Optional[HookStateKeeper] = None
     notes: tuple = ()
-
-    @property
-    def relayout(self) -> Optional[HookStateKeeper]:
-        """The name :attr:`state_keeper` had before it covered int8."""
-        return self.state_keeper
 
     def describe(self) -> str:
         """One line saying what is registered, for the training log."""
@@ -106,7 +101,17 @@ def _valid_types() -> str:
     return ', '.join(sorted(COMM_HOOKS.module_dict))
 
 
-def _lookup_hook(hook_type: Any) -> Callable:
+def lookup_hook(hook_type: Any) -> Callable:
+    """The hook function a config's ``type`` names: a name registered in
+    :data:`~.registry.COMM_HOOKS`, a dotted import path, or the callable
+    itself.
+
+    Raises:
+        TypeError: ``type`` is neither a str nor a callable, or its path
+            names something not callable.
+        KeyError: A name not registered (nor, for a dotted path,
+            importable), with the valid names and how to register one.
+    """
     if callable(hook_type):
         return hook_type
     if not isinstance(hook_type, str):
@@ -134,8 +139,9 @@ def _lookup_hook(hook_type: Any) -> Callable:
 
 def hook_record(hook_type: Any) -> HookRecord:
     """The record (:mod:`mmcv_custom.comm.records`) of the hook a config's
-    ``type`` names; an empty one for a hook the project does not know."""
-    return record_of(_lookup_hook(hook_type))
+    ``type`` names, a built-in's or a plugin's; an empty one for a hook
+    without a record."""
+    return record_of(lookup_hook(hook_type))
 
 
 def _lookup_state_factory(hook_type: Any) -> Optional[Callable]:
@@ -217,14 +223,14 @@ def _check_wrapper(hook_type: Any, wrapper: Any,
         return [
             ValueError(
                 f"comm_hook type {hook_type!r} already reduces in "
-                f'{record.wire}, so wrapper={wrapper!r} would '
+                f'{record.sent_format}, so wrapper={wrapper!r} would '
                 "round twice. Use type='allreduce' with the wrapper, or drop "
                 'the wrapper.')
         ]
     if wrapper is not None and record is not None and record.quantizes:
         return [
             ValueError(f"comm_hook type {hook_type!r} already quantizes to "
-                       f'{record.wire}, so wrapper={wrapper!r} would '
+                       f'{record.sent_format}, so wrapper={wrapper!r} would '
                        'round twice. Drop the wrapper.')
         ]
     return []
@@ -353,7 +359,7 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
         ] + _check_wrapper(None, wrapper, None))
     hook_type = cfg.pop('type')
     try:
-        record = record_of(_lookup_hook(hook_type))
+        record = record_of(lookup_hook(hook_type))
     except (KeyError, TypeError) as e:
         # The keys depend on the type: only the wrapper can be judged.
         _raise_all([e] + _check_wrapper(hook_type, wrapper, None))
@@ -374,10 +380,10 @@ def describe_sent_as_they_are(checked: dict, base_hook: Callable,
     e.g. a bf16 backbone under ``fp16_compress``: a user who asked for fp16
     should read that part of the model goes as bf16, and why."""
     wrapper = checked['wrapper']
-    wire = wrapper or record_of(base_hook).half_precision
-    if wire is None:
+    sent_format = wrapper or record_of(base_hook).half_precision
+    if sent_format is None:
         return None
-    other = 'bf16' if wire == 'fp16' else 'fp16'
+    other = 'bf16' if sent_format == 'fp16' else 'fp16'
     dtype = torch.bfloat16 if other == 'bf16' else torch.float16
     names = [
         name for param, name in param_names.items()
@@ -395,8 +401,9 @@ def describe_sent_as_they_are(checked: dict, base_hook: Callable,
            '65504 and flush values below about 6e-8 to zero' if other == 'bf16'
            else 'bf16 keeps 3 fewer significant bits than fp16')
     return (f'comm_hook {what}: the {other} parameters ({shown}) are sent '
-            f'as {other}, as they are, not cast to {wire} ({why}); the '
-            f'bytes are the same. Only fp32 buckets are cast to {wire}. '
+            f'as {other}, as they are, not cast to {sent_format} ({why}); the '
+            f'bytes are the same. Only fp32 buckets are cast to '
+            f'{sent_format}. '
             f'For one wire format everywhere use {instead}.')
 
 
@@ -432,7 +439,7 @@ def build_comm_hook(cfg: dict,
     """
     checked = check_comm_hook_cfg(cfg)
     hook_type, wrapper = checked['type'], checked['wrapper']
-    base_hook = _lookup_hook(hook_type)
+    base_hook = lookup_hook(hook_type)
     factory = _lookup_state_factory(hook_type)
     state_kwargs = checked['state_kwargs']
     state = (
@@ -440,7 +447,7 @@ def build_comm_hook(cfg: dict,
         if factory is None else factory(process_group, **state_kwargs))
 
     record = record_of(base_hook)
-    if wrapper == 'bf16' or record.wire == 'bf16':
+    if wrapper == 'bf16' or record.sent_format == 'bf16':
         check_bf16_support(process_group, device)
     notes = ()
     if param_names is not None:
@@ -454,18 +461,18 @@ def build_comm_hook(cfg: dict,
         state_keeper = record.state_keeper(state, param_names)
         hook = state_keeper.wrap(hook)
     if counter is not None:
-        hook = _count_wire(hook, counter, base_hook)
+        hook = add_sent_count(hook, counter, base_hook)
     if wrapper is not None:
         hook = _WRAPPERS[wrapper](hook)
 
-    on_worker = record.worker_waits is not None
+    on_worker = record.on_worker
     if on_worker:
         # The whole chain, so that the state's bookkeeping (PowerSGD's
         # relayout, the int8 plan that the byte count builds) runs on one
         # thread in bucket order.
-        hook = on_comm_worker(hook, wait=record.worker_waits)
+        hook = on_comm_worker(hook, wait=record.waits_per_bucket)
     if counter is not None:
-        hook = _count_baseline(hook, counter)
+        hook = add_baseline_count(hook, counter)
     name = hook_type if isinstance(hook_type, str) else getattr(
         hook_type, '__qualname__', repr(hook_type))
     return CommHookSpec(

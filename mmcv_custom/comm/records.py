@@ -1,16 +1,19 @@
-"""One record per built-in communication hook: what the rest of the
-project needs to know about it, in one place.
+"""One record per communication hook: what the rest of the project needs
+to know about it, in one place.
 
 Registering a hook in :data:`~mmcv_custom.comm.registry.COMM_HOOKS` makes it
 reachable from a config; its :class:`HookRecord` says how it is handled
 there: the format it sends (and so which wrappers it refuses), whether it
 runs on the communication worker, how its state follows DDP's bucket
 layouts into checkpoints, the defaults the project sets for it, the notes
-its log line carries and how its wire bytes are counted. A hook without a
-record (a user's) is built and run as registered; its traffic is reported
-as unknown. What the cost model projects from (:attr:`HookRecord.cost`)
-is in :mod:`.cost_records`; which collectives count as sent, in
-:mod:`.traffic`. Imports only torch (and the hooks' own modules).
+its log line carries and how the bytes it sends are counted. The built-in
+hooks' records are here; a plugin gives its hook one the same way
+(``COMM_HOOKS.register_module(record=...)`` or :func:`register_hook_record`)
+and both are read with :func:`record_of`. A hook without a record is built
+and run as registered; its traffic is reported as unknown. Imports only
+torch (and the hooks' own modules). What the cost model projects from
+(:attr:`HookRecord.cost`) is in :mod:`.cost_records`; which collectives
+count as sent, in :mod:`.traffic`.
 """
 import dataclasses
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Tuple, Type
@@ -31,12 +34,17 @@ from .cost_records import (ALLREDUCE_COST, BATCHED_POWERSGD_COST,
 from .traffic import sent_bytes
 
 __all__ = [
-    'HookRecord', 'HOOK_RECORDS', 'record_of', 'powersgd_numel', 'HookVariant'
+    'HookRecord', 'HOOK_RECORDS', 'record_of', 'register_hook_record',
+    'unregister_hook_record', 'is_builtin_hook', 'hook_name', 'sends_bucket',
+    'powersgd_numel', 'HookVariant'
 ]
 
-#: ``count_wire(hook, state, bucket) -> (future, bytes sent)``.
-WireCounter = Callable[[Callable, Any, dist.GradBucket],
-                       Tuple[torch.futures.Future, int]]
+#: ``count_bytes_sent(hook, state, bucket) -> (future, bytes sent)``.
+BytesSentCounter = Callable[[Callable, Any, dist.GradBucket],
+                            Tuple[torch.futures.Future, int]]
+
+#: The values of :attr:`HookRecord.fsdp2_form`.
+FSDP2_FORMS = ('averaging_reduce_scatter', 'int8_reduce_scatter')
 
 #: ``codec(bucket, world_size, rank) -> run``, see :attr:`HookRecord.codec`.
 Codec = Callable[[torch.Tensor, int, int], Callable[[], Any]]
@@ -46,20 +54,30 @@ Codec = Callable[[torch.Tensor, int, int], Callable[[], Any]]
 class HookRecord:
     """What the project knows about one communication hook.
 
+    Example, a plugin's fp16 hook (see
+    ``docs/en/advanced_guides/own_hooks.md``)::
+
+        @COMM_HOOKS.register_module(record=HookRecord(
+            sent_format='fp16', count_bytes_sent=sends_bucket(2)))
+        def my_fp16_hook(state, bucket):
+            ...
+
     Attributes:
-        wire (str, optional): The format the hook itself sends, ``'fp16'``,
-            ``'bf16'`` or ``'int8'``; None when it sends the bucket's dtype
-            (or low-rank factors in it). A hook with a wire format refuses
-            a wrapper, which would round twice.
+        sent_format (str, optional): The format the hook itself sends, e.g.
+            ``'fp16'``, ``'bf16'`` or ``'int8'``; None when it sends the
+            bucket's dtype (or low-rank factors in it). A hook with a sent
+            format refuses a wrapper, which would round twice.
         quantizes (bool): Whether that format is below half precision (the
             refusal's wording differs).
-        worker_waits (bool, optional): None: the hook runs where DDP calls
-            it. Otherwise it waits for its own collectives, so for CPU
-            buckets its whole chain runs on the communication worker
-            (:mod:`mmcv_custom.comm_worker`), and this says whether the
-            worker waits for a bucket's future before the next bucket (its
-            callbacks issue collectives) or may go on (every collective
-            issued when the hook returns).
+        on_worker (bool): Whether, for CPU buckets, the hook's whole chain
+            runs on the communication worker
+            (:mod:`mmcv_custom.comm_worker`): for a hook that waits for its
+            own collectives, so that the waiting overlaps the backward.
+        waits_per_bucket (bool): On the worker, whether it waits for a
+            bucket's future before starting the next bucket (the hook's
+            future callbacks issue collectives); False where every
+            collective is issued when the hook returns. Needs
+            ``on_worker``.
         powersgd_state (bool): Whether it runs on PyTorch's
             ``PowerSGDState`` (and keeps its compression counters).
         state_keeper (type, optional): The
@@ -70,18 +88,24 @@ class HookRecord:
             leaves them out, per wrapper (None: no wrapper).
         notes (Callable, optional): ``notes(state_kwargs, device) ->
             tuple[str]``: what its log line should add for these settings.
-        count_wire (Callable, optional): Runs the hook and says how many
-            bytes it put on the wire (see
-            :class:`~mmcv_custom.comm.telemetry.CommCounter`); None: unknown.
+        count_bytes_sent (Callable, optional): ``count_bytes_sent(hook,
+            state, bucket) -> (future, bytes_sent)``: runs the hook and
+            says how many bytes it sent (see
+            :class:`~mmcv_custom.comm.telemetry.CommCounter` and
+            :func:`sends_bucket`); None: unknown.
         model_bytes (Callable, optional): ``model_bytes(params,
             state_kwargs, half, world_size) -> int``: the bytes it sends
             per step for these parameters on ``world_size`` ranks (counted
             by :func:`~.traffic.sent_bytes`), for a hook whose traffic does
             not depend on DDP's buckets (``half``: a half-precision wrapper
             or hook); None where it does.
-        sharded (str, optional): Its form under FSDP2: ``'reduce_scatter'``
-            (a reduce-scatter in :attr:`wire`'s dtype) or ``'int8'``; None:
-            it has none.
+        fsdp2_form (str, optional): What carries it out under FSDP2:
+            ``'averaging_reduce_scatter'`` (a reduce-scatter in
+            :attr:`sent_dtype`, see
+            :class:`~mmcv_custom.sharded_comm.AveragingReduceScatter`) or
+            ``'int8_reduce_scatter'``
+            (:class:`~mmcv_custom.sharded_comm.Int8ReduceScatter`); None:
+            it has no FSDP2 form.
         cost (CostRecord, optional): What the cost model
             (:mod:`mmcv_custom.analysis.cost`) projects its step time
             from: its collectives per bucket on a world size, its codec's
@@ -105,17 +129,18 @@ class HookRecord:
             one, named as registered, with :attr:`label` and
             :attr:`colour`.
     """
-    wire: Optional[str] = None
+    sent_format: Optional[str] = None
     quantizes: bool = False
-    worker_waits: Optional[bool] = None
+    on_worker: bool = False
+    waits_per_bucket: bool = False
     powersgd_state: bool = False
     state_keeper: Optional[Type[HookStateKeeper]] = None
     defaults: Mapping[Optional[str], Mapping[str, Any]] = \
         dataclasses.field(default_factory=dict)
     notes: Optional[Callable[[dict, Optional[torch.device]], tuple]] = None
-    count_wire: Optional[WireCounter] = None
+    count_bytes_sent: Optional[BytesSentCounter] = None
     model_bytes: Optional[Callable[[Any, dict, bool, int], int]] = None
-    sharded: Optional[str] = None
+    fsdp2_form: Optional[str] = None
     cost: Optional[CostRecord] = None
     label: Optional[str] = None
     colour: Optional[str] = None
@@ -127,12 +152,39 @@ class HookRecord:
     @property
     def half_precision(self) -> Optional[str]:
         """``'fp16'`` or ``'bf16'`` for a hook that reduces in it."""
-        return self.wire if self.wire in ('fp16', 'bf16') else None
+        return (self.sent_format if self.sent_format in ('fp16',
+                                                         'bf16') else None)
 
     @property
-    def wire_dtype(self) -> Optional[torch.dtype]:
+    def sent_dtype(self) -> Optional[torch.dtype]:
         """The dtype of :attr:`half_precision` (None: the gradients')."""
         return _HALF_DTYPES.get(self.half_precision)
+
+    def __post_init__(self) -> None:
+        # A plugin writes its record by hand: a contradiction is an error
+        # here rather than a wrapper quietly allowed or a worker not used.
+        if self.sent_format is not None and not isinstance(
+                self.sent_format, str):
+            raise TypeError('HookRecord sent_format should be a str such as '
+                            f"'fp16' or None, but got {self.sent_format!r}")
+        if self.quantizes and self.sent_format in (None, 'fp16', 'bf16'):
+            raise ValueError(
+                'HookRecord quantizes=True should name the format below '
+                "half precision it sends (e.g. sent_format='int8'), but got "
+                f'sent_format={self.sent_format!r}')
+        if self.waits_per_bucket and not self.on_worker:
+            raise ValueError('HookRecord waits_per_bucket=True needs '
+                             'on_worker=True: only the communication worker '
+                             'waits between buckets')
+        if self.fsdp2_form not in (None, ) + FSDP2_FORMS:
+            raise ValueError(f'HookRecord fsdp2_form should be one of '
+                             f'{FSDP2_FORMS} or None, but got '
+                             f'{self.fsdp2_form!r}')
+        for name in ('notes', 'count_bytes_sent', 'model_bytes'):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f'HookRecord {name} should be callable or '
+                                f'None, but got {value!r}')
 
 
 _HALF_DTYPES = {'fp16': torch.float16, 'bf16': torch.bfloat16}
@@ -148,9 +200,20 @@ class HookVariant(NamedTuple):
     colour: Optional[str] = None
 
 
-def _sends_bucket(element_bytes: Optional[int] = None) -> WireCounter:
-    """The bucket goes out whole, ``element_bytes`` an element (None: in
-    its own dtype)."""
+def sends_bucket(element_bytes: Optional[int] = None) -> BytesSentCounter:
+    """A :attr:`HookRecord.count_bytes_sent` for a hook that sends the
+    bucket whole, ``element_bytes`` an element (None: in the bucket's own
+    dtype), e.g. ``sends_bucket(2)`` for one that all-reduces it in fp16.
+
+    Args:
+        element_bytes (int, optional): Bytes per element sent. Defaults to
+            None.
+    """
+    if element_bytes is not None and (isinstance(element_bytes, bool)
+                                      or not isinstance(element_bytes, int)
+                                      or element_bytes < 1):
+        raise ValueError('element_bytes should be an int >= 1 or None, but '
+                         f'got {element_bytes!r}')
 
     def count(hook, state, bucket):
         buffer = bucket.buffer()
@@ -161,12 +224,15 @@ def _sends_bucket(element_bytes: Optional[int] = None) -> WireCounter:
     return count
 
 
-def _int8_wire(hook, state, bucket):
+def _int8_bytes_sent(hook, state, bucket):
+    # The quantized bucket (payload, block scales, alignment): its
+    # all-to-all and all-gather are the two halves of a ring all-reduce of
+    # it, so it counts as that all-reduce's tensor, as other hooks' do.
     sent = state.wire_bytes(bucket)
     return hook(state, bucket), sent
 
 
-def _powersgd_wire(hook, state, bucket):
+def _powersgd_bytes_sent(hook, state, bucket):
     # Both PowerSGD hooks all-reduce the bucket as is while iter <
     # start_powerSGD_iter, and leave the state's counters alone.
     buffer = bucket.buffer()
@@ -288,32 +354,33 @@ def _int8_codec(bucket: torch.Tensor,
 # (PyTorch's default waits 1000), at a rank that shows its products.
 _POWERSGD_BENCHMARK = dict(matrix_approximation_rank=4, start_powerSGD_iter=2)
 
-#: Hook function -> its record, for the built-in hooks.
+#: Hook function -> its record: the built-in hooks', and those plugins
+#: registered (:func:`register_hook_record`). Read it with :func:`record_of`.
 HOOK_RECORDS = {
     allreduce_hook:
     HookRecord(
-        count_wire=_sends_bucket(),
+        count_bytes_sent=sends_bucket(),
         model_bytes=_whole_bytes,
-        sharded='reduce_scatter',
+        fsdp2_form='averaging_reduce_scatter',
         cost=ALLREDUCE_COST,
         label='fp32 all-reduce',
         colour='black'),
     fp16_compress_hook:
     HookRecord(
-        wire='fp16',
-        count_wire=_sends_bucket(2),
+        sent_format='fp16',
+        count_bytes_sent=sends_bucket(2),
         model_bytes=_whole_bytes,
-        sharded='reduce_scatter',
+        fsdp2_form='averaging_reduce_scatter',
         cost=HALF_PRECISION_COSTS['fp16'],
         label='fp16',
         colour='tab:green',
         codec=_half_codec(torch.float16)),
     bf16_compress_hook:
     HookRecord(
-        wire='bf16',
-        count_wire=_sends_bucket(2),
+        sent_format='bf16',
+        count_bytes_sent=sends_bucket(2),
         model_bytes=_whole_bytes,
-        sharded='reduce_scatter',
+        fsdp2_form='averaging_reduce_scatter',
         cost=HALF_PRECISION_COSTS['bf16'],
         label='bf16',
         colour='tab:purple',
@@ -324,11 +391,12 @@ HOOK_RECORDS = {
     # each has issued all of them when it returns.
     powersgd_hook:
     HookRecord(
-        worker_waits=False,
+        on_worker=True,
+        waits_per_bucket=False,
         powersgd_state=True,
         state_keeper=PowerSGDRelayout,
         defaults=_POWERSGD_DEFAULTS,
-        count_wire=_powersgd_wire,
+        count_bytes_sent=_powersgd_bytes_sent,
         model_bytes=_powersgd_bytes,
         cost=POWERSGD_COST,
         label='PowerSGD',
@@ -336,24 +404,26 @@ HOOK_RECORDS = {
         benchmark_options=_POWERSGD_BENCHMARK),
     batched_powersgd_hook:
     HookRecord(
-        worker_waits=False,
+        on_worker=True,
+        waits_per_bucket=False,
         powersgd_state=True,
         state_keeper=BatchedPowerSGDRelayout,
         defaults=_POWERSGD_DEFAULTS,
-        count_wire=_powersgd_wire,
+        count_bytes_sent=_powersgd_bytes_sent,
         cost=BATCHED_POWERSGD_COST,
         label='batched PowerSGD',
         colour='tab:brown',
         benchmark_options=_POWERSGD_BENCHMARK),
     int8_compress_hook:
     HookRecord(
-        wire='int8',
+        sent_format='int8',
         quantizes=True,
-        worker_waits=False,
+        on_worker=True,
+        waits_per_bucket=False,
         state_keeper=Int8StateKeeper,
         notes=_slow_int8_blocks,
-        count_wire=_int8_wire,
-        sharded='int8',
+        count_bytes_sent=_int8_bytes_sent,
+        fsdp2_form='int8_reduce_scatter',
         cost=INT8_COST,
         label='int8',
         colour='tab:blue',
@@ -364,10 +434,66 @@ HOOK_RECORDS = {
                               'int8, no error feedback', 'tab:red'))),
 }
 
+_BUILTIN_HOOKS = frozenset(HOOK_RECORDS)
 _UNKNOWN = HookRecord()
 
 
 def record_of(hook: Callable) -> HookRecord:
-    """``hook``'s record; an empty one (traffic unknown) for a hook the
-    project does not know."""
+    """``hook``'s record, a built-in's or a plugin's; an empty one (traffic
+    unknown) for a hook that has none."""
     return HOOK_RECORDS.get(hook, _UNKNOWN)
+
+
+def is_builtin_hook(hook: Callable) -> bool:
+    """Whether ``hook`` is one of the project's own hooks (its record is
+    the project's, not a plugin's)."""
+    return hook in _BUILTIN_HOOKS
+
+
+def hook_name(hook: Callable) -> str:
+    """``module.qualname`` of a hook, to name it in a message."""
+    module = getattr(hook, '__module__', None)
+    name = getattr(hook, '__qualname__', None) or repr(hook)
+    return f'{module}.{name}' if module else name
+
+
+def register_hook_record(hook: Callable, record: HookRecord) -> None:
+    """Give a plugin's hook its record, as the built-in hooks have theirs.
+
+    With a record, the hook's traffic is counted (``comm_MB`` and
+    ``comm_ratio``, if the record has ``count_bytes_sent``), a wrapper
+    around a hook with a ``sent_format`` is refused as for the built-ins,
+    and the rest of the record is used as a built-in's is.
+    ``COMM_HOOKS.register_module(record=...)`` calls this.
+
+    Args:
+        hook (Callable): The hook function, as registered in ``COMM_HOOKS``.
+        record (HookRecord): What the project should know about it.
+
+    Raises:
+        TypeError: ``hook`` is not callable or ``record`` not a
+            :class:`HookRecord`.
+        ValueError: ``hook`` is a built-in (its record is the project's),
+            or already has a different record.
+    """
+    if not callable(hook):
+        raise TypeError(f'hook should be callable, but got {hook!r}')
+    if not isinstance(record, HookRecord):
+        raise TypeError('record should be a HookRecord, but got '
+                        f'{type(record).__name__}: {record!r}')
+    if is_builtin_hook(hook):
+        raise ValueError(
+            f'{hook_name(hook)} is a built-in hook of mmcv_custom with its '
+            'own record; a plugin cannot replace it. Register a hook of '
+            'your own (it may call this one) with the record instead.')
+    known = HOOK_RECORDS.get(hook)
+    if known is not None and known != record:
+        raise ValueError(f'{hook_name(hook)} already has a different '
+                         f'record: {known!r}; give each hook one record.')
+    HOOK_RECORDS[hook] = record
+
+
+def unregister_hook_record(hook: Callable) -> None:
+    """Forget a plugin hook's record (a built-in's stays)."""
+    if not is_builtin_hook(hook):
+        HOOK_RECORDS.pop(hook, None)

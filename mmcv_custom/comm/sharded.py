@@ -1,7 +1,8 @@
 """The sharded (FSDP2) form of a ``comm_hook`` config.
 
-FSDP2 has no DDP communication hooks; the config types whose record has a
-sharded form are carried out by FSDP2's reduce-scatter
+FSDP2 has no DDP communication hooks; the config types whose record has an
+FSDP2 form (:attr:`~.records.HookRecord.fsdp2_form`) are carried out by
+FSDP2's reduce-scatter
 (:mod:`mmcv_custom.sharded_comm`).
 """
 import dataclasses
@@ -9,8 +10,8 @@ from typing import Any, Optional
 
 import torch
 
-from .builder import (_lookup_hook, check_comm_hook_cfg,
-                      describe_sent_as_they_are, hook_record)
+from .builder import (check_comm_hook_cfg, describe_sent_as_they_are,
+                      hook_record, lookup_hook)
 from .records import record_of
 from .registry import COMM_HOOKS
 
@@ -30,14 +31,14 @@ class ShardedCommSpec:
 
     Attributes:
         type (str): The config name.
-        wire_dtype (torch.dtype, optional): What is sent; None for the
+        sent_dtype (torch.dtype, optional): What is sent; None for the
             gradients' own dtype (or int8, see ``int8_block_size``).
         notes (tuple[str]): Log warnings, as :class:`CommHookSpec`'s.
         int8_block_size (int, optional): Set for ``int8_compress``: values
             per fp32 scale. Defaults to None.
     """
     type: str
-    wire_dtype: Optional[torch.dtype]
+    sent_dtype: Optional[torch.dtype]
     notes: tuple = ()
     state: Any = None  # no DDP-style state (no non-finite records)
     int8_block_size: Optional[int] = None
@@ -48,9 +49,9 @@ class ShardedCommSpec:
             return (f"type='{self.type}' (FSDP2 reduce-scatter in int8, one "
                     f'fp32 scale per {self.int8_block_size} values, no error '
                     'feedback, averaged before the rounding)')
-        wire = ('the gradients\' own dtype' if self.wire_dtype is None else
-                str(self.wire_dtype).replace('torch.', ''))
-        return (f"type='{self.type}' (FSDP2 reduce-scatter in {wire}, "
+        sent = ('the gradients\' own dtype' if self.sent_dtype is None else
+                str(self.sent_dtype).replace('torch.', ''))
+        return (f"type='{self.type}' (FSDP2 reduce-scatter in {sent}, "
                 'averaged before the cast)')
 
 
@@ -76,12 +77,12 @@ def build_sharded_comm(cfg: dict,
     hook_type = checked['type']
     what = f'comm_hook type={hook_type!r}'
     record = hook_record(hook_type)
-    if record.sharded == 'int8':
+    if record.fsdp2_form == 'int8_reduce_scatter':
         return _sharded_int8(checked, what)
-    if record.sharded != 'reduce_scatter':
+    if record.fsdp2_form != 'averaging_reduce_scatter':
         forms = [
             name for name, hook in COMM_HOOKS.module_dict.items()
-            if record_of(hook).sharded == 'reduce_scatter'
+            if record_of(hook).fsdp2_form == 'averaging_reduce_scatter'
         ]
         raise ValueError(
             f'{what} has no sharded form: under FSDP2 (FSDP2Strategy) '
@@ -108,11 +109,11 @@ def build_sharded_comm(cfg: dict,
             f"Remove it, e.g. comm_hook = dict(type='{hook_type}').")
     notes = ()
     if param_names is not None:
-        note = describe_sent_as_they_are(checked, _lookup_hook(hook_type),
+        note = describe_sent_as_they_are(checked, lookup_hook(hook_type),
                                          param_names)
         notes = (note, ) if note else ()
     return ShardedCommSpec(
-        type=hook_type, wire_dtype=record.wire_dtype, notes=notes)
+        type=hook_type, sent_dtype=record.sent_dtype, notes=notes)
 
 
 def _sharded_int8(checked: dict, what: str) -> ShardedCommSpec:
@@ -137,5 +138,5 @@ def _sharded_int8(checked: dict, what: str) -> ShardedCommSpec:
             "in int8 without it, or use type='bf16_compress'.")
     return ShardedCommSpec(
         type='int8_compress',
-        wire_dtype=None,
+        sent_dtype=None,
         int8_block_size=kwargs.get('block_size', 256))

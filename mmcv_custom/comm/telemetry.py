@@ -1,8 +1,9 @@
-"""Counting the bytes a rank hands to its hooks and what the hooks send.
+"""Counting the bytes a rank hands to its hooks and the bytes they send.
 
-The builder wraps a hook chain in :func:`_count_baseline` (outermost) and
-:func:`_count_wire` (around the named hook, inside any wrapper); how a hook
-counts its wire bytes is in its :class:`~.records.HookRecord`.
+The builder wraps a hook chain in :func:`add_baseline_count` (outermost)
+and :func:`add_sent_count` (around the named hook, inside any wrapper); how
+a hook counts the bytes it sends is its record's
+:attr:`~.records.HookRecord.count_bytes_sent`.
 """
 from typing import Callable
 
@@ -11,11 +12,11 @@ import torch.distributed as dist
 from .records import record_of
 from .util import named_after
 
-__all__ = ['CommCounter']
+__all__ = ['CommCounter', 'add_baseline_count', 'add_sent_count']
 
 
 class CommCounter:
-    """Bytes a rank handed to its hooks, and what the hooks sent.
+    """Bytes a rank handed to its hooks, and the bytes the hooks sent.
 
     Counted in Python per bucket as the hooks run: no collective, no device
     synchronisation.
@@ -25,40 +26,32 @@ class CommCounter:
             hook: ``numel * element_size`` of each bucket as DDP hands it
             over (4 bytes an element for fp32 gradients, 2 for a bf16 or
             fp16 model's).
-        wire_bytes (int): What the hook reduces, as the size of the
-            tensor an all-reduce would carry: the bucket in the format it
-            sends, or for PowerSGD once it compresses (``iter >=
-            start_powerSGD_iter``) the P and Q factors plus the tensors it
-            leaves uncompressed. For ``int8_compress``, which reduces as
-            an all-to-all and then an all-gather (the two halves of a ring
-            all-reduce), it is the quantized bucket: the int8 payload plus
-            4 bytes per block scale (blocks are per parameter) and at most
-            3 bytes of alignment per rank (:meth:`Int8State.wire_bytes`),
-            about ``numel * (1 + 4 / block_size)``, and it covers both
-            phases: the hook
-            sends ``2 * (world_size - 1) / world_size`` times it from each
-            rank, half in each phase, the multiple a ring all-reduce
-            sends of its tensor, so counts of different hooks compare as
-            their traffic does.
-        wire_known (bool): False once a hook ran whose traffic is unknown
-            (a user hook).
+        bytes_sent (int): What the hooks reduced, as the size of the tensors
+            an all-reduce would carry (a ring all-reduce sends
+            ``2 * (world_size - 1) / world_size`` times it from each rank),
+            so that the counts of different hooks compare as their traffic
+            does; each hook's record says how it counts
+            (:attr:`~.records.HookRecord.count_bytes_sent`).
+        bytes_sent_known (bool): False for a hook whose record does not
+            count the bytes it sends (a plugin hook without one).
     """
 
     def __init__(self) -> None:
         self.baseline_bytes = 0
-        self.wire_bytes = 0
-        self.wire_known = True
+        self.bytes_sent = 0
+        self.bytes_sent_known = True
 
     def pop(self):
-        """``(baseline_bytes, wire_bytes or None)`` since the last call."""
+        """``(baseline_bytes, bytes_sent or None)`` since the last call."""
         out = (self.baseline_bytes,
-               self.wire_bytes if self.wire_known else None)
-        self.baseline_bytes = self.wire_bytes = 0
+               self.bytes_sent if self.bytes_sent_known else None)
+        self.baseline_bytes = self.bytes_sent = 0
         return out
 
 
-def _count_baseline(hook: Callable, counter: CommCounter) -> Callable:
-    """Outermost: the bucket as DDP hands it over, in its own dtype."""
+def add_baseline_count(hook: Callable, counter: CommCounter) -> Callable:
+    """Wrap ``hook`` (outermost) to add each bucket as DDP hands it over,
+    in its own dtype, to ``counter.baseline_bytes``."""
 
     def _counted_hook(state, bucket: dist.GradBucket):
         buffer = bucket.buffer()
@@ -68,19 +61,21 @@ def _count_baseline(hook: Callable, counter: CommCounter) -> Callable:
     return named_after(_counted_hook, hook)
 
 
-def _count_wire(hook: Callable, counter: CommCounter,
-                base: Callable) -> Callable:
-    """Around the named hook ``base`` (``hook`` may be it or wrap it): what
-    it puts on the wire, as its record counts it. Inside any wrapper, so
-    ``bucket.buffer()`` is in the format that is sent."""
-    count_wire = record_of(base).count_wire
+def add_sent_count(hook: Callable, counter: CommCounter,
+                   base: Callable) -> Callable:
+    """Wrap ``hook`` (the named hook ``base``, or a chain around it) to add
+    what it sends, as ``base``'s record counts it, to
+    ``counter.bytes_sent``. Goes inside any wrapper, so that
+    ``bucket.buffer()`` is in the format that is sent. Without a counting
+    record, ``counter.bytes_sent_known`` is False from the start."""
+    count_bytes_sent = record_of(base).count_bytes_sent
+    if count_bytes_sent is None:
+        counter.bytes_sent_known = False
+        return hook
 
     def _counted_hook(state, bucket: dist.GradBucket):
-        if count_wire is None:
-            counter.wire_known = False
-            return hook(state, bucket)
-        fut, sent = count_wire(hook, state, bucket)
-        counter.wire_bytes += sent
+        fut, sent = count_bytes_sent(hook, state, bucket)
+        counter.bytes_sent += sent
         return fut
 
     return named_after(_counted_hook, hook)

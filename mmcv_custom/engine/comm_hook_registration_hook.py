@@ -5,6 +5,7 @@ from typing import List, Optional, Tuple
 import torch
 from mmengine.dist import get_world_size, is_main_process
 from mmengine.hooks import Hook
+from mmengine.logging import HistoryBuffer
 from mmengine.model import MMSeparateDistributedDataParallel, is_model_wrapper
 from mmengine.registry import HOOKS
 from mmengine.runner import find_latest_checkpoint
@@ -64,6 +65,60 @@ def _describe_cfg(cfg: dict) -> str:
     return 'dict(' + ', '.join(f'{k}={v!r}' for k, v in cfg.items()) + ')'
 
 
+class _Unknown(float):
+    """NaN that formats as ``unknown``: what the log line shows for a
+    scalar nobody counted, while JSON, TensorBoard & co. get a number."""
+
+    def __new__(cls):
+        return super().__new__(cls, 'nan')
+
+    def __format__(self, spec: str) -> str:
+        return 'unknown'
+
+    def __reduce__(self):
+        # Copies (the log processor deep-copies its tags) stay unknown.
+        return _Unknown, ()
+
+    def __repr__(self) -> str:
+        return 'unknown'
+
+    __str__ = __repr__
+
+
+_UNKNOWN = _Unknown()
+
+
+class _UnknownScalar(HistoryBuffer):
+    """A message-hub scalar that is unknown at every iteration: MMEngine's
+    log processor prints its current value (or mean) as ``unknown``."""
+
+    def current(self):
+        return _UNKNOWN
+
+    def mean(self, window_size: Optional[int] = None):
+        return _UNKNOWN
+
+    def statistics(self, method_name: str, *arg, **kwargs):
+        return _UNKNOWN
+
+
+def _update_unknown(hub, key: str) -> None:
+    """One more unknown value of ``key`` (NaN in the buffer's data)."""
+    if not isinstance(hub.log_scalars.get(key), _UnknownScalar):
+        hub.log_scalars[key] = _UnknownScalar()
+    hub.log_scalars[key].update(float('nan'))
+
+
+def _unknown_traffic_note(spec) -> str:
+    """Once on rank 0: why ``comm_MB`` is unknown, and the fix."""
+    return (f"comm_hook type={spec.type!r}: the bytes it sends are unknown "
+            '(its hook has no HookRecord with count_bytes_sent), so comm_MB '
+            "and comm_ratio show 'unknown'. Give the hook a record where it "
+            'is registered, e.g. @COMM_HOOKS.register_module(record='
+            'HookRecord(count_bytes_sent=sends_bucket())) from '
+            'mmcv_custom.comm (docs/en/advanced_guides/own_hooks.md).')
+
+
 @HOOKS.register_module()
 class CommHookRegistrationHook(Hook):
     """Register the config's DDP communication hook before training starts.
@@ -96,16 +151,21 @@ class CommHookRegistrationHook(Hook):
       backends (TensorBoard...): ``comm_MB`` (MiB sent through the hook in
       the iteration; 0 on gradient-accumulation steps) and ``comm_ratio``
       (that, over what DDP would send without the hook: the buckets' own
-      dtype). Counted in
-      Python as buckets pass: no collective, no synchronisation. Then warns,
+      dtype). Counted in Python as buckets pass, as the hook's
+      :class:`~mmcv_custom.comm.records.HookRecord` says: no collective, no
+      synchronisation. A hook whose record does not count its bytes (a
+      plugin's without ``count_bytes_sent``) shows ``comm_MB: unknown`` and
+      ``comm_ratio: unknown`` (NaN for the visualizer backends), and rank 0
+      says once how to give it a record. Then warns,
       once per occurrence, about buckets whose fp16 average is not finite
       (``check_finite``), naming the bucket and its parameters, and stops
       the run (:class:`NonFiniteGradientsError`, before any checkpoint of
       that iteration is saved) when the parameters themselves turned
       non-finite or after ``max_nonfinite_iters`` such iterations in a row.
-    * Stateful hooks (PowerSGD): every rank saves its state beside each
-      checkpoint and a resumed run restores it on all ranks or on none
-      (see :mod:`mmcv_custom.engine.hook_state_files`).
+    * Hooks whose record names a state keeper (PowerSGD, batched
+      PowerSGD, int8's error feedback): every rank saves the hook's state
+      beside each checkpoint and a resumed run restores it on all ranks or
+      on none (see :mod:`mmcv_custom.engine.hook_state_files`).
 
     A model that is not distributed gets one INFO line and trains on; a
     model wrapped by something other than DDP (FSDP, DeepSpeed) is an error,
@@ -149,12 +209,12 @@ class CommHookRegistrationHook(Hook):
         self._registered = False
         # (where, spec, counter, parameter names by id) per DDP module.
         self._installed: list = []
-        # Saves and restores the state of stateful hooks (PowerSGD).
+        # Saves and restores the state of hooks with a state keeper.
         self._state_files: Optional[HookStateFiles] = None
         self._loaded_record = None
         # This rank's bytes since registration, for the tools' summary.
         self._baseline_total = 0
-        self._wire_total: Optional[int] = 0
+        self._sent_total: Optional[int] = 0
 
     def _resolve_cfg(self, runner) -> Optional[dict]:
         from_config = runner.cfg.get('comm_hook', None)
@@ -253,6 +313,9 @@ class CommHookRegistrationHook(Hook):
             for name, installed, *_ in self._installed:
                 for note in installed.notes:
                     runner.logger.warning(f'{name}: {note}' if name else note)
+            if any(counter is not None and not counter.bytes_sent_known
+                   for _, _, counter, _ in self._installed):
+                runner.logger.warning(_unknown_traffic_note(spec))
 
         if keepers:
             self._state_files = HookStateFiles(keepers, self._cfg)
@@ -268,7 +331,7 @@ class CommHookRegistrationHook(Hook):
         names = {p: n for n, p in model.named_parameters()}
         spec = build_sharded_comm(self._cfg, param_names=names)
         counter = CommCounter() if self._telemetry else None
-        units = install_reduce_scatter(model, spec.wire_dtype, counter,
+        units = install_reduce_scatter(model, spec.sent_dtype, counter,
                                        spec.int8_block_size)
         self._installed.append(('', spec, counter, {
             id(p): n
@@ -295,30 +358,34 @@ class CommHookRegistrationHook(Hook):
         if self._state_files is not None:
             self._state_files.save_if_due(runner, by_epoch=False)
         if self._telemetry:
-            baseline_bytes, wire_bytes = 0, 0
+            baseline_bytes, bytes_sent = 0, 0
             for _, _, counter, _ in self._installed:
-                baseline, wire = counter.pop()
+                baseline, sent = counter.pop()
                 baseline_bytes += baseline
-                wire_bytes = None if wire is None or wire_bytes is None else (
-                    wire_bytes + wire)
+                bytes_sent = None if sent is None or bytes_sent is None else (
+                    bytes_sent + sent)
             self._baseline_total += baseline_bytes
-            self._wire_total = None if wire_bytes is None or (
-                self._wire_total is None) else self._wire_total + wire_bytes
-            if wire_bytes is not None:
-                runner.message_hub.update_scalar('train/comm_MB',
-                                                 wire_bytes / 2**20)
+            self._sent_total = None if bytes_sent is None or (
+                self._sent_total is None) else self._sent_total + bytes_sent
+            hub = runner.message_hub
+            if bytes_sent is None:
+                for key in ('train/comm_MB', 'train/comm_ratio'):
+                    _update_unknown(hub, key)
+            else:
+                hub.update_scalar('train/comm_MB', bytes_sent / 2**20)
                 if baseline_bytes:
-                    runner.message_hub.update_scalar(
-                        'train/comm_ratio', wire_bytes / baseline_bytes)
+                    hub.update_scalar('train/comm_ratio',
+                                      bytes_sent / baseline_bytes)
 
-    def traffic(self) -> Optional[Tuple[int, int]]:
-        """``(baseline, wire)``: the bytes this rank handed its comm hooks
+    def traffic(self) -> Optional[Tuple[int, Optional[int]]]:
+        """``(baseline, sent)``: the bytes this rank handed its comm hooks
         (what DDP would all-reduce without them) and the bytes the hooks
-        sent, over the iterations of this run so far. None without
-        telemetry, or once a hook's traffic is unknown (a user hook)."""
-        if not self._telemetry or self._wire_total is None:
+        sent, over the iterations of this run so far; ``sent`` is None when
+        the hook's traffic is unknown (its record does not count it). None
+        without telemetry."""
+        if not self._telemetry:
             return None
-        return self._baseline_total, self._wire_total
+        return self._baseline_total, self._sent_total
 
     # -- hook state in checkpoints (see hook_state_files.py) --------------
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:

@@ -356,7 +356,7 @@ def test_config_keys_wrapper_and_fsdp2():
         "reduce-scatter in int8 without it, or use type='bf16_compress'.")
     spec = build_sharded_comm(
         dict(type='int8_compress', block_size=64, error_feedback=False))
-    assert spec.int8_block_size == 64 and spec.wire_dtype is None
+    assert spec.int8_block_size == 64 and spec.sent_dtype is None
     assert spec.describe() == (
         "type='int8_compress' (FSDP2 reduce-scatter in int8, one fp32 scale "
         'per 64 values, no error feedback, averaged before the rounding)')

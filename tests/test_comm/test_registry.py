@@ -228,19 +228,21 @@ def test_every_builtin_hook_has_its_record():
     for name in BUILTIN:
         record = record_of(COMM_HOOKS.get(name))
         assert record is HOOK_RECORDS[COMM_HOOKS.get(name)], name
-        assert record.count_wire is not None, name
-    waiting = sorted(
-        n for n in BUILTIN
-        if record_of(COMM_HOOKS.get(n)).worker_waits is not None)
-    assert waiting == ['batched_powerSGD', 'int8_compress', 'powerSGD']
+        assert record.count_bytes_sent is not None, name
+    on_worker = sorted(
+        n for n in BUILTIN if record_of(COMM_HOOKS.get(n)).on_worker)
+    assert on_worker == ['batched_powerSGD', 'int8_compress', 'powerSGD']
+    # Each has issued all its collectives when it returns.
+    assert not any(
+        record_of(COMM_HOOKS.get(n)).waits_per_bucket for n in BUILTIN)
     assert record_of(COMM_HOOKS.get('fp16_compress')).half_precision == 'fp16'
     assert record_of(COMM_HOOKS.get('int8_compress')).half_precision is None
-    sharded = {n: record_of(COMM_HOOKS.get(n)).sharded for n in BUILTIN}
-    assert sharded == dict(
-        allreduce='reduce_scatter',
-        fp16_compress='reduce_scatter',
-        bf16_compress='reduce_scatter',
-        int8_compress='int8',
+    forms = {n: record_of(COMM_HOOKS.get(n)).fsdp2_form for n in BUILTIN}
+    assert forms == dict(
+        allreduce='averaging_reduce_scatter',
+        fp16_compress='averaging_reduce_scatter',
+        bf16_compress='averaging_reduce_scatter',
+        int8_compress='int8_reduce_scatter',
         powerSGD=None,
         batched_powerSGD=None)
 
@@ -259,5 +261,5 @@ def test_every_builtin_hook_has_its_record():
     def user_hook(state, bucket):
         return allreduce_hook(state, bucket)
 
-    assert record_of(user_hook).count_wire is None
+    assert record_of(user_hook).count_bytes_sent is None
     assert record_of(user_hook).state_keeper is None

@@ -203,9 +203,9 @@ def test_hooks_without_a_sharded_form_are_refused(cfg, message):
 
 
 def test_sharded_form_of_each_type():
-    assert build_sharded_comm(dict(type='allreduce')).wire_dtype is None
+    assert build_sharded_comm(dict(type='allreduce')).sent_dtype is None
     spec = build_sharded_comm(dict(type='bf16_compress', check_finite=False))
-    assert spec.wire_dtype is torch.bfloat16
+    assert spec.sent_dtype is torch.bfloat16
     assert spec.describe() == (
         "type='bf16_compress' (FSDP2 reduce-scatter in bfloat16, averaged "
         'before the cast)')

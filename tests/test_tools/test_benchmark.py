@@ -207,7 +207,7 @@ def test_a_plugin_hook_with_a_record_is_compared_under_its_label():
         # PyTorch has no hook of that name.
         assert f'torch.{name}_hook' not in hooks
         [pair] = [p for p in hook_benchmark.pairs() if p.record is record]
-        assert (pair.label, pair.family) == (record.label, record.wire)
+        assert (pair.label, pair.family) == (record.label, record.sent_format)
         columns = hook_benchmark.codec_columns()
         assert (f'ours.{record.label}', f'ours {record.label}',
                 record) in columns

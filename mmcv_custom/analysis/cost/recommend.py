@@ -40,7 +40,7 @@ class StepPrediction:
         sent_bytes (float): Bytes the hook reduces per step, as the size
             of the tensors an all-reduce would carry (what
             :class:`~mmcv_custom.registry.CommCounter` counts as
-            ``wire_bytes``), by the one counting rule,
+            ``bytes_sent``), by the one counting rule,
             :func:`mmcv_custom.comm.traffic.sent_bytes`: all-reduced
             tensors as they are, an all-to-all and an all-gather by what
             they move against an all-reduce (int8's pair: its quantized
