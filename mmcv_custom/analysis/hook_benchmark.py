@@ -100,8 +100,9 @@ def pairs() -> List[Pair]:
         twin = f'{hook.name}_hook'
         theirs = f'torch.{twin}' if hasattr(default_hooks, twin) else None
         out.append(
-            Pair(hook.record.sent_format or 'allreduce', f'ours.{hook.name}_hook',
-                 theirs, hook.record, hook.label, hook))
+            Pair(hook.record.sent_format or 'allreduce',
+                 f'ours.{hook.name}_hook', theirs, hook.record, hook.label,
+                 hook))
     return out
 
 

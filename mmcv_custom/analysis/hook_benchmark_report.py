@@ -71,7 +71,8 @@ def report(results, world_size, backend, repeat=None):
     # Only pairs with a PyTorch hook have a ratio and a target.
     ratios = {p.family: [] for p in compared if p.theirs}
     # Where int8's numbers are compared to bf16's, and codecs to a copy.
-    bf16 = next((p.ours for p in compared if p.record.sent_format == 'bf16'), None)
+    bf16 = next((p.ours for p in compared if p.record.sent_format == 'bf16'),
+                None)
     codec_of = {
         record.sent_format: key
         for key, _, record in columns if key.startswith('ours.')
