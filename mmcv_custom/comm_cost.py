@@ -70,7 +70,7 @@ import math
 from abc import ABC, abstractmethod
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .comm.util import align_up, ceil_div
+from .hooks.util import align_up, ceil_div
 
 __all__ = [
     'MiB', 'DTYPE_BYTES', 'COLLECTIVE_KINDS', 'ParamSpec', 'Bucket',
@@ -574,7 +574,7 @@ def _align4(nbytes: int) -> int:
 class Int8Cost(HookCost):
     """``int8_compress``: blockwise int8, an all-to-all then an all-gather.
 
-    Exactly as :mod:`mmcv_custom.int8_hooks` lays its bytes out: every
+    Exactly as :mod:`mmcv_custom.hooks.int8` lays its bytes out: every
     parameter is cut into blocks of ``block_size`` (its last may be
     shorter); block ``b`` of a parameter belongs to rank ``(first + b) %
     P``, ``first`` numbering the parameter's blocks in the order the hook
@@ -754,7 +754,7 @@ class PowerSGDCost(HookCost):
 class BatchedPowerSGDCost(HookCost):
     """``batched_powerSGD``: each bucket as one square matrix of side
     ``ceil(sqrt(numel))``, two sequential all-reduces of ``side * r``
-    numbers each (:mod:`mmcv_custom.batched_powersgd`).
+    numbers each (:mod:`mmcv_custom.hooks.batched_powersgd`).
 
     Local work: error feedback (3 passes), a copy (2), the zero-padded
     square (2), two products (2), the decompression and copy back (3) and

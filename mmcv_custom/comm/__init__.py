@@ -2,9 +2,6 @@
 
 Modules, each with one concern:
 
-* :mod:`.validation`: ``require_int``/``require_real``/``require_bool`` and
-  ``with_args_check`` (standard library only);
-* :mod:`.util`: helpers the hook modules share (standard library only);
 * :mod:`.registry`: ``COMM_HOOKS`` and ``COMM_HOOK_STATES`` (MMEngine);
 * :mod:`.records`: one :class:`~.records.HookRecord` per built-in hook;
 * :mod:`.states`: the built-in state factories and their value checks;
@@ -13,10 +10,14 @@ Modules, each with one concern:
 * :mod:`.telemetry`: ``CommCounter``, bytes in and on the wire;
 * :mod:`.sharded`: the FSDP2 form of a config.
 
-The names below are imported on first use, not with the package: the
-torch-only hook modules (:mod:`mmcv_custom.ddp_hooks` and its siblings)
-import :mod:`.validation` and :mod:`.util`, and must not pull MMEngine in
-through this file.
+``require_int``/``require_real``/``require_bool`` and ``with_args_check``
+live with the hook math in :mod:`mmcv_custom.hooks.validation` and are
+re-exported here; :mod:`.validation` and :mod:`.util` are the old import
+paths of :mod:`mmcv_custom.hooks.validation` and :mod:`mmcv_custom.hooks.util`.
+
+The names below are imported on first use, not with the package:
+:mod:`.records` imports only torch and :mod:`mmcv_custom.hooks`, and must
+not pull MMEngine in through this file.
 """
 import importlib
 
@@ -27,22 +28,23 @@ __all__ = [
     'require_int', 'require_real', 'with_args_check'
 ]
 
+# Name -> its module, relative to this package.
 _HOME = {
-    'COMM_HOOKS': 'registry',
-    'COMM_HOOK_STATES': 'registry',
-    'CommCounter': 'telemetry',
-    'CommHookSpec': 'builder',
-    'HookRecord': 'records',
-    'ShardedCommSpec': 'sharded',
-    'build_comm_hook': 'builder',
-    'build_sharded_comm': 'sharded',
-    'check_comm_hook_cfg': 'builder',
-    'hook_record': 'builder',
-    'record_of': 'records',
-    'require_bool': 'validation',
-    'require_int': 'validation',
-    'require_real': 'validation',
-    'with_args_check': 'validation',
+    'COMM_HOOKS': '.registry',
+    'COMM_HOOK_STATES': '.registry',
+    'CommCounter': '.telemetry',
+    'CommHookSpec': '.builder',
+    'HookRecord': '.records',
+    'ShardedCommSpec': '.sharded',
+    'build_comm_hook': '.builder',
+    'build_sharded_comm': '.sharded',
+    'check_comm_hook_cfg': '.builder',
+    'hook_record': '.builder',
+    'record_of': '.records',
+    'require_bool': '..hooks.validation',
+    'require_int': '..hooks.validation',
+    'require_real': '..hooks.validation',
+    'with_args_check': '..hooks.validation',
 }
 
 
@@ -50,7 +52,7 @@ def __getattr__(name: str):
     home = _HOME.get(name)
     if home is None:
         raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-    value = getattr(importlib.import_module(f'.{home}', __name__), name)
+    value = getattr(importlib.import_module(home, __name__), name)
     globals()[name] = value
     return value
 

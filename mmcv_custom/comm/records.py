@@ -8,7 +8,7 @@ runs on the communication worker, how its state follows DDP's bucket
 layouts into checkpoints, the defaults the project sets for it, the notes
 its log line carries and how its wire bytes are counted. A hook without a
 record (a user's) is built and run as registered; its traffic is reported
-as unknown. Imports only torch (and the hooks' own modules).
+as unknown. Imports only torch (and :mod:`mmcv_custom.hooks`).
 """
 import dataclasses
 from typing import Any, Callable, Mapping, Optional, Tuple, Type
@@ -16,13 +16,13 @@ from typing import Any, Callable, Mapping, Optional, Tuple, Type
 import torch
 import torch.distributed as dist
 
-from .. import int8_codec
-from ..batched_powersgd import batched_powersgd_hook
-from ..ddp_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
-from ..hook_state import HookStateKeeper
-from ..int8_hooks import Int8StateKeeper, int8_compress_hook
-from ..powersgd import compression, powersgd_hook
-from ..powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
+from ..hooks import int8_codec
+from ..hooks.batched_powersgd import batched_powersgd_hook
+from ..hooks.half import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from ..hooks.int8 import Int8StateKeeper, int8_compress_hook
+from ..hooks.powersgd import compression, powersgd_hook
+from ..hooks.powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
+from ..hooks.state import HookStateKeeper
 
 __all__ = ['HookRecord', 'HOOK_RECORDS', 'record_of', 'powersgd_numel']
 
@@ -45,14 +45,14 @@ class HookRecord:
         worker_waits (bool, optional): None: the hook runs where DDP calls
             it. Otherwise it waits for its own collectives, so for CPU
             buckets its whole chain runs on the communication worker
-            (:mod:`mmcv_custom.comm_worker`), and this says whether the
+            (:mod:`mmcv_custom.hooks.worker`), and this says whether the
             worker waits for a bucket's future before the next bucket (its
             callbacks issue collectives) or may go on (every collective
             issued when the hook returns).
         powersgd_state (bool): Whether it runs on PyTorch's
             ``PowerSGDState`` (and keeps its compression counters).
         state_keeper (type, optional): The
-            :class:`~mmcv_custom.hook_state.HookStateKeeper` that keeps its
+            :class:`~mmcv_custom.hooks.state.HookStateKeeper` that keeps its
             state per parameter across DDP's bucket layouts and
             checkpoints; None for a stateless hook.
         defaults (Mapping): State keys the project sets when a config

@@ -7,10 +7,10 @@ their own with ``@COMM_HOOKS.register_module()``.
 """
 from mmengine.registry import Registry
 
-from ..batched_powersgd import batched_powersgd_hook
-from ..ddp_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
-from ..int8_hooks import int8_compress_hook
-from ..powersgd import powersgd_hook
+from ..hooks.batched_powersgd import batched_powersgd_hook
+from ..hooks.half import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from ..hooks.int8 import int8_compress_hook
+from ..hooks.powersgd import powersgd_hook
 
 __all__ = ['COMM_HOOKS', 'COMM_HOOK_STATES']
 

@@ -11,21 +11,21 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
-from ..ddp_hooks import CompressState, _check_compress_args
-from ..int8_hooks import Int8State
+from ..hooks.half import CompressState, check_compress_args
+from ..hooks.int8 import Int8State
+from ..hooks.validation import (require_bool, require_int, require_real,
+                                with_args_check)
 from .registry import COMM_HOOK_STATES
-from .validation import (require_bool, require_int, require_real,
-                         with_args_check)
 
 __all__: list = []  # registered by name, not imported
 
 
 def _check_fp16_args(args: dict) -> None:
-    _check_compress_args(args['predivide_factor'], args['check_finite'])
+    check_compress_args(args['predivide_factor'], args['check_finite'])
 
 
 def _check_bf16_args(args: dict) -> None:
-    _check_compress_args(None, args['check_finite'])
+    check_compress_args(None, args['check_finite'])
 
 
 @COMM_HOOK_STATES.register_module(name='fp16_compress')

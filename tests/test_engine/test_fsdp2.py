@@ -20,11 +20,11 @@ from torch import nn
 
 import mmcv_custom  # noqa: F401  (registers the strategy and the hook)
 from mmcv_custom.checkpoint import is_sharded_checkpoint
+from mmcv_custom.hooks.sharded import (AveragingReduceScatter,
+                                       install_reduce_scatter)
 from mmcv_custom.launcher import free_port
 from mmcv_custom.registry import CommCounter, build_sharded_comm
 from mmcv_custom.sharded_checkpoint import consolidate_sharded_checkpoint
-from mmcv_custom.sharded_comm import (AveragingReduceScatter,
-                                      install_reduce_scatter)
 from mmcv_custom.testing import run_ranks
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))

@@ -58,8 +58,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from mmcv_custom import ddp_hooks, int8_codec, int8_hooks
 from mmcv_custom.analysis import Progress, check_output
+from mmcv_custom.hooks import cast, int8_codec
+from mmcv_custom.hooks.half import (CompressState, allreduce_hook,
+                                    bf16_compress_hook, fp16_compress_hook)
+from mmcv_custom.hooks.int8 import (Int8BucketPlan, Int8State,
+                                    int8_compress_hook)
 from mmcv_custom.launcher import (shutdown_distributed, spawn_ranks,
                                   write_results)
 from mmcv_custom.registry import hook_record
@@ -80,11 +84,11 @@ def _torch_bf16_compress_hook(process_group, bucket):
 
 
 def _compress_state():
-    return ddp_hooks.CompressState(None)
+    return CompressState(None)
 
 
 def _int8_state():
-    return int8_hooks.Int8State(None)
+    return Int8State(None)
 
 
 # Blocks of the int8 hook as benchmarked (Int8State's default).
@@ -99,12 +103,12 @@ HOOKS = {
     'noop': (_noop_hook, None),
     'ddp_builtin': (None, None),
     'torch.allreduce_hook': (default_hooks.allreduce_hook, None),
-    'ours.allreduce_hook': (ddp_hooks.allreduce_hook, None),
+    'ours.allreduce_hook': (allreduce_hook, None),
     'torch.fp16_compress_hook': (default_hooks.fp16_compress_hook, None),
-    'ours.fp16_compress_hook': (ddp_hooks.fp16_compress_hook, _compress_state),
+    'ours.fp16_compress_hook': (fp16_compress_hook, _compress_state),
     'torch.bf16_compress_hook': (_torch_bf16_compress_hook, None),
-    'ours.bf16_compress_hook': (ddp_hooks.bf16_compress_hook, _compress_state),
-    'ours.int8_compress_hook': (int8_hooks.int8_compress_hook, _int8_state),
+    'ours.bf16_compress_hook': (bf16_compress_hook, _compress_state),
+    'ours.int8_compress_hook': (int8_compress_hook, _int8_state),
 }
 
 
@@ -157,7 +161,7 @@ def _wire_bytes(step):
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
-    # The int8 hook issues its collectives on mmcv_custom.comm_worker's
+    # The int8 hook issues its collectives on mmcv_custom.hooks.worker's
     # thread, started before the profiler: recorded only when all threads
     # are.
     with profile(
@@ -205,8 +209,8 @@ def _time_codecs(numel, world_size, device, repeat):
     }
     # The int8 hook's plan of a one-parameter bucket (per-parameter blocks
     # grouped by owner rank) and its send buffer.
-    plan = int8_hooks.Int8BucketPlan([(0, numel, 0)], world_size,
-                                     dist.get_rank(), _INT8_BLOCK)
+    plan = Int8BucketPlan([(0, numel, 0)], world_size, dist.get_rank(),
+                          _INT8_BLOCK)
     packed = torch.empty(plan.send_bytes, dtype=torch.uint8, device=device)
     residual = torch.zeros_like(buffer)
 
@@ -216,8 +220,8 @@ def _time_codecs(numel, world_size, device, repeat):
 
     def ours(dt):
         # What the hook does with its state's kept send buffer.
-        half = ddp_hooks._compress(buffer, world_size, dt, out=halves[dt])
-        ddp_hooks._decompress(half, buffer)
+        half = cast.compress(buffer, world_size, dt, out=halves[dt])
+        cast.decompress(half, buffer)
 
     def theirs(dt):
         buffer.copy_(buffer.to(dt).div_(world_size))
@@ -463,7 +467,7 @@ def report(results, world_size, backend, repeat=None):
         f'{torch.__version__}{rounds}'
     ]
     if backend == 'gloo':
-        lines.append(f'CPU casts: {ddp_hooks.cpu_codec()}')
+        lines.append(f'CPU casts: {cast.cpu_codec()}')
     lines.append(f'int8 codec (block {_INT8_BLOCK}): '
                  f'{_int8_codec_note(results)}')
     # Only pairs with a PyTorch hook have a ratio and a target.
