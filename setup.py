@@ -26,7 +26,7 @@ def _cpu_codec():
     Plain C against Python's headers only (no torch headers, so it builds in
     a second). ``optional``: without a C compiler the install still
     succeeds and the hooks use torch's ops instead (see
-    ``mmcv_custom.ddp_hooks.cpu_codec``).
+    ``mmcv_custom.hooks.cast.cpu_codec``).
     """
     # No fused multiply-add: the int8 kernels must round each fp32 step as
     # torch's separate operations do (see the C file).

@@ -8,16 +8,16 @@ MMEngine's own checkpoints (see :mod:`mmcv_custom.integrity.checkpoint`), so
 ``--resume`` works on torch >= 2.6, and makes every local checkpoint write
 atomic with a ``.sha256`` digest that loads verify (see
 :mod:`mmcv_custom.engine.checkpoint_io`). The hook functions themselves live in
-:mod:`mmcv_custom.ddp_hooks`, which needs only torch.
+:mod:`mmcv_custom.hooks`, which needs only torch.
 """
-from .ddp_hooks import (CompressState, allreduce_hook, bf16_compress_hook,
-                        bf16_compress_wrapper, check_bf16_support,
-                        default_predivide_factor, fp16_compress_hook,
-                        fp16_compress_wrapper)
 from .engine import (CommHookRegistrationHook, CPUAmpOptimWrapper,
                      FSDP2Strategy, LayerDecayOptimWrapperConstructor,
                      NonFiniteGradientsError, install_checkpoint_integrity)
-from .int8_hooks import Int8State, int8_compress_hook
+from .hooks import (CompressState, Int8State, allreduce_hook,
+                    bf16_compress_hook, bf16_compress_wrapper,
+                    check_bf16_support, default_predivide_factor,
+                    fp16_compress_hook, fp16_compress_wrapper,
+                    int8_compress_hook)
 from .integrity import CheckpointDamagedError
 from .integrity.checkpoint import (UnsafeCheckpointError,
                                    allow_mmengine_checkpoints,

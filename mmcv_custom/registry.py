@@ -15,7 +15,7 @@ Users add their own hooks the MMEngine way::
 
 and, for a stateful hook, a state factory registered in
 ``COMM_HOOK_STATES`` under the same name (see
-:func:`~mmcv_custom.comm.validation.with_args_check` for checking its
+:func:`~mmcv_custom.hooks.validation.with_args_check` for checking its
 values before anything is built); ``register_module(record=HookRecord(...))``
 gives the hook its record (see :mod:`mmcv_custom.comm.records`).
 """
@@ -25,8 +25,8 @@ from .comm.records import HookRecord, register_hook_record, sends_bucket
 from .comm.registry import COMM_HOOK_STATES, COMM_HOOKS
 from .comm.sharded import ShardedCommSpec, build_sharded_comm
 from .comm.telemetry import CommCounter
-from .comm.validation import (require_bool, require_int, require_real,
-                              with_args_check)
+from .hooks.validation import (require_bool, require_int, require_real,
+                               with_args_check)
 
 __all__ = [
     'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommCounter', 'CommHookSpec',

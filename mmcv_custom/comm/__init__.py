@@ -2,9 +2,6 @@
 
 Modules, each with one concern:
 
-* :mod:`.validation`: ``require_int``/``require_real``/``require_bool`` and
-  ``with_args_check`` (standard library only);
-* :mod:`.util`: helpers the hook modules share (standard library only);
 * :mod:`.records`: :class:`~.records.HookRecord`, one per hook (the
   built-ins', and those plugins register), read with ``record_of``;
 * :mod:`.registry`: ``COMM_HOOKS`` (whose ``register_module`` takes a
@@ -16,10 +13,14 @@ Modules, each with one concern:
   the bytes they send;
 * :mod:`.sharded`: the FSDP2 form of a config.
 
-The names below are imported on first use, not with the package: the
-torch-only hook modules (:mod:`mmcv_custom.ddp_hooks` and its siblings)
-import :mod:`.validation` and :mod:`.util`, and must not pull MMEngine in
-through this file.
+``require_int``/``require_real``/``require_bool`` and ``with_args_check``
+live with the hook math in :mod:`mmcv_custom.hooks.validation` and are
+re-exported here; :mod:`.validation` and :mod:`.util` are the old import
+paths of :mod:`mmcv_custom.hooks.validation` and :mod:`mmcv_custom.hooks.util`.
+
+The names below are imported on first use, not with the package:
+:mod:`.records` imports only torch and :mod:`mmcv_custom.hooks`, and must
+not pull MMEngine in through this file.
 """
 import importlib
 
@@ -31,25 +32,26 @@ __all__ = [
     'sends_bucket', 'with_args_check'
 ]
 
+# Name -> its module, relative to this package.
 _HOME = {
-    'COMM_HOOKS': 'registry',
-    'COMM_HOOK_STATES': 'registry',
-    'CommCounter': 'telemetry',
-    'CommHookSpec': 'builder',
-    'HookRecord': 'records',
-    'ShardedCommSpec': 'sharded',
-    'build_comm_hook': 'builder',
-    'build_sharded_comm': 'sharded',
-    'check_comm_hook_cfg': 'builder',
-    'hook_record': 'builder',
-    'lookup_hook': 'builder',
-    'record_of': 'records',
-    'register_hook_record': 'records',
-    'require_bool': 'validation',
-    'require_int': 'validation',
-    'require_real': 'validation',
-    'sends_bucket': 'records',
-    'with_args_check': 'validation',
+    'COMM_HOOKS': '.registry',
+    'COMM_HOOK_STATES': '.registry',
+    'CommCounter': '.telemetry',
+    'CommHookSpec': '.builder',
+    'HookRecord': '.records',
+    'ShardedCommSpec': '.sharded',
+    'build_comm_hook': '.builder',
+    'build_sharded_comm': '.sharded',
+    'check_comm_hook_cfg': '.builder',
+    'hook_record': '.builder',
+    'lookup_hook': '.builder',
+    'record_of': '.records',
+    'register_hook_record': '.records',
+    'require_bool': '..hooks.validation',
+    'require_int': '..hooks.validation',
+    'require_real': '..hooks.validation',
+    'sends_bucket': '.records',
+    'with_args_check': '..hooks.validation',
 }
 
 
@@ -57,7 +59,7 @@ def __getattr__(name: str):
     home = _HOME.get(name)
     if home is None:
         raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
-    value = getattr(importlib.import_module(f'.{home}', __name__), name)
+    value = getattr(importlib.import_module(home, __name__), name)
     globals()[name] = value
     return value
 

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 from mmengine.utils import get_object_from_string
 
-from ..comm_worker import on_comm_worker
-from ..ddp_hooks import (CompressState, bf16_compress_wrapper,
-                         check_bf16_support, fp16_compress_wrapper)
-from ..hook_state import HookStateKeeper
-from ..int8_hooks import Int8State
+from ..hooks.half import (CompressState, bf16_compress_wrapper,
+                          check_bf16_support, fp16_compress_wrapper)
+from ..hooks.int8 import Int8State
+from ..hooks.state import HookStateKeeper
+from ..hooks.worker import on_comm_worker
 from . import states  # noqa: F401 (registers the built-in factories)
 from .records import HookRecord, record_of
 from .registry import COMM_HOOK_STATES, COMM_HOOKS
@@ -376,7 +376,7 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
 def describe_sent_as_they_are(checked: dict, base_hook: Callable,
                               param_names: dict) -> Optional[str]:
     """Say which parameters a half-precision hook or wrapper sends in their
-    own 2-byte dtype instead of its own (see ``ddp_hooks._wire_dtype``),
+    own 2-byte dtype instead of its own (see ``hooks.half.wire_dtype_for``),
     e.g. a bf16 backbone under ``fp16_compress``: a user who asked for fp16
     should read that part of the model goes as bf16, and why."""
     wrapper = checked['wrapper']

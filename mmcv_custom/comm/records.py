@@ -11,7 +11,7 @@ hooks' records are here; a plugin gives its hook one the same way
 (``COMM_HOOKS.register_module(record=...)`` or :func:`register_hook_record`)
 and both are read with :func:`record_of`. A hook without a record is built
 and run as registered; its traffic is reported as unknown. Imports only
-torch (and the hooks' own modules). What the cost model projects from
+torch (and :mod:`mmcv_custom.hooks`). What the cost model projects from
 (:attr:`HookRecord.cost`) is in :mod:`.cost_records`; which collectives
 count as sent, in :mod:`.traffic`.
 """
@@ -21,13 +21,13 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Tuple, Type
 import torch
 import torch.distributed as dist
 
-from .. import ddp_hooks, int8_codec
-from ..batched_powersgd import batched_powersgd_hook
-from ..ddp_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
-from ..hook_state import HookStateKeeper
-from ..int8_hooks import Int8BucketPlan, Int8StateKeeper, int8_compress_hook
-from ..powersgd import compression, powersgd_hook
-from ..powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
+from ..hooks import cast, int8_codec
+from ..hooks.batched_powersgd import batched_powersgd_hook
+from ..hooks.half import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from ..hooks.int8 import Int8BucketPlan, Int8StateKeeper, int8_compress_hook
+from ..hooks.powersgd import compression, powersgd_hook
+from ..hooks.powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
+from ..hooks.state import HookStateKeeper
 from .cost_records import (ALLREDUCE_COST, BATCHED_POWERSGD_COST,
                            HALF_PRECISION_COSTS, INT8_COST, POWERSGD_COST,
                            CostRecord)
@@ -71,7 +71,7 @@ class HookRecord:
             refusal's wording differs).
         on_worker (bool): Whether, for CPU buckets, the hook's whole chain
             runs on the communication worker
-            (:mod:`mmcv_custom.comm_worker`): for a hook that waits for its
+            (:mod:`mmcv_custom.hooks.worker`): for a hook that waits for its
             own collectives, so that the waiting overlaps the backward.
         waits_per_bucket (bool): On the worker, whether it waits for a
             bucket's future before starting the next bucket (the hook's
@@ -81,7 +81,7 @@ class HookRecord:
         powersgd_state (bool): Whether it runs on PyTorch's
             ``PowerSGDState`` (and keeps its compression counters).
         state_keeper (type, optional): The
-            :class:`~mmcv_custom.hook_state.HookStateKeeper` that keeps its
+            :class:`~mmcv_custom.hooks.state.HookStateKeeper` that keeps its
             state per parameter across DDP's bucket layouts and
             checkpoints; None for a stateless hook.
         defaults (Mapping): State keys the project sets when a config
@@ -102,9 +102,9 @@ class HookRecord:
         fsdp2_form (str, optional): What carries it out under FSDP2:
             ``'averaging_reduce_scatter'`` (a reduce-scatter in
             :attr:`sent_dtype`, see
-            :class:`~mmcv_custom.sharded_comm.AveragingReduceScatter`) or
+            :class:`~mmcv_custom.hooks.sharded.AveragingReduceScatter`) or
             ``'int8_reduce_scatter'``
-            (:class:`~mmcv_custom.sharded_comm.Int8ReduceScatter`); None:
+            (:class:`~mmcv_custom.hooks.sharded.Int8ReduceScatter`); None:
             it has no FSDP2 form.
         cost (CostRecord, optional): What the cost model
             (:mod:`mmcv_custom.analysis.cost`) projects its step time
@@ -320,8 +320,8 @@ def _half_codec(dtype: torch.dtype) -> Callable:
         half = torch.empty(bucket.numel(), dtype=dtype, device=bucket.device)
 
         def run():
-            sent = ddp_hooks._compress(bucket, world_size, dtype, out=half)
-            ddp_hooks._decompress(sent, bucket)
+            sent = cast.compress(bucket, world_size, dtype, out=half)
+            cast.decompress(sent, bucket)
 
         return run
 

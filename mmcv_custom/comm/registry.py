@@ -12,10 +12,10 @@ from typing import Callable, List, Optional, Union
 from mmengine.logging import print_log
 from mmengine.registry import Registry
 
-from ..batched_powersgd import batched_powersgd_hook
-from ..ddp_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
-from ..int8_hooks import int8_compress_hook
-from ..powersgd import powersgd_hook
+from ..hooks.batched_powersgd import batched_powersgd_hook
+from ..hooks.half import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from ..hooks.int8 import int8_compress_hook
+from ..hooks.powersgd import powersgd_hook
 from .records import (HOOK_RECORDS, HookRecord, hook_name, is_builtin_hook,
                       register_hook_record, unregister_hook_record)
 

@@ -3,7 +3,7 @@
 FSDP2 has no DDP communication hooks; the config types whose record has an
 FSDP2 form (:attr:`~.records.HookRecord.fsdp2_form`) are carried out by
 FSDP2's reduce-scatter
-(:mod:`mmcv_custom.sharded_comm`).
+(:mod:`mmcv_custom.hooks.sharded`).
 """
 import dataclasses
 from typing import Any, Optional
@@ -25,9 +25,9 @@ class ShardedCommSpec:
     FSDP2 has no DDP communication hooks; the same config types that have
     a sharded form (``allreduce``, ``fp16_compress``, ``bf16_compress``)
     are carried out by
-    :class:`~mmcv_custom.sharded_comm.AveragingReduceScatter`, and
+    :class:`~mmcv_custom.hooks.sharded.AveragingReduceScatter`, and
     ``int8_compress`` with ``error_feedback=False`` by
-    :class:`~mmcv_custom.sharded_comm.Int8ReduceScatter`.
+    :class:`~mmcv_custom.hooks.sharded.Int8ReduceScatter`.
 
     Attributes:
         type (str): The config name.

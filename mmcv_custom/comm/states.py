@@ -11,11 +11,11 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
-from ..ddp_hooks import CompressState, check_compress_args
-from ..int8_hooks import Int8State
+from ..hooks.half import CompressState, check_compress_args
+from ..hooks.int8 import Int8State
+from ..hooks.validation import (require_bool, require_int, require_real,
+                                with_args_check)
 from .registry import COMM_HOOK_STATES
-from .validation import (require_bool, require_int, require_real,
-                         with_args_check)
 
 __all__: list = []  # registered by name, not imported
 

@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from ..hooks.util import named_after
 from .records import record_of
-from .util import named_after
 
 __all__ = ['CommCounter', 'add_baseline_count', 'add_sent_count']
 

@@ -1,8 +1,8 @@
 /*
  * mmcv_custom._cpu_codec: one-pass scale-and-cast between fp32 gradient
  * buckets and their fp16/bf16 wire copies, for the CPU (gloo) path of
- * mmcv_custom.ddp_hooks, and blockwise int8 quantisation with error
- * feedback (mmcv_custom.int8_codec).
+ * mmcv_custom.hooks.cast, and blockwise int8 quantisation with error
+ * feedback (mmcv_custom.hooks.int8_codec).
  *
  * Why this exists: on CPU, torch cannot scale and change dtype in one pass.
  * A dtype-converting multiply allocates a temporary and copies it, and an
@@ -15,7 +15,7 @@
  *
  * Rounding matches torch's: round to nearest even; bf16 NaN becomes the
  * quiet NaN 0x7FC0; values beyond the range become inf. The module imports
- * nothing and takes raw addresses: the Python caller (ddp_hooks) checks
+ * nothing and takes raw addresses: the Python caller (hooks/cast.py) checks
  * dtypes, devices, contiguity and sizes and keeps the tensors alive.
  */
 #define PY_SSIZE_T_CLEAN
@@ -195,8 +195,9 @@ __attribute__((target("avx512f,f16c"))) static void fp16_decode_avx512(
  *                     what re-quantizing the shard's sum drops).
  * Each step is one IEEE operation in fp32 (this file is compiled with
  * -ffp-contract=off: no fused multiply-add), so the result is bit for bit
- * that of the torch reference in mmcv_custom.int8_codec, on every kernel
- * set. Decoding is dst = q * scale, or dst += q * scale to sum copies.
+ * that of the torch reference in mmcv_custom.hooks.int8_codec, on every
+ * kernel set. Decoding is dst = q * scale, or dst += q * scale to sum
+ * copies.
  *
  * Blocks are addressed in two ways: consecutive blocks of one array
  * (int8_encode / int8_decode), or a table of blocks, each with its own

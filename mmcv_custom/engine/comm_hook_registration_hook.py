@@ -14,9 +14,10 @@ from torch.nn.parallel import DistributedDataParallel
 from ..comm.builder import build_comm_hook, check_comm_hook_cfg
 from ..comm.sharded import build_sharded_comm
 from ..comm.telemetry import CommCounter
-from ..comm.validation import require_int
-from ..ddp_hooks import CompressState, cpu_codec
-from ..sharded_comm import fsdp_modules, install_reduce_scatter
+from ..hooks.cast import cpu_codec
+from ..hooks.half import CompressState
+from ..hooks.sharded import fsdp_modules, install_reduce_scatter
+from ..hooks.validation import require_int
 from .hook_state_files import HookStateFiles
 
 __all__ = ['CommHookRegistrationHook', 'NonFiniteGradientsError']
@@ -326,7 +327,7 @@ class CommHookRegistrationHook(Hook):
 
     def _install_sharded(self, runner) -> None:
         """FSDP2: the same config sets every sharded module's
-        reduce-scatter (see :mod:`mmcv_custom.sharded_comm`)."""
+        reduce-scatter (see :mod:`mmcv_custom.hooks.sharded`)."""
         model = runner.model
         names = {p: n for n, p in model.named_parameters()}
         spec = build_sharded_comm(self._cfg, param_names=names)

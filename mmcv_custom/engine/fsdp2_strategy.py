@@ -12,7 +12,7 @@ written; the sharding engine is PyTorch's. A config uses it with::
 
 How gradients are reduced is the ``comm_hook`` key's business, read by
 :class:`~mmcv_custom.engine.CommHookRegistrationHook` as for DDP (see
-:mod:`mmcv_custom.sharded_comm`); the strategy refuses a ``reduce_dtype`` of
+:mod:`mmcv_custom.hooks.sharded`); the strategy refuses a ``reduce_dtype`` of
 its own so that there is one place to say it.
 
 Checkpoints are directories (MMEngine's CheckpointHook already handles

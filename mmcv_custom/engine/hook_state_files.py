@@ -44,7 +44,7 @@ import torch.distributed as dist
 from mmengine.dist import get_rank, get_world_size, is_main_process
 from mmengine.hooks import CheckpointHook
 
-from ..hook_state import HookStateKeeper
+from ..hooks.state import HookStateKeeper
 from ..integrity import CheckpointDamagedError, atomic_write_bytes, digest_path
 from ..integrity.checkpoint import UnsafeCheckpointError, load_checkpoint_file
 
@@ -117,7 +117,7 @@ class HookStateFiles:
 
     Args:
         keepers (dict): DDP submodule name ('' for the whole model) ->
-            the :class:`~mmcv_custom.hook_state.HookStateKeeper` of its
+            the :class:`~mmcv_custom.hooks.state.HookStateKeeper` of its
             hook, whose ``state_dict`` is what is saved.
         cfg (dict): The ``comm_hook`` config (its type and wrapper must
             match for saved state to be used).

@@ -2,7 +2,7 @@
 
 The int8 hook, batched PowerSGD and PyTorch's PowerSGD (through the
 registry) run each CPU bucket's communication on one worker thread per
-process (``mmcv_custom.comm_worker``). These tests check, on real gloo
+process (``mmcv_custom.hooks.worker``). These tests check, on real gloo
 ranks and real DDP, that:
 
 * the result is bit for bit what the same hook gives when it waits on the
@@ -28,11 +28,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mmcv_custom import comm_worker
-from mmcv_custom.batched_powersgd import (_batched_powersgd,
-                                          batched_powersgd_hook)
-from mmcv_custom.int8_hooks import Int8State, _int8_reduce, int8_compress_hook
-from mmcv_custom.powersgd import _powersgd, powersgd_hook
+from mmcv_custom.hooks import worker
+from mmcv_custom.hooks.batched_powersgd import (_batched_powersgd,
+                                                batched_powersgd_hook)
+from mmcv_custom.hooks.int8 import Int8State, _int8_reduce, int8_compress_hook
+from mmcv_custom.hooks.powersgd import _powersgd, powersgd_hook
 from mmcv_custom.registry import build_comm_hook
 from mmcv_custom.testing import run_ranks
 
@@ -90,7 +90,7 @@ HOOKS = {
     'powerSGD': (_powersgd_state, powersgd_hook, _blocking(_powersgd)),
     # PyTorch's own, through the public wrapper.
     'pytorch_powerSGD':
-    (_powersgd_state, comm_worker.on_comm_worker(powerSGD.powerSGD_hook),
+    (_powersgd_state, worker.on_comm_worker(powerSGD.powerSGD_hook),
      _blocking(powerSGD.powerSGD_hook)),
 }
 
@@ -212,7 +212,7 @@ def _fail_in_hook(rank, world_size, hook_name, failing):
             def boom():
                 raise _Boom(f'injected on rank {rank}')
 
-            return comm_worker.run_on_comm_worker(boom, bucket)
+            return worker.run_on_comm_worker(boom, bucket)
         return hook(state, bucket)
 
     model.register_comm_hook(make_state(), failing_hook)
@@ -318,8 +318,8 @@ def test_registry_runs_the_waiting_hooks_on_the_worker():
 
 
 def test_wrapper_keeps_the_name_and_rejects_a_non_callable():
-    wrapped = comm_worker.on_comm_worker(powerSGD.powerSGD_hook)
+    wrapped = worker.on_comm_worker(powerSGD.powerSGD_hook)
     assert wrapped.__qualname__ == 'on_comm_worker(powerSGD_hook)'
     assert wrapped.__wrapped__ is powerSGD.powerSGD_hook
     with pytest.raises(TypeError, match='must be callable'):
-        comm_worker.on_comm_worker(None)
+        worker.on_comm_worker(None)

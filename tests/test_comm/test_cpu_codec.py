@@ -11,9 +11,9 @@ payload.
 import pytest
 import torch
 
-from mmcv_custom import ddp_hooks
+from mmcv_custom.hooks import cast
 
-codec = ddp_hooks._cpu_codec
+codec = cast._cpu_codec
 KERNEL_SETS = codec.supported() if codec is not None else ()
 
 HALF = [torch.float16, torch.bfloat16]
@@ -70,8 +70,8 @@ def kernel_set(request):
 def test_kernel_is_built():
     # ``make install`` builds it (setup.py, optional extension); if this
     # fails the hooks still work, on torch's slower two-pass casts.
-    assert codec is not None, ddp_hooks.cpu_codec()
-    assert ddp_hooks.cpu_codec().startswith('C kernel')
+    assert codec is not None, cast.cpu_codec()
+    assert cast.cpu_codec().startswith('C kernel')
     assert codec.isa() == KERNEL_SETS[-1] and KERNEL_SETS[0] == 'generic'
 
 
@@ -80,7 +80,7 @@ def skip_without_fp16(dtype):
         x = torch.zeros(1)
         with pytest.raises(RuntimeError, match='no fp16 conversion'):
             codec.encode(x.data_ptr(), x.data_ptr(), 1, 1.0, 0)
-        assert not ddp_hooks._use_cpu_codec(x, x.half())
+        assert not cast._use_cpu_codec(x, x.half())
         pytest.skip('this kernel set leaves fp16 to torch (checked above)')
 
 
@@ -92,8 +92,8 @@ def test_decode_every_half_value_like_torch(dtype, scale, kernel_set):
     half = torch.arange(
         -2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     got = torch.empty(half.numel())
-    ddp_hooks._cpu_codec.decode(half.data_ptr(), got.data_ptr(), half.numel(),
-                                scale, KIND[dtype])
+    cast._cpu_codec.decode(half.data_ptr(), got.data_ptr(), half.numel(),
+                           scale, KIND[dtype])
     assert_same_bits(got, half.float().mul_(scale))
 
 
@@ -106,30 +106,30 @@ def test_encode_like_torch(numel, dtype, scale, kernel_set):
     skip_without_fp16(dtype)
     x = fp32_inputs(numel)
     got = torch.empty(numel, dtype=dtype)
-    ddp_hooks._cpu_codec.encode(x.data_ptr(), got.data_ptr(), numel, scale,
-                                KIND[dtype])
+    cast._cpu_codec.encode(x.data_ptr(), got.data_ptr(), numel, scale,
+                           KIND[dtype])
     assert_same_bits(got, x.mul(scale).to(dtype))
 
 
 @pytest.mark.parametrize('dtype', HALF)
 @pytest.mark.parametrize('divisor', [1, 2, 3, 8])
 def test_hook_paths_agree_bit_for_bit(dtype, divisor, monkeypatch):
-    """``_compress`` / ``_decompress`` as the hooks call them, with the C
+    """``compress`` / ``decompress`` as the hooks call them, with the C
     kernel and with torch's ops (spanning several fallback chunks and
     several decode blocks)."""
-    numel = 2 * ddp_hooks._CPU_CHUNK + 5
-    assert ddp_hooks._use_cpu_codec(
+    numel = 2 * cast._CPU_CHUNK + 5
+    assert cast._use_cpu_codec(
         torch.empty(numel), torch.empty(numel, dtype=dtype))
     x = fp32_inputs(numel, seed=1)
 
     def round_trip():
-        half = ddp_hooks._compress(x.clone(), divisor, dtype)
+        half = cast.compress(x.clone(), divisor, dtype)
         out = torch.empty(numel)
-        return half, ddp_hooks._decompress(half, out, divisor)
+        return half, cast.decompress(half, out, divisor)
 
     c_half, c_out = round_trip()
-    monkeypatch.setattr(ddp_hooks, '_cpu_codec', None)
-    assert not ddp_hooks._use_cpu_codec(x, c_half)
+    monkeypatch.setattr(cast, '_cpu_codec', None)
+    assert not cast._use_cpu_codec(x, c_half)
     t_half, t_out = round_trip()
     assert_same_bits(c_half, t_half)
     assert_same_bits(c_out, t_out)

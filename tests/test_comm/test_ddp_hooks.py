@@ -4,7 +4,6 @@ Each rank plants known gradients (a parameter ``p`` with loss
 ``(p * x).sum()`` has gradient exactly ``x``), so every rank can compute the
 exact fp32 mean of all ranks' gradients and compare DDP's result with it.
 """
-import ast
 import inspect
 import os.path as osp
 import pickle
@@ -19,10 +18,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mmcv_custom import ddp_hooks
-from mmcv_custom.ddp_hooks import (allreduce_hook, bf16_compress_hook,
-                                   bf16_compress_wrapper, fp16_compress_hook,
-                                   fp16_compress_wrapper)
+from mmcv_custom.hooks import cast, half
+from mmcv_custom.hooks.half import (allreduce_hook, bf16_compress_hook,
+                                    bf16_compress_wrapper, fp16_compress_hook,
+                                    fp16_compress_wrapper)
 from mmcv_custom.testing import run_ranks
 
 # Unit roundoff of each wire format: the relative error of one rounding.
@@ -106,7 +105,7 @@ def cpu_codec(request, monkeypatch):
     """Run with the one-pass C cast and with torch's ops (the fallback when
     it is not built); forked ranks inherit the choice."""
     if request.param == 'torch_ops':
-        monkeypatch.setattr(ddp_hooks, '_cpu_codec', None)
+        monkeypatch.setattr(cast, '_cpu_codec', None)
     return request.param
 
 
@@ -282,7 +281,7 @@ def test_wrapper_composes_with_powersgd(wrapper):
 
 
 def test_public_api_honours_the_ddp_hook_contract():
-    assert set(ddp_hooks.__all__) >= {
+    assert set(half.__all__) >= {
         'allreduce_hook', 'fp16_compress_hook', 'bf16_compress_hook',
         'fp16_compress_wrapper', 'bf16_compress_wrapper'
     }
@@ -305,13 +304,13 @@ def test_wrapper_rejects_a_non_callable():
 
 def _bf16_on_old_nccl(rank, world_size):
     # Gloo passes the check on its own ...
-    ddp_hooks.check_bf16_support(None, torch.device('cpu'))
+    half.check_bf16_support(None, torch.device('cpu'))
     # ... and an NCCL older than 2.10 carrying CUDA tensors does not. There
     # is no NCCL on a CPU machine, so only the two probes are replaced.
-    ddp_hooks._uses_nccl = lambda group, device: True
-    ddp_hooks._nccl_version = lambda: (2, 9, 6)
+    half._uses_nccl = lambda group, device: True
+    half._nccl_version = lambda: (2, 9, 6)
     with pytest.raises(TypeError) as info:
-        ddp_hooks.check_bf16_support(None, torch.device('cuda'))
+        half.check_bf16_support(None, torch.device('cuda'))
     return str(info.value)
 
 
@@ -322,42 +321,19 @@ def test_bf16_check_refuses_old_nccl_with_a_clear_error():
     assert 'fp16_compress' in message
 
 
-def _imported_names(path):
-    """Top-level names a module imports: ``torch``, ``.`` (a sibling) or
-    ``.comm``."""
-    with open(path) as f:
-        tree = ast.parse(f.read())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {alias.name.split('.')[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            names.add('.' * node.level + (node.module or '').split('.')[0])
-    return names - set(sys.stdlib_module_names)
-
-
-def test_hook_module_imports_only_torch():
-    """Layering: the hook math imports torch, the standard library, its
-    own optional C kernel (``from . import _cpu_codec``) and the
-    standard-library helpers of ``mmcv_custom.comm``, never MMEngine."""
-    assert _imported_names(ddp_hooks.__file__) == {'torch', '.', '.comm'}
-    comm = osp.join(osp.dirname(ddp_hooks.__file__), 'comm')
-    for name in ('__init__.py', 'validation.py', 'util.py'):
-        assert _imported_names(osp.join(comm, name)) == set(), name
-
-
 def test_hook_modules_import_without_mmengine(tmp_path):
-    """The torch-only modules really run without MMEngine: imported in a
-    fresh interpreter whose ``mmcv_custom`` package skips its
-    ``__init__`` (which registers the MMEngine glue)."""
+    """The torch-only modules, and the hook records built on them, really
+    run without MMEngine: imported in a fresh interpreter whose
+    ``mmcv_custom`` package skips its ``__init__`` (which registers the
+    MMEngine glue). What else ``mmcv_custom.hooks`` may import:
+    ``tests/test_comm/test_old_hook_paths.py``."""
     code = (
         'import sys, types\n'
         f'pkg = types.ModuleType("mmcv_custom"); pkg.__path__ = '
-        f'[{osp.dirname(ddp_hooks.__file__)!r}]\n'
+        f'[{osp.dirname(osp.dirname(half.__file__))!r}]\n'
         'sys.modules["mmcv_custom"] = pkg\n'
-        'import mmcv_custom.ddp_hooks, mmcv_custom.int8_hooks\n'
-        'import mmcv_custom.powersgd_state, mmcv_custom.batched_powersgd\n'
-        'import mmcv_custom.sharded_comm, mmcv_custom.comm.records\n'
+        'import mmcv_custom.hooks, mmcv_custom.hooks.powersgd_state\n'
+        'import mmcv_custom.hooks.sharded, mmcv_custom.comm.records\n'
         'print(sorted(m for m in sys.modules if m.startswith("mmengine")))\n')
     out = subprocess.run([sys.executable, '-c', code],
                          capture_output=True,

@@ -4,8 +4,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mmcv_custom.ddp_hooks import (CompressState, default_predivide_factor,
-                                   fp16_compress_hook)
+from mmcv_custom.hooks.half import (CompressState, default_predivide_factor,
+                                    fp16_compress_hook)
 from mmcv_custom.testing import run_ranks
 from tests.runner_utils import build_runner
 

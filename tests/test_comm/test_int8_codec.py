@@ -1,15 +1,15 @@
-"""Blockwise int8 quantisation (``mmcv_custom.int8_codec``): the C kernels
-of every kernel set this CPU runs against the torch rule, bit for bit, on
-the values a quantiser must get right; and the rule itself on cases worked
-out by hand."""
+"""Blockwise int8 quantisation (``mmcv_custom.hooks.int8_codec``): the C
+kernels of every kernel set this CPU runs against the torch rule, bit for
+bit, on the values a quantiser must get right; and the rule itself on cases
+worked out by hand."""
 import types
 
 import pytest
 import torch
 
-from mmcv_custom import int8_codec
-from mmcv_custom.int8_codec import (_dequantize_torch, _quantize_torch,
-                                    dequantize, num_blocks, quantize)
+from mmcv_custom.hooks import int8_codec
+from mmcv_custom.hooks.int8_codec import (_dequantize_torch, _quantize_torch,
+                                          dequantize, num_blocks, quantize)
 
 codec = int8_codec._cpu_codec
 KERNEL_SETS = codec.supported() if codec is not None else ()

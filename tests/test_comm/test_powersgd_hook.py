@@ -1,12 +1,13 @@
 """The project's PowerSGD hook is PyTorch's algorithm, computed on aligned
-tensors (see mmcv_custom/powersgd.py), on real gloo groups and real DDP."""
+tensors (see mmcv_custom/hooks/powersgd.py), on real gloo groups and real
+DDP."""
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mmcv_custom.powersgd import powersgd_hook
+from mmcv_custom.hooks.powersgd import powersgd_hook
 from mmcv_custom.testing import run_ranks
 
 STATE_ARGS = [

@@ -9,9 +9,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from mmcv_custom import (COMM_HOOK_STATES, COMM_HOOKS, allreduce_hook,
                          bf16_compress_hook, build_comm_hook,
                          check_comm_hook_cfg)
-from mmcv_custom.batched_powersgd import batched_powersgd_hook
-from mmcv_custom.hook_state import HookStateKeeper
-from mmcv_custom.powersgd import powersgd_hook
+from mmcv_custom.hooks.batched_powersgd import batched_powersgd_hook
+from mmcv_custom.hooks.powersgd import powersgd_hook
+from mmcv_custom.hooks.state import HookStateKeeper
 from mmcv_custom.testing import run_ranks
 
 BUILTIN = [
@@ -23,7 +23,8 @@ BUILTIN = [
 def test_builtin_names():
     assert sorted(COMM_HOOKS.module_dict) == BUILTIN
     assert COMM_HOOKS.get('bf16_compress') is bf16_compress_hook
-    # Ours too: PyTorch's algorithm on aligned copies (mmcv_custom.powersgd).
+    # Ours too: PyTorch's algorithm on aligned copies
+    # (mmcv_custom.hooks.powersgd).
     assert COMM_HOOKS.get('powerSGD') is powersgd_hook
     # Ours: PyTorch 2.13's batched hook fails at its first compressed step.
     assert COMM_HOOKS.get('batched_powerSGD') is batched_powersgd_hook
@@ -40,7 +41,7 @@ def test_builtin_names():
         # A bare name is never imported, even where a module of that name
         # exists.
         (dict(type='os'), KeyError, ["'os' is not in the"]),
-        (dict(type='mmcv_custom.ddp_hooks'), TypeError,
+        (dict(type='mmcv_custom.hooks.half'), TypeError,
          ['should name a callable hook']),
         (dict(type='bf16_compress', wrapper='int8'), ValueError,
          ["'fp16', 'bf16' or None", "'int8'"]),
@@ -78,12 +79,12 @@ def test_powersgd_gets_a_safe_epsilon_unless_given():
 
 def test_type_may_be_an_import_path():
     checked = check_comm_hook_cfg(
-        dict(type='mmcv_custom.ddp_hooks.fp16_compress_hook'))
+        dict(type='mmcv_custom.hooks.half.fp16_compress_hook'))
     assert checked['state_kwargs'] == {}
     with pytest.raises(ValueError, match='already reduces in fp16'):
         check_comm_hook_cfg(
             dict(
-                type='mmcv_custom.ddp_hooks.fp16_compress_hook',
+                type='mmcv_custom.hooks.half.fp16_compress_hook',
                 wrapper='bf16'))
 
 

@@ -24,8 +24,8 @@ from mmcv_custom.integrity.sharded_checkpoint import \
     consolidate_sharded_checkpoint
 from mmcv_custom.launching.ports import free_port
 from mmcv_custom.registry import CommCounter, build_sharded_comm
-from mmcv_custom.sharded_comm import (AveragingReduceScatter,
-                                      install_reduce_scatter)
+from mmcv_custom.hooks.sharded import (AveragingReduceScatter,
+                                       install_reduce_scatter)
 from mmcv_custom.testing import run_ranks
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))

@@ -303,7 +303,7 @@ def test_a_killed_segmenter_restarts_bit_for_bit(tmp_path, hook):
     dropout): only with every rank's generators restored does the restarted
     run end with the uninterrupted run's weights. PowerSGD also needs its
     state restored and products that round alike in DDP's first and
-    rebuilt bucket layouts (mmcv_custom/powersgd.py). (int8_compress: the
+    rebuilt bucket layouts (mmcv_custom/hooks/powersgd.py). (int8_compress: the
     test above; bf16_compress: the one below, through Slurm's script.)"""
     options = [f'comm_hook.type={hook}']
     if hook == 'powerSGD':

@@ -224,7 +224,7 @@ def test_int8_segments_by_hand():
 
 
 def test_int8_layout_matches_the_hooks_own_plan():
-    from mmcv_custom.int8_hooks import Int8BucketPlan
+    from mmcv_custom.hooks.int8 import Int8BucketPlan
     shapes = ((37, 5), (300, ), (3, ), (64, 64), (1, ), (1000, 3))
     params = _params(*shapes)
     for world_size, block in ((2, 4), (3, 7), (8, 256), (5, 64)):
@@ -409,8 +409,8 @@ def test_catalogue_matches_the_real_hooks_under_ddp(one_rank_group,
     from torch.distributed.algorithms.ddp_comm_hooks import \
         powerSGD_hook as powerSGD
 
-    from mmcv_custom import int8_hooks
-    from mmcv_custom.batched_powersgd import batched_powersgd_hook
+    from mmcv_custom.hooks import int8
+    from mmcv_custom.hooks.batched_powersgd import batched_powersgd_hook
 
     sent, current = [], [None]
 
@@ -431,9 +431,8 @@ def test_catalogue_matches_the_real_hooks_under_ddp(one_rank_group,
                         recorded('all_reduce', dist.all_reduce, 0))
     monkeypatch.setattr(dist, 'all_to_all_single',
                         recorded('all_to_all', dist.all_to_all_single, 1))
-    monkeypatch.setattr(
-        int8_hooks, '_all_gather_single',
-        recorded('all_gather', int8_hooks._all_gather_single, 1))
+    monkeypatch.setattr(int8, '_all_gather_single',
+                        recorded('all_gather', int8._all_gather_single, 1))
     cases = dict(
         powerSGD=(
             powerSGD.powerSGD_hook,
@@ -441,8 +440,8 @@ def test_catalogue_matches_the_real_hooks_under_ddp(one_rank_group,
         batched_powerSGD=(
             batched_powersgd_hook,
             lambda: powerSGD.PowerSGDState(None, 2, start_powerSGD_iter=2)),
-        int8_compress=(int8_hooks.int8_compress_hook,
-                       lambda: int8_hooks.Int8State(None, block_size=4)))
+        int8_compress=(int8.int8_compress_hook,
+                       lambda: int8.Int8State(None, block_size=4)))
     catalogue = cc.hook_costs(block_size=4, powersgd_rank=1)
     catalogue['batched_powerSGD'] = cc.BatchedPowerSGDCost(2)
     cap_mb = 3000 / cc.MiB

@@ -1,0 +1,581 @@
+"""A DDP communication hook that averages gradients as blockwise int8.
+
+:func:`int8_compress_hook` follows PyTorch's communication-hook contract, so
+it registers on any plain :class:`torch.nn.parallel.DistributedDataParallel`::
+
+    >>> from mmcv_custom.hooks import Int8State, int8_compress_hook
+    >>> ddp_model.register_comm_hook(Int8State(None), int8_compress_hook)
+
+Nothing here imports MMEngine. The format: every parameter's gradient is
+cut into blocks of ``block_size`` elements (its last block may be shorter),
+each sent as int8 with one fp32 scale (``max |x| / 127`` of the block), so
+an element costs about ``1 + 4 / block_size`` bytes on the wire instead of
+4 (fp32) or 2 (bf16). The rounding rule, and the one-pass C kernels that
+carry it out on CPU bit for bit as torch's ops do elsewhere, are
+:mod:`mmcv_custom.hooks.int8_codec`'s.
+
+The reduction is a reduce-scatter then an all-gather (the two halves of a
+ring all-reduce), each in int8: every rank scales its bucket by
+``1 / world_size``, adds its error feedback and quantizes it into one byte
+buffer grouped by owner; ``all_to_all_single`` gives each owner its blocks
+from every rank, which it sums in fp32 and quantizes again; ``all_gather``
+returns the result, dequantized into the bucket in place. Blocks and their
+owners follow the parameters, not the buckets, so a resumed run is bit for
+bit the uninterrupted one; the reasoning, step by step, is in
+``docs/en/design/int8_ownership.md``.
+"""
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import int8_codec
+from .half import group_or_world
+from .int8_codec import BlockTable
+from .state import HookStateKeeper
+from .util import align_up, ceil_div
+from .validation import require_bool, require_int
+from .worker import run_on_comm_worker
+
+__all__ = [
+    'Int8State', 'Int8StateKeeper', 'Int8BucketPlan', 'int8_compress_hook'
+]
+
+_QMAX = 127
+# 2: per-parameter blocks; the state names each parameter's first block.
+_VERSION = 2
+_READS = (1, 2)
+
+# The torch this project pins (2.13) calls it all_gather_single and warns on
+# every call of the older name; older torches only have the older one.
+_all_gather_single = (
+    getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor)
+
+
+def _align4(nbytes: int) -> int:
+    return align_up(nbytes, 4)
+
+
+class Int8BucketPlan:
+    """How one bucket layout is quantized, scattered and gathered, on one
+    rank: built once per layout, reused every step.
+
+    A rank's send buffer holds one segment per owner rank ``j``: the fp32
+    scales of the blocks ``j`` owns, then their int8 payload, padded to 4
+    bytes (so that the next segment's scales stay aligned), all in bucket
+    order.
+
+    Attributes:
+        send (BlockTable): bucket -> send buffer (residual at the bucket
+            offset).
+        splits (list[int]): bytes of each owner's segment.
+        own (BlockTable): this rank's blocks: a received segment -> the
+            sum, in its own compact layout, and the sum -> the re-quantized
+            segment (residual at the bucket offset); ``own.numel`` values.
+        gather (BlockTable): all-gathered segments -> bucket.
+        padded (int): bytes of each all-gathered segment (the largest).
+
+    Args:
+        pieces (list[tuple[int, int, int]]): The bucket's parameters in
+            bucket order, as ``(offset, numel, first)``: where each starts
+            in the bucket, its size and the number of its first block (its
+            block ``b`` belongs to rank ``(first + b) % world_size``).
+        world_size (int): Ranks in the group.
+        rank (int): This rank in the group.
+        block (int): ``block_size``.
+    """
+
+    def __init__(self, pieces: List[Tuple[int, int, int]], world_size: int,
+                 rank: int, block: int) -> None:
+        starts, lengths, owners = [], [], []
+        for offset, numel, first in pieces:
+            b = torch.arange(ceil_div(numel, block), dtype=torch.int64)
+            starts.append(offset + b * block)
+            lengths.append((numel - b * block).clamp(max=block))
+            owners.append((first + b) % world_size)
+        start, length, owner = (
+            torch.cat(t) for t in (starts, lengths, owners))
+        # Grouped by owner, in bucket order within each group.
+        owner, order = torch.sort(owner, stable=True)
+        start, length = start[order], length[order]
+        counts = torch.bincount(owner, minlength=world_size)
+        group_first = torch.cumsum(counts, 0) - counts
+        index = torch.arange(len(owner)) - group_first[owner]
+        numels = torch.zeros(
+            world_size, dtype=torch.int64).index_add_(0, owner, length)
+        local = torch.cumsum(length, 0) - length
+        local -= (torch.cumsum(numels, 0) - numels)[owner]
+        self.splits = [
+            _align4(4 * int(c) + int(n)) for c, n in zip(counts, numels)
+        ]
+        self.padded = max(self.splits)
+        self._payload_ends = [
+            4 * int(c) + int(n) for c, n in zip(counts, numels)
+        ]
+        segment = torch.tensor([0] + self.splits[:-1]).cumsum(0)
+        scale_at = 4 * index
+        payload_at = 4 * counts[owner] + local
+
+        # Rows in bucket order: the kernels then read the bucket (and
+        # residual) front to back and write to world_size streams, about 2.5x
+        # faster on CPU than reading it owner by owner.
+        in_bucket_order = torch.argsort(start)
+
+        def table(src, res, base):
+            return BlockTable(
+                torch.stack(
+                    [src, res, length, base + payload_at, base + scale_at],
+                    1)[in_bucket_order])
+
+        self.send = table(start, start, segment[owner])
+        self.gather = table(start, start, owner * self.padded)
+        mine = owner == rank
+        self.own = BlockTable(
+            torch.stack([
+                local[mine], start[mine], length[mine], payload_at[mine],
+                scale_at[mine]
+            ], 1))
+
+    @property
+    def send_bytes(self) -> int:
+        return sum(self.splits)
+
+    def zero_padding(self, send: torch.Tensor, out: torch.Tensor,
+                     rank: int) -> None:
+        """Zero the alignment bytes no block writes, so no stale memory
+        goes on the wire."""
+        at = 0
+        for split, end in zip(self.splits, self._payload_ends):
+            send[at + end:at + split].zero_()
+            at += split
+        out[self._payload_ends[rank]:].zero_()
+
+
+def _layout(bucket: dist.GradBucket) -> tuple:
+    """``((parameter id, numel), ...)`` of a bucket, in bucket order: what
+    plans and residuals are kept by."""
+    return tuple((id(p), p.numel()) for p in bucket.parameters())
+
+
+def _split(layout: tuple, residual: torch.Tensor) -> dict:
+    """Parameter id -> its piece of a bucket's residual (views)."""
+    if sum(numel for _, numel in layout) != residual.numel():
+        return {}  # not laid out parameter after parameter: drop it
+    out, offset = {}, 0
+    for pid, numel in layout:
+        out[pid] = residual[offset:offset + numel]
+        offset += numel
+    return out
+
+
+class Int8State:
+    """State of :func:`int8_compress_hook`: settings and error feedback.
+
+    Error feedback: what quantization drops from this rank's share of a
+    step's gradient is added to its share of the next step's before it is
+    quantized, so nothing is lost for good, only delayed: summed over
+    steps, the applied gradients plus the ranks' current residuals equal
+    the sum of the true mean gradients (up to fp32 rounding).
+
+    Two roundings drop something. The first, of ``g / world_size`` on each
+    rank, is that rank's own. The second, of a block's sum (and, for a
+    bf16 bucket, the cast of the result back to bf16), is made by the
+    block's owner alone, and its result is what every rank applies. It is
+    fed back too, into the owner's residual for that block: next step the
+    owner's share carries it into the same sum. That keeps one residual
+    per rank and bucket, in the bucket's layout, and makes the identity
+    above exact; without it the second rounding (up to half a step of the
+    sum's scale, about ``world_size`` times the first's) would be lost
+    every step.
+
+    DDP lays its buckets out again after the first iteration (and a
+    resumed run lays them out afresh), so residuals are kept by bucket
+    index *and* the parameters in it: when a bucket's parameters change,
+    every residual is cut into per-parameter pieces and reassembled for
+    the new buckets. Blocks and their owners follow the parameters, not
+    the buckets (see the module docstring), so a re-layout changes no
+    number. :meth:`state_dict` saves the residuals in per-parameter form
+    and each parameter's first block number, keyed by name.
+
+    Args:
+        process_group (ProcessGroup, optional): Group to average over.
+            Defaults to None (WORLD).
+        block_size (int): Elements per fp32 scale. Smaller blocks follow
+            the gradient's magnitude more closely and cost more bytes
+            (``4 / block_size`` per element). Defaults to 256.
+        error_feedback (bool): Keep what quantization drops and add it to
+            the next step's gradient. Costs one fp32 copy of the gradients
+            per rank. Defaults to True.
+
+    Raises:
+        TypeError: ``block_size`` is not an int (``True`` is not one), or
+            ``error_feedback`` is not a bool.
+        ValueError: ``block_size`` is below 1.
+    """
+
+    def __init__(self,
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 block_size: int = 256,
+                 error_feedback: bool = True) -> None:
+        require_int('block_size', block_size, minimum=1)
+        require_bool('error_feedback', error_feedback)
+        self.process_group = process_group
+        self.block_size = int(block_size)  # numpy's ints count too
+        self.error_feedback = error_feedback
+        # bucket index -> (((parameter id, numel), ...) in bucket order,
+        # fp32 residual of the bucket).
+        self._residuals: Dict[int, Tuple[tuple, torch.Tensor]] = {}
+        # parameter id -> fp32 residual, while no bucket holds it.
+        self._pending: Dict[int, torch.Tensor] = {}
+        # parameter id -> number of its first block (owner of block b:
+        # (first + b) % world_size); the next free number.
+        self._firsts: Dict[int, int] = {}
+        self._next_block = 0
+        # bucket index -> (layout, Int8BucketPlan).
+        self._plans: Dict[int, Tuple[tuple, Int8BucketPlan]] = {}
+
+    def __repr__(self) -> str:
+        return (f'Int8State(block_size={self.block_size}, '
+                f'error_feedback={self.error_feedback})')
+
+    def wire_bytes(self, bucket: dist.GradBucket) -> int:
+        """Bytes of the quantized form of ``bucket``.
+
+        The int8 payload plus 4 bytes per block scale, plus at most 3 bytes
+        of alignment per owner: what the all-to-all scatters and the
+        all-gather gathers back. Each rank sends about ``(world_size - 1) /
+        world_size`` of it in each phase, as a ring all-reduce of a tensor
+        of this size would (the all-gather pads each owner's part to the
+        largest, a few blocks at most).
+        """
+        return self._plan(bucket, _layout(bucket)).send_bytes
+
+    def _plan(self, bucket: dist.GradBucket, layout: tuple) -> Int8BucketPlan:
+        """The bucket's :class:`Int8BucketPlan`, built for a new layout.
+
+        Parameters met for the first time are numbered in bucket order, the
+        same on every rank (and, in a fresh run, the same in every run of
+        the same model: DDP's first layout follows the parameters' order).
+        """
+        buffer = bucket.buffer()
+        kept = self._plans.get(bucket.index())
+        if kept is not None and kept[0] == layout:
+            return kept[1]
+        group = group_or_world(self.process_group)
+        if sum(numel for _, numel in layout) != buffer.numel():
+            # Not parameter after parameter (no such bucket is known): the
+            # bucket as one piece, still the same on every rank.
+            pieces = [(0, buffer.numel(), 0)]
+        else:
+            pieces, offset = [], 0
+            for pid, numel in layout:
+                if pid not in self._firsts:
+                    self._firsts[pid] = self._next_block
+                    self._next_block += ceil_div(numel, self.block_size)
+                pieces.append((offset, numel, self._firsts[pid]))
+                offset += numel
+        plan = Int8BucketPlan(pieces, group.size(), group.rank(),
+                              self.block_size)
+        self._plans[bucket.index()] = (layout, plan)
+        return plan
+
+    # -- error feedback across bucket layouts ----------------------------
+    def _residual(self, bucket: dist.GradBucket,
+                  layout: tuple) -> torch.Tensor:
+        """The bucket's fp32 residual in its ``layout`` (zeros where
+        nothing is known yet)."""
+        buffer = bucket.buffer()
+        kept = self._residuals.get(bucket.index())
+        if kept is not None and kept[0] == layout:
+            return kept[1]
+        ids = {pid for pid, _ in layout}
+        if kept is not None or any(pid in ids
+                                   for old, _ in self._residuals.values()
+                                   for pid, _ in old):
+            # DDP laid its buckets out again: every residual goes to
+            # per-parameter form once, then each new bucket takes its own.
+            self._to_params()
+        residual = torch.zeros(
+            buffer.numel(), dtype=torch.float32, device=buffer.device)
+        if sum(numel for _, numel in layout) == buffer.numel():
+            offset = 0
+            for pid, numel in layout:
+                saved = self._pending.pop(pid, None)
+                if saved is not None:
+                    residual[offset:offset + numel].copy_(saved.reshape(-1))
+                offset += numel
+        self._residuals[bucket.index()] = (layout, residual)
+        return residual
+
+    def _to_params(self) -> None:
+        """Cut every bucket's residual into per-parameter pieces."""
+        for layout, residual in self._residuals.values():
+            self._pending.update(_split(layout, residual))
+        self._residuals.clear()
+
+    # -- checkpoints -------------------------------------------------------
+    def state_dict(self, names: Dict[torch.Tensor, str]) -> dict:
+        """This rank's residuals per parameter name, on the CPU.
+
+        Each rank saves its own: the residuals differ between ranks (each
+        holds what its own quantization dropped).
+
+        Args:
+            names (dict): Parameter -> name, e.g.
+                ``{p: n for n, p in ddp.module.named_parameters()}``.
+        """
+        by_id = {id(p): n for p, n in names.items()}
+        per_param = dict(self._pending)
+        for layout, residual in self._residuals.values():
+            per_param.update(_split(layout, residual))
+        return dict(
+            version=_VERSION,
+            world_size=group_or_world(self.process_group).size(),
+            block_size=self.block_size,
+            error_feedback=self.error_feedback,
+            params={
+                by_id[pid]: r.detach().cpu().clone()
+                for pid, r in per_param.items() if pid in by_id
+            },
+            first_blocks={
+                by_id[pid]: first
+                for pid, first in self._firsts.items() if pid in by_id
+            })
+
+    def load_state_dict(self, saved: dict, names: Dict[torch.Tensor,
+                                                       str]) -> None:
+        """Restore :meth:`state_dict`'s output, before the first step.
+
+        The residuals are laid out for whatever buckets DDP builds. Nothing
+        is changed when ``saved`` does not fit.
+
+        Raises:
+            ValueError: ``saved`` is not such a dict, was saved with
+                another world size (each rank's residual is its share of
+                the dropped mass: they do not carry over to another number
+                of ranks), holds residuals while ``error_feedback`` is
+                off, or names a parameter ``names`` lacks or of another
+                size.
+        """
+        self.check_state_dict(saved, names)
+        by_name = {n: p for p, n in names.items()}
+        self._residuals.clear()
+        self._pending = {
+            id(by_name[name]): r.float().reshape(-1)
+            for name, r in saved['params'].items()
+        }
+        # The saved numbering, so that every block keeps its owner (and
+        # the run stays bit for bit) even if the buckets are cut otherwise.
+        firsts = saved.get('first_blocks', {})
+        if firsts and self.block_size == saved.get('block_size'):
+            self._plans.clear()
+            self._firsts = {id(by_name[n]): f for n, f in firsts.items()}
+            self._next_block = max(
+                f + ceil_div(by_name[n].numel(), self.block_size)
+                for n, f in firsts.items())
+
+    def check_state_dict(self, saved, names: Dict[torch.Tensor, str]) -> None:
+        """Raise ``ValueError`` (see :meth:`load_state_dict`) if ``saved``
+        does not fit; change nothing."""
+        if not isinstance(saved, dict):
+            raise ValueError('expected an Int8State.state_dict(), but got '
+                             f'{type(saved).__name__}')
+        if saved.get('version') not in _READS:
+            raise ValueError(f'int8 state version {saved.get("version")!r} '
+                             f'is not one of {_READS}')
+        world_size = group_or_world(self.process_group).size()
+        if saved.get('world_size') != world_size:
+            raise ValueError(
+                f'the int8 residuals were saved on {saved.get("world_size")!r}'
+                f' ranks and cannot be used on {world_size}; start without '
+                'them')
+        by_name = {n: p for p, n in names.items()}
+        params = saved.get('params')
+        if not isinstance(params, dict):
+            raise ValueError('the saved int8 state holds no per-parameter '
+                             'residuals')
+        if params and not self.error_feedback:
+            raise ValueError('the saved int8 state holds residuals, but '
+                             'error_feedback is False here: nothing would '
+                             'use them')
+        unknown = sorted(set(params) - set(by_name))
+        if unknown:
+            raise ValueError('the saved int8 residuals have parameters this '
+                             f'model does not: {unknown[:5]}')
+        for name, residual in params.items():
+            if not (isinstance(residual, torch.Tensor)
+                    and residual.numel() == by_name[name].numel()):
+                raise ValueError(f'the int8 residual of {name} does not fit '
+                                 'the parameter')
+        firsts = saved.get('first_blocks', {})
+        if not isinstance(firsts, dict) or not all(
+                isinstance(f, int) and not isinstance(f, bool) and f >= 0
+                for f in firsts.values()):
+            raise ValueError('the saved int8 block numbers are not a dict of '
+                             'ints >= 0')
+        unknown = sorted(set(firsts) - set(by_name))
+        if unknown:
+            raise ValueError('the saved int8 block numbers have parameters '
+                             f'this model does not: {unknown[:5]}')
+
+
+class Int8StateKeeper(HookStateKeeper):
+    """The :class:`~mmcv_custom.hooks.state.HookStateKeeper` of
+    :class:`Int8State`. The state already follows DDP's bucket layouts
+    itself, so this only names its parameters.
+
+    Args:
+        state (Int8State): The hook's state.
+        names (dict): Parameter -> name of the DDP model.
+    """
+
+    #: What a restore brings back, for the log.
+    RESTORED = 'error feedback'
+    FEEDBACK_KEY = 'error_feedback'
+
+    def __init__(self, state: Int8State, names: Dict[torch.Tensor,
+                                                     str]) -> None:
+        self.state = state
+        self.names = names
+
+    def wrap(self, hook):
+        """``hook`` itself: there is nothing to lay out."""
+        return hook
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict(self.names)
+
+    def check_state_dict(self, saved) -> None:
+        self.state.check_state_dict(saved, self.names)
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.state.load_state_dict(saved, self.names)
+
+    def fresh_note(self, steps_done: int) -> str:
+        """What :meth:`start_fresh` means for the run, for the log."""
+        return 'error feedback from zero'
+
+    def start_fresh(self, steps_done: int) -> None:
+        """Forget every residual (the saved ones could not be used)."""
+        self.state._residuals.clear()
+        self.state._pending = {}
+
+
+#: The name this class had before it was a HookStateKeeper.
+Int8Relayout = Int8StateKeeper
+
+
+def int8_compress_hook(
+        state: Int8State,
+        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket as blockwise int8 (see the module docstring).
+
+    Works for fp32 and bf16 buckets (the buffer keeps its dtype; the math is
+    fp32) on gloo and NCCL. Only bytes cross the wire and the sums are
+    taken locally, so no backend needs to reduce bf16 (no NCCL >= 2.10
+    rule, unlike ``bf16_compress``). The hook waits for its all-to-all
+    before it sums: for a CPU bucket that wait, and all the rest of the
+    bucket's work, runs on :mod:`mmcv_custom.hooks.worker`'s thread, one
+    bucket after another in DDP's order, so the backward pass goes on
+    meanwhile and every rank issues its collectives in the same order.
+    (A collective started from a future's callback instead would run on
+    gloo's worker threads, where several buckets' collectives can be
+    issued in different orders on different ranks.)
+
+    Error: each element of the average is off by at most half a first-phase
+    step of its block summed over the ranks, plus half the second-phase
+    step of its block (``scale / 2`` each); with error feedback the error
+    is carried into the next step instead of lost.
+
+    Args:
+        state (Int8State): Settings and error feedback; one per DDP model.
+        bucket (GradBucket): The flattened gradients DDP hands to the hook.
+
+    Returns:
+        Future[Tensor]: Resolves to the bucket's own buffer, in its original
+        dtype, holding the average.
+
+    Raises:
+        TypeError: ``state`` is not an :class:`Int8State` (a process group
+            or None has nowhere to keep the error feedback).
+    """
+    if not isinstance(state, Int8State):
+        raise TypeError(
+            'int8_compress_hook needs an Int8State, e.g. '
+            'ddp.register_comm_hook(Int8State(process_group), '
+            f'int8_compress_hook), but got {type(state).__name__}: {state!r}')
+    # The all-gather is issued before _int8_reduce returns; its future only
+    # decodes: the worker goes on to the next bucket meanwhile.
+    return run_on_comm_worker(
+        lambda: _int8_reduce(state, bucket), bucket, wait=False)
+
+
+def _int8_reduce(state: Int8State,
+                 bucket: dist.GradBucket) -> torch.futures.Future:
+    """The hook's work on one bucket; waits for the first phase, leaves
+    the all-gather in flight."""
+    group = group_or_world(state.process_group)
+    world_size, rank = group.size(), group.rank()
+    buffer = bucket.buffer()
+    numel, device = buffer.numel(), buffer.device
+    layout = _layout(bucket)
+    plan = state._plan(bucket, layout)
+
+    # This rank's share (the bucket times 1 / world_size, plus the residual
+    # of earlier steps), quantized into the owners' segments in one pass.
+    x = buffer if buffer.dtype is torch.float32 else buffer.float()
+    residual = (
+        state._residual(bucket, layout) if state.error_feedback else None)
+    send = torch.empty(plan.send_bytes, dtype=torch.uint8, device=device)
+    out = torch.empty(plan.padded, dtype=torch.uint8, device=device)
+    plan.zero_padding(send, out, rank)
+    int8_codec.quantize_blocks(x, plan.send, send, 1.0 / world_size, residual)
+
+    mine = plan.splits[rank]
+    recv = torch.empty(world_size * mine, dtype=torch.uint8, device=device)
+    dist.all_to_all_single(
+        recv,
+        send,
+        output_split_sizes=[mine] * world_size,
+        input_split_sizes=plan.splits,
+        group=group)
+
+    # Sum this rank's blocks over the ranks, in rank order (deterministic).
+    total = torch.empty(plan.own.numel, dtype=torch.float32, device=device)
+    for i in range(world_size):
+        int8_codec.dequantize_blocks(
+            recv[i * mine:(i + 1) * mine], plan.own, total, accumulate=i > 0)
+
+    if residual is None:
+        int8_codec.quantize_blocks(total, plan.own, out)
+    elif buffer.dtype is torch.float32:
+        # The owner feeds back what the second rounding dropped from its
+        # blocks (see Int8State), in the same pass.
+        int8_codec.quantize_blocks(total, plan.own, out, 1.0, residual,
+                                   'collect')
+    else:
+        # For a bf16 bucket, with what the cast of the result drops too.
+        int8_codec.quantize_blocks(total, plan.own, out)
+        applied = torch.empty_like(total)
+        int8_codec.dequantize_blocks(out, plan.own, applied)
+        lost = total - applied.to(buffer.dtype).float()
+        residual.index_add_(
+            0, plan.own.residual_index(device),
+            torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)))
+
+    gathered = torch.empty(
+        world_size * plan.padded, dtype=torch.uint8, device=device)
+    fut = _all_gather_single(
+        gathered, out, group=group, async_op=True).get_future()
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        # In place into the bucket's own buffer when it is fp32: no second
+        # full-size copy at peak memory (pytorch/pytorch#45968).
+        target = buffer if buffer.dtype is torch.float32 else torch.empty(
+            numel, dtype=torch.float32, device=device)
+        int8_codec.dequantize_blocks(gathered, plan.gather, target)
+        if target is not buffer:
+            buffer.copy_(target)
+        return buffer
+
+    return fut.then(decompress)

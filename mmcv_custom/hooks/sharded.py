@@ -1,0 +1,234 @@
+"""How FSDP2 (``torch.distributed.fsdp.fully_shard``) reduces gradients.
+
+FSDP2 has no DDP communication hooks: each sharded module reduce-scatters
+its gradients through a ``ReduceScatter`` object, which
+``FSDPModule.set_custom_reduce_scatter`` replaces.
+:class:`AveragingReduceScatter` is that object for this project's
+``comm_hook`` types, with the DDP hooks' semantics
+(:mod:`mmcv_custom.hooks.half`):
+
+* the average is taken in the gradients' own precision *before* the cast,
+  so fp16 overflows only when the mean does;
+* the reduce-scatter runs on the wire dtype (fp32 for ``allreduce``, fp16 or
+  bf16 for the compressing types) and the shard is widened in place into
+  FSDP's output;
+* gradients already in a 2-byte float (a bf16 backbone's) are sent as they
+  are, never cast from bf16 to fp16.
+
+FSDP2 must hand over the plain sum: :func:`install_reduce_scatter` sets
+``set_gradient_divide_factor(1.0)`` and
+``set_force_sum_reduction_for_comms(True)`` on every sharded module, so
+FSDP neither divides nor asks for an averaging reduce op, and this object
+divides once.
+
+:class:`Int8ReduceScatter` is the ``int8_compress`` form, without error
+feedback: the average of each rank's share is sent as blockwise int8 with
+one fp32 scale per block (:mod:`mmcv_custom.hooks.int8_codec`), scattered with
+one ``all_to_all`` and summed in fp32 by the rank that keeps the shard, so
+only the first rounding happens (the shard stays in full precision).
+Error feedback would have to keep, on every rank, what rounding dropped
+from the whole unsharded gradient: the memory FSDP2 is there to save.
+
+Like the rest of :mod:`mmcv_custom.hooks`, this module imports only torch.
+"""
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import cast, int8_codec
+from .half import require_dtype_support, wire_dtype_for
+from .util import align_up
+from .validation import require_int
+
+try:  # The base class set_custom_reduce_scatter documents (torch >= 2.6).
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+except ImportError:  # pragma: no cover - older torch
+    ReduceScatter = object
+
+__all__ = [
+    'AveragingReduceScatter', 'Int8ReduceScatter', 'install_reduce_scatter',
+    'fsdp_modules'
+]
+
+
+class _SummingReduceScatter(ReduceScatter):
+    """What both reduce-scatters share: FSDP2 allocates the buffers as
+    usual, and must ask for a plain sum (they average by themselves)."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _check_op(self, op) -> None:
+        if op is not None and op != dist.ReduceOp.SUM:
+            # The strategy forces sum reductions (see the module docstring).
+            raise RuntimeError(
+                f'{type(self).__name__} got reduce op {op}; it averages by '
+                'itself and needs FSDP to ask for a plain sum: call '
+                'install_reduce_scatter instead of set_custom_reduce_scatter')
+
+
+class AveragingReduceScatter(_SummingReduceScatter):
+    """Average gradients across the group and keep this rank's shard.
+
+    Args:
+        wire_dtype (torch.dtype, optional): What to send: ``torch.float16``,
+            ``torch.bfloat16``, or None for the gradients' own dtype (FSDP's
+            default reduction). Gradients already in a 2-byte float are
+            sent as they are.
+        counter (object, optional): Anything with ``baseline_bytes`` and
+            ``bytes_sent`` attributes (e.g. ``registry.CommCounter``):
+            each call adds the bytes of its input as FSDP would send them
+            and as sent. Defaults to None.
+
+    The input is FSDP's flat reduce-scatter buffer (its gradients chunked by
+    rank, padded), which it no longer needs after the call: it is divided
+    in place when the wire dtype is the gradients' own.
+    """
+
+    def __init__(self,
+                 wire_dtype: Optional[torch.dtype] = None,
+                 counter=None) -> None:
+        if wire_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ValueError('wire_dtype should be torch.float16, '
+                             f'torch.bfloat16 or None, but got {wire_dtype}')
+        self.wire_dtype = wire_dtype
+        self.counter = counter
+
+    def __call__(self,
+                 output_tensor: torch.Tensor,
+                 input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup,
+                 op=None,
+                 async_op: bool = False):
+        self._check_op(op)
+        world = group.size()
+        wire = (
+            input_tensor.dtype if self.wire_dtype is None else wire_dtype_for(
+                self.wire_dtype, input_tensor))
+        require_dtype_support(wire, group, input_tensor.device)
+        if self.counter is not None:
+            numel = input_tensor.numel()
+            self.counter.baseline_bytes += numel * input_tensor.element_size()
+            self.counter.bytes_sent += numel * torch.finfo(wire).bits // 8
+        if wire is input_tensor.dtype:
+            input_tensor.mul_(1.0 / world)
+            return dist.reduce_scatter_single(
+                output_tensor, input_tensor, group=group, async_op=async_op)
+        # Divide in the gradients' precision, then round once to the wire.
+        sent = cast.compress(input_tensor, world, wire)
+        received = torch.empty(
+            output_tensor.numel(), dtype=wire, device=output_tensor.device)
+        dist.reduce_scatter_single(received, sent, group=group)
+        cast.decompress(received, output_tensor.view(-1))
+        return None
+
+
+class Int8ReduceScatter(_SummingReduceScatter):
+    """Average gradients across the group as blockwise int8 and keep this
+    rank's shard in full precision (see the module docstring).
+
+    Each rank multiplies its input by ``1 / world_size`` (before any
+    rounding) and quantizes every rank's chunk in blocks of ``block_size``
+    from the chunk's start, into one segment per rank: the chunk's fp32
+    scales, then its int8 values, padded to 4 bytes. ``all_to_all_single``
+    hands every rank its chunk from every rank, which it dequantizes and
+    sums in fp32 in rank order into FSDP's output. Each rank sends ``(N -
+    1) / N`` of the quantized gradients, as a ring reduce-scatter does.
+
+    Args:
+        block_size (int): Values per fp32 scale. Defaults to 256.
+        counter (object, optional): As :class:`AveragingReduceScatter`'s;
+            the wire bytes are those of the quantized input.
+    """
+
+    def __init__(self, block_size: int = 256, counter=None) -> None:
+        require_int('block_size', block_size, minimum=1)
+        self.block_size = block_size
+        self.counter = counter
+
+    def _segment(self, chunk: int) -> Tuple[int, int]:
+        """``(blocks, bytes)`` of one rank's segment of a chunk."""
+        blocks = int8_codec.num_blocks(chunk, self.block_size)
+        return blocks, 4 * blocks + align_up(chunk, 4)
+
+    def __call__(self,
+                 output_tensor: torch.Tensor,
+                 input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup,
+                 op=None,
+                 async_op: bool = False):
+        self._check_op(op)
+        world = group.size()
+        numel = input_tensor.numel()
+        chunk = output_tensor.numel()
+        if numel != chunk * world:
+            raise ValueError(
+                f'Int8ReduceScatter needs an input of world_size ({world}) '
+                f'times the output ({chunk} values), but got {numel}')
+        x = input_tensor.reshape(-1)
+        x = x.float() if x.dtype is not torch.float32 else x.contiguous()
+        blocks, size = self._segment(chunk)
+        device = x.device
+        send = torch.empty(world * size, dtype=torch.uint8, device=device)
+        for j in range(world):
+            at = j * size
+            send[at + 4 * blocks + chunk:at + size].zero_()  # alignment
+            int8_codec.quantize(
+                x[j * chunk:(j + 1) * chunk],
+                self.block_size,
+                1.0 / world,
+                out=send[at + 4 * blocks:at + 4 * blocks + chunk].view(
+                    torch.int8),
+                scales=send[at:at + 4 * blocks].view(torch.float32))
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        total = torch.empty(chunk, dtype=torch.float32, device=device)
+        for i in range(world):
+            at = i * size
+            int8_codec.dequantize(
+                recv[at + 4 * blocks:at + 4 * blocks + chunk].view(torch.int8),
+                recv[at:at + 4 * blocks].view(torch.float32),
+                self.block_size,
+                total,
+                accumulate=i > 0)
+        output_tensor.view(-1).copy_(total)
+        if self.counter is not None:
+            self.counter.baseline_bytes += numel * input_tensor.element_size()
+            self.counter.bytes_sent += world * size
+        return None
+
+
+def fsdp_modules(model: nn.Module) -> list:
+    """Every module of ``model`` that ``fully_shard`` has sharded, root
+    included (empty when none is)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - older torch
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def install_reduce_scatter(model: nn.Module,
+                           wire_dtype: Optional[torch.dtype] = None,
+                           counter=None,
+                           int8_block_size: Optional[int] = None) -> int:
+    """Make every sharded module of ``model`` reduce its gradients with one
+    :class:`AveragingReduceScatter`, or with an :class:`Int8ReduceScatter`
+    when ``int8_block_size`` is given (``wire_dtype`` is then unused).
+
+    Returns:
+        int: How many sharded modules were set (0: ``model`` is not
+        sharded with FSDP2).
+    """
+    comm = (
+        AveragingReduceScatter(wire_dtype, counter) if int8_block_size is None
+        else Int8ReduceScatter(int8_block_size, counter))
+    modules = fsdp_modules(model)
+    for module in modules:
+        module.set_custom_reduce_scatter(comm)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+    return len(modules)
