@@ -62,10 +62,24 @@ MODULES = _modules()
 
 
 def _is_shim(name):
-    """A thin re-export at an old path: its docstring says so."""
+    """A thin re-export kept at an old import path: a module (not a
+    package) of nothing but a docstring, imports and ``__all__``."""
+    if MODULES[name].endswith('__init__.py') or name in ENTRY_POINTS:
+        return False
     with open(MODULES[name]) as f:
-        doc = ast.get_docstring(ast.parse(f.read())) or ''
-    return 'old import path' in doc.lower()
+        body = ast.parse(f.read()).body
+    for i, node in enumerate(body):
+        if i == 0 and isinstance(node, ast.Expr) and isinstance(
+                node.value, ast.Constant):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Assign) and [
+                getattr(target, 'id', None) for target in node.targets
+        ] == ['__all__']:
+            continue
+        return False
+    return True
 
 
 SHIMS = {name for name in MODULES if _is_shim(name)}
@@ -89,7 +103,10 @@ def _imports(name):
                                   ([node.module] if node.module else []))
             else:
                 module = node.module or ''
-            targets = [module]
+            # ``from .. import _cpu_codec``: the compiled extension, not
+            # the package's ``__init__``.
+            compiled = all(alias.name.startswith('_') for alias in node.names)
+            targets = [] if compiled and module == 'mmcv_custom' else [module]
             # ``from . import x`` and ``from .pkg import mod`` name modules.
             targets += [
                 f'{module}.{alias.name}' for alias in node.names

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
-from mmcv_custom.launcher import free_port
+from mmcv_custom.launching.ports import free_port
 from .convergence import (find_runs, hook_options, mismatch, read_comm_hook,
                           read_scalars, variants)
 from .progress import Progress, format_eta

@@ -24,11 +24,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from mmcv_custom import int8_codec
 from mmcv_custom.comm import states  # noqa: F401 (registers the factories)
 from mmcv_custom.comm.records import HookRecord
 from mmcv_custom.comm.registry import COMM_HOOK_STATES
-from mmcv_custom.launcher import shutdown_distributed, write_results
+from mmcv_custom.hooks import int8_codec
+from mmcv_custom.launching.bench_ranks import write_results
+from mmcv_custom.launching.running import shutdown_distributed
 from .progress import Progress
 from .registered import RegisteredHook, registered_hooks
 

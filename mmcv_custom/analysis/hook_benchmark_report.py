@@ -11,7 +11,7 @@ import statistics
 
 import torch
 
-from mmcv_custom import ddp_hooks
+from mmcv_custom.hooks.cast import cpu_codec
 from .hook_benchmark import INT8_BLOCK, MB, codec_columns, pairs
 
 __all__ = ['report', 'plot']
@@ -64,7 +64,7 @@ def report(results, world_size, backend, repeat=None):
         f'{torch.__version__}{rounds}'
     ]
     if backend == 'gloo':
-        lines.append(f'CPU casts: {ddp_hooks.cpu_codec()}')
+        lines.append(f'CPU casts: {cpu_codec()}')
     lines.append(f'int8 codec (block {INT8_BLOCK}): '
                  f'{_int8_codec_note(results)}')
     compared, columns = pairs(), codec_columns()

@@ -101,7 +101,7 @@ def _build(cfg):
     from mmengine.utils import import_modules_from_strings
     from mmseg.registry import MODELS
 
-    from mmcv_custom.launcher import prepare_launch
+    from mmcv_custom.launching.cpu_start import prepare_launch
     init_default_scope(cfg.get('default_scope', 'mmseg'))
     if cfg.get('custom_imports'):
         import_modules_from_strings(**cfg.custom_imports)
@@ -249,7 +249,7 @@ def node_worker(spec_path):
         init_method='env://',
         timeout=None if spec['timeout'] is None else timedelta(
             seconds=spec['timeout']))
-    from mmcv_custom.launcher import shutdown_distributed
+    from mmcv_custom.launching.running import shutdown_distributed
 
     # Every DDP model lives in _measure's frame and is gone when it
     # returns: see shutdown_distributed for why that must come first.
@@ -268,7 +268,7 @@ def _measure(spec, rank, world_size):
     what this node measured."""
     import torch.distributed as dist
 
-    from mmcv_custom.launcher import load_config
+    from mmcv_custom.launching.running import load_config
     cfg = load_config(spec['config'], spec.get('cfg_options'))
     model, data = _build(cfg)
     grad_bytes = _grad_bytes(model)

@@ -270,7 +270,7 @@ def _collectives(buckets, hooks, world_size, counted):
         tuple[dict, list[str]]: Hook -> collectives (JSON form), and the
         hooks whose counted bytes the catalogue does not match.
     """
-    from mmcv_custom import comm_cost
+    from mmcv_custom.analysis import cost as comm_cost
     layout = [
         comm_cost.Bucket(
             tuple(

@@ -20,7 +20,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
-from .util import align_up, ceil_div
+from ..hooks.util import align_up, ceil_div
 
 __all__ = [
     'CostRecord', 'powersgd_compresses', 'square_side', 'ALLREDUCE_COST',

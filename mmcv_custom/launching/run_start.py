@@ -47,7 +47,7 @@ from typing import List, Optional, Tuple
 from ..integrity import checkpoint_candidates
 from ..integrity.checkpoint_choice import (checkpoint_folder,
                                            find_resume_checkpoint)
-from ..preflight import Problem
+from .preflight import Problem
 
 __all__ = ['StartPlan', 'plan_start', 'apply_start_plan', 'SUPERSEDED_PREFIX']
 

@@ -16,8 +16,8 @@ from mmcv_custom.comm.records import (HookRecord, record_of,
                                       unregister_hook_record)
 from mmcv_custom.comm.registry import COMM_HOOKS, CommHookRegistry
 from mmcv_custom.comm.telemetry import CommCounter
-from mmcv_custom.ddp_hooks import allreduce_hook, fp16_compress_hook
-from mmcv_custom.engine.console import summary_text
+from mmcv_custom.hooks.half import allreduce_hook, fp16_compress_hook
+from mmcv_custom.launching.console import summary_text
 from mmcv_custom.testing import run_ranks
 from tests.runner_utils import build_runner
 

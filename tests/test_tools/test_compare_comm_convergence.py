@@ -14,7 +14,7 @@ from mmcv_custom.analysis import convergence
 from mmcv_custom.analysis.convergence_runs import TrainLog, train_options
 from mmcv_custom.analysis.registered import DEFAULT_COLOURS
 from mmcv_custom.comm.registry import COMM_HOOKS
-from mmcv_custom.launcher import free_port
+from mmcv_custom.launching.ports import free_port
 from tests.tool_utils import load_script, plugin_hook, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import mmcv_custom.launching.preflight as preflight_module
-from mmcv_custom.launcher import LAUNCH_ENV, load_config
+from mmcv_custom.engine.process_group import LAUNCH_ENV
 from mmcv_custom.launching.preflight import (PreflightError, Problem,
                                              check_preflight, format_problems,
                                              preflight, preflight_report)
 from mmcv_custom.launching.preflight import work_dir as work_dir_check
+from mmcv_custom.launching.running import load_config
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOLS = osp.join(ROOT, 'tools')

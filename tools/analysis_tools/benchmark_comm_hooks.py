@@ -59,7 +59,7 @@ import torch
 from mmcv_custom.analysis import check_output
 from mmcv_custom.analysis.hook_benchmark import MB, worker
 from mmcv_custom.analysis.hook_benchmark_report import plot, report
-from mmcv_custom.launcher import spawn_ranks
+from mmcv_custom.launching.bench_ranks import spawn_ranks
 
 
 def parse_args(argv=None):

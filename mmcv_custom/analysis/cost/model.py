@@ -29,7 +29,7 @@ def config_params(
     from mmengine.registry import DefaultScope, init_default_scope
     from mmengine.utils import import_modules_from_strings
 
-    from mmcv_custom.launcher import load_config
+    from mmcv_custom.launching.running import load_config
     cfg = load_config(config, cfg_options)
     scope = cfg.get('default_scope', 'mmseg')
     with DefaultScope.overwrite_default_scope(scope):

@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 
 from mmengine.config import Config
 
-from ...launcher import uses_fsdp2
+from ..cpu_start import uses_fsdp2
 
 __all__ = [
     'CheckpointSize', 'checkpoint_size', 'estimate_checkpoint_bytes',

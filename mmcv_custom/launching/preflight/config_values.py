@@ -5,7 +5,7 @@ from typing import List, Optional
 
 from mmengine.config import Config
 
-from ...launcher import uses_fsdp2
+from ..cpu_start import uses_fsdp2
 from .problems import Problem
 
 __all__ = ['import_problems', 'custom_hooks_problems', 'comm_hook_problems']

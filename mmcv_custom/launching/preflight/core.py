@@ -119,7 +119,7 @@ def checked_config(path: str,
     Returns:
         Config: The merged config.
     """
-    from ...launcher import load_config
+    from ..running import load_config
     if not osp.isfile(path):
         raise PreflightError([Problem(f'{option} {path}: no such file')])
     try:

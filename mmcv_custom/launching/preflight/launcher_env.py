@@ -4,7 +4,7 @@
 import os
 from typing import List
 
-from ...launcher import LAUNCH_ENV
+from ...engine.process_group import LAUNCH_ENV
 from .problems import Problem
 
 __all__ = ['launcher_problems']

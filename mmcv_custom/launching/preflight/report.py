@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Optional
 
-from ...launcher import LAUNCH_ENV
+from ...engine.process_group import LAUNCH_ENV
 from .problems import PreflightError
 
 __all__ = ['preflight_report', 'exit_on_problems']

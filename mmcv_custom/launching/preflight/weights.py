@@ -6,9 +6,10 @@ import os.path as osp
 import re
 from typing import Iterator, List, Tuple
 
-from ...checkpoint import (UnsafeCheckpointError, check_checkpoint_file,
-                           is_sharded_checkpoint)
 from ...integrity import CheckpointDamagedError
+from ...integrity.checkpoint import (UnsafeCheckpointError,
+                                     is_sharded_checkpoint)
+from ...integrity.checkpoint_choice import check_checkpoint_file
 from .problems import Problem, cwd_note
 
 __all__ = ['pretrained_problems', 'checkpoint_problems']

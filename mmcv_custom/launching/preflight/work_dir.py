@@ -10,7 +10,7 @@ from typing import List, Optional, Tuple
 
 from mmengine.config import Config
 
-from ...launcher import LAUNCH_ENV
+from ...engine.process_group import LAUNCH_ENV
 from .checkpoint_size import checkpoint_size, format_size
 from .problems import Problem
 
