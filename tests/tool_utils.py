@@ -53,7 +53,8 @@ def plugin_hook():
     and its record."""
     import torch
 
-    from mmcv_custom.comm.records import HOOK_RECORDS, HookRecord, HookVariant
+    from mmcv_custom.comm.records import (HookRecord, HookVariant,
+                                          unregister_hook_record)
     from mmcv_custom.comm.registry import COMM_HOOKS
 
     def plugin_int4_hook(process_group, bucket):
@@ -65,7 +66,7 @@ def plugin_hook():
         return lambda: bucket.div_(world_size)
 
     record = HookRecord(
-        wire='int4',
+        sent_format='int4',
         quantizes=True,
         label='int4 (plugin)',
         colour='tab:olive',
@@ -73,10 +74,10 @@ def plugin_hook():
         variants=(HookVariant('int4_plugin', {}, 'int4 (plugin)',
                               'tab:olive'), ))
     name = 'plugin_int4'
-    COMM_HOOKS.register_module(name=name, module=plugin_int4_hook)
-    HOOK_RECORDS[plugin_int4_hook] = record
+    COMM_HOOKS.register_module(
+        name=name, module=plugin_int4_hook, record=record)
     try:
         yield name, record
     finally:
         del COMM_HOOKS.module_dict[name]
-        del HOOK_RECORDS[plugin_int4_hook]
+        unregister_hook_record(plugin_int4_hook)

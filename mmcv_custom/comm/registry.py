@@ -12,12 +12,10 @@ from typing import Callable, List, Optional, Union
 from mmengine.logging import print_log
 from mmengine.registry import Registry
 
-from ..hooks.batched_powersgd import batched_powersgd_hook
-from ..hooks.half import allreduce_hook, bf16_compress_hook, fp16_compress_hook
-from ..hooks.int8 import int8_compress_hook
-from ..hooks.powersgd import powersgd_hook
-from .records import (HOOK_RECORDS, HookRecord, hook_name, is_builtin_hook,
-                      register_hook_record, unregister_hook_record)
+from .builtins import BUILTIN_HOOKS
+from .records import (HOOK_RECORDS, HookRecord, add_builtin_records, hook_name,
+                      is_builtin_hook, register_hook_record,
+                      unregister_hook_record)
 
 __all__ = ['COMM_HOOKS', 'COMM_HOOK_STATES', 'CommHookRegistry']
 
@@ -108,10 +106,6 @@ COMM_HOOKS = CommHookRegistry('DDP communication hook', scope='mmcv_custom')
 COMM_HOOK_STATES = Registry(
     'DDP communication hook state', scope='mmcv_custom')
 
-COMM_HOOKS.register_module(name='allreduce', module=allreduce_hook)
-COMM_HOOKS.register_module(name='fp16_compress', module=fp16_compress_hook)
-COMM_HOOKS.register_module(name='bf16_compress', module=bf16_compress_hook)
-COMM_HOOKS.register_module(name='powerSGD', module=powersgd_hook)
-COMM_HOOKS.register_module(
-    name='batched_powerSGD', module=batched_powersgd_hook)
-COMM_HOOKS.register_module(name='int8_compress', module=int8_compress_hook)
+add_builtin_records(BUILTIN_HOOKS)
+for _builtin in BUILTIN_HOOKS:
+    COMM_HOOKS.register_module(name=_builtin.name, module=_builtin.hook)

@@ -99,7 +99,7 @@ def test_a_plugin_cannot_take_a_builtins_name_or_record():
     message = info.value.args[0]
     assert message.startswith(
         "comm hook name 'allreduce' is the built-in hook "
-        'mmcv_custom.ddp_hooks.allreduce_hook, so the plugin hook '
+        'mmcv_custom.hooks.half.allreduce_hook, so the plugin hook '
         'tests.test_comm.test_plugin_records.'
         'test_a_plugin_cannot_take_a_builtins_name_or_record.'
         '<locals>.my_allreduce cannot take it.')
@@ -114,7 +114,7 @@ def test_a_plugin_cannot_take_a_builtins_name_or_record():
     with pytest.raises(ValueError) as info:
         register_hook_record(allreduce_hook, HookRecord())
     assert str(info.value).startswith(
-        'mmcv_custom.ddp_hooks.allreduce_hook is a built-in hook of '
+        'mmcv_custom.hooks.half.allreduce_hook is a built-in hook of '
         'mmcv_custom with its own record')
     with pytest.raises(
             TypeError,
@@ -135,7 +135,7 @@ def test_a_builtin_that_comes_after_a_plugin_of_its_name_names_both():
         registry.register_module(name='int8_compress', module=allreduce_hook)
     assert info.value.args[0].startswith(
         "comm hook name 'int8_compress' is now a built-in hook of "
-        'mmcv_custom, mmcv_custom.ddp_hooks.allreduce_hook, but the plugin '
+        'mmcv_custom, mmcv_custom.hooks.half.allreduce_hook, but the plugin '
         'hook tests.test_comm.test_plugin_records.'
         'test_a_builtin_that_comes_after_a_plugin_of_its_name_names_both.'
         '<locals>.int8_compress already has it.')

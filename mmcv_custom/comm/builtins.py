@@ -1,0 +1,253 @@
+"""The built-in hooks: for each, the name a config gives, the function
+and its :class:`~.records.HookRecord`, in one entry of
+:data:`BUILTIN_HOOKS`.
+
+Everything the project does with a hook beyond calling it (which wrappers
+it refuses, the worker, its state in checkpoints, the bytes it sends, its
+FSDP2 form, its cost, its label and colour in the tools) is read from
+that record, so a new built-in hook is its function in
+:mod:`mmcv_custom.hooks`, one entry here, its test and its row in the
+README's table. :mod:`.registry` registers them; a plugin registers its
+own hook and record the same way
+(``COMM_HOOKS.register_module(record=...)``).
+"""
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from ..hooks import cast, int8_codec
+from ..hooks.batched_powersgd import batched_powersgd_hook
+from ..hooks.half import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from ..hooks.int8 import Int8BucketPlan, Int8StateKeeper, int8_compress_hook
+from ..hooks.powersgd import compression, powersgd_hook
+from ..hooks.powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
+from .cost_records import (ALLREDUCE_COST, BATCHED_POWERSGD_COST,
+                           HALF_PRECISION_COSTS, INT8_COST, POWERSGD_COST)
+from .records import HookRecord, HookVariant, sends_bucket
+from .traffic import sent_bytes
+
+__all__ = ['BuiltinHook', 'BUILTIN_HOOKS', 'powersgd_numel']
+
+
+class BuiltinHook(NamedTuple):
+    """One built-in hook: its ``comm_hook.type``, function and record."""
+    name: str
+    hook: Callable
+    record: HookRecord
+
+
+def _int8_bytes_sent(hook, state, bucket):
+    # The quantized bucket (payload, block scales, alignment): its
+    # all-to-all and all-gather are the two halves of a ring all-reduce of
+    # it, so it counts as that all-reduce's tensor, as other hooks' do.
+    sent = state.wire_bytes(bucket)
+    return hook(state, bucket), sent
+
+
+def _powersgd_bytes_sent(hook, state, bucket):
+    # Both PowerSGD hooks all-reduce the bucket as is while iter <
+    # start_powerSGD_iter, and leave the state's counters alone.
+    buffer = bucket.buffer()
+    compressing = state.iter >= state.start_powerSGD_iter
+    before = state.total_numel_after_compression
+    fut = hook(state, bucket)
+    # Compressing, both add up what they send, in the bucket's dtype: P and
+    # Q ((n + m) * r numbers for an n x m matrix at rank r) plus the numel
+    # of every tensor left uncompressed (all-reduced as is). That may be 0.
+    if compressing:
+        size = ((state.total_numel_after_compression - before) *
+                buffer.element_size())
+    else:
+        size = buffer.numel() * buffer.element_size()
+    return fut, int(sent_bytes([('all_reduce', size)], 1))
+
+
+def _whole_bytes(params, state_kwargs: dict, half: bool,
+                 world_size: int) -> int:
+    # Half precision halves fp32 gradients; bf16 ones go as they are. One
+    # all-reduce of them all, whatever the world size.
+    return int(
+        sent_bytes(
+            [('all_reduce',
+              sum(p.numel() *
+                  (min(p.element_size(), 2) if half else p.element_size())
+                  for p in params))], world_size))
+
+
+def powersgd_numel(params, rank: int, min_rate: float) -> int:
+    """Numbers PowerSGD sends for ``params`` (PyTorch's compression rule:
+    the factors of every matrix it compresses, the rest as it is)."""
+    total = 0
+    for p in params:
+        compress, before, after = compression(p.shape, rank, min_rate)
+        total += after if compress else before
+    return total
+
+
+def _powersgd_bytes(params, state_kwargs: dict, half: bool,
+                    world_size: int) -> int:
+    numel = powersgd_numel(params,
+                           state_kwargs.get('matrix_approximation_rank', 1),
+                           state_kwargs.get('min_compression_rate', 2))
+    # All-reduced, in whatever buckets: the world size changes nothing.
+    return int(
+        sent_bytes([('all_reduce', numel * (2 if half else 4))], world_size))
+
+
+def _slow_int8_blocks(state_kwargs: dict,
+                      device: Optional[torch.device]) -> tuple:
+    """A note when ``block_size`` keeps int8 off the one-pass C kernels on
+    CPU: it trains, but each step quantizes some 25x slower."""
+    block = state_kwargs.get('block_size', 256)
+    on_cpu = device is None or torch.device(device).type == 'cpu'
+    if (not on_cpu or not int8_codec.C_MAX_BLOCK
+            or block <= int8_codec.C_MAX_BLOCK):
+        return ()
+    return (f"comm_hook type='int8_compress': block_size={block} is larger "
+            "than the C kernels' largest block "
+            f'({int8_codec.C_MAX_BLOCK}), so on CPU the quantization runs in '
+            "torch's ops, about 25x slower; a block_size <= "
+            f'{int8_codec.C_MAX_BLOCK} keeps the one-pass kernels.', )
+
+
+# PyTorch's PowerSGD default orthogonalization_epsilon=0 divides 0 by 0 when
+# a gradient matrix has an all-zero column (a layer whose loss gradient is
+# zero for a step), which puts NaN into every parameter of the bucket. A tiny
+# epsilon avoids it; fp16 needs one above its smallest subnormal (6e-8), or
+# the addition rounds back to zero.
+_POWERSGD_DEFAULTS = {
+    wrapper: {
+        'orthogonalization_epsilon': epsilon
+    }
+    for wrapper, epsilon in ((None, 1e-8), ('bf16', 1e-8), ('fp16', 1e-6))
+}
+
+
+def _half_codec(dtype: torch.dtype) -> Callable:
+    """The fp16 or bf16 hook's codec: the bucket divided by the world size
+    and cast into the send buffer its state keeps, then cast back in
+    place."""
+
+    def codec(bucket: torch.Tensor, world_size: int, rank: int) -> Callable:
+        half = torch.empty(bucket.numel(), dtype=dtype, device=bucket.device)
+
+        def run():
+            sent = cast.compress(bucket, world_size, dtype, out=half)
+            cast.decompress(sent, bucket)
+
+        return run
+
+    return codec
+
+
+def _int8_codec(bucket: torch.Tensor,
+                world_size: int,
+                rank: int,
+                block_size: int = 256) -> Callable:
+    """The int8 hook's codec with its state's defaults (blocks of 256,
+    error feedback): quantize the bucket (plus the residual) into the
+    owners' segments, then dequantize in place. The owner's sum and
+    re-quantization of its share are left out."""
+    plan = Int8BucketPlan([(0, bucket.numel(), 0)], world_size, rank,
+                          block_size)
+    packed = torch.empty(
+        plan.send_bytes, dtype=torch.uint8, device=bucket.device)
+    residual = torch.zeros_like(bucket)
+
+    def run():
+        int8_codec.quantize_blocks(bucket, plan.send, packed, 1.0 / world_size,
+                                   residual)
+        int8_codec.dequantize_blocks(packed, plan.send, bucket)
+
+    return run
+
+
+# PowerSGD as the benchmarks run it: compressing from the second step on
+# (PyTorch's default waits 1000), at a rank that shows its products.
+_POWERSGD_BENCHMARK = dict(matrix_approximation_rank=4, start_powerSGD_iter=2)
+
+#: The built-in hooks, one entry each: the name a config gives as
+#: ``comm_hook.type``, the function and its record.
+BUILTIN_HOOKS = (
+    BuiltinHook(
+        'allreduce', allreduce_hook,
+        HookRecord(
+            count_bytes_sent=sends_bucket(),
+            model_bytes=_whole_bytes,
+            fsdp2_form='averaging_reduce_scatter',
+            cost=ALLREDUCE_COST,
+            label='fp32 all-reduce',
+            colour='black')),
+    BuiltinHook(
+        'fp16_compress', fp16_compress_hook,
+        HookRecord(
+            sent_format='fp16',
+            count_bytes_sent=sends_bucket(2),
+            model_bytes=_whole_bytes,
+            fsdp2_form='averaging_reduce_scatter',
+            cost=HALF_PRECISION_COSTS['fp16'],
+            label='fp16',
+            colour='tab:green',
+            codec=_half_codec(torch.float16))),
+    BuiltinHook(
+        'bf16_compress', bf16_compress_hook,
+        HookRecord(
+            sent_format='bf16',
+            count_bytes_sent=sends_bucket(2),
+            model_bytes=_whole_bytes,
+            fsdp2_form='averaging_reduce_scatter',
+            cost=HALF_PRECISION_COSTS['bf16'],
+            label='bf16',
+            colour='tab:purple',
+            codec=_half_codec(torch.bfloat16))),
+    # Both PowerSGD hooks and int8 wait between their collectives (PyTorch's
+    # own PowerSGD hook would start collectives from future callbacks,
+    # unsafe on gloo with several buckets in flight: pytorch/pytorch#48478);
+    # each has issued all of them when it returns.
+    BuiltinHook(
+        'powerSGD', powersgd_hook,
+        HookRecord(
+            on_worker=True,
+            waits_per_bucket=False,
+            powersgd_state=True,
+            state_keeper=PowerSGDRelayout,
+            defaults=_POWERSGD_DEFAULTS,
+            count_bytes_sent=_powersgd_bytes_sent,
+            model_bytes=_powersgd_bytes,
+            cost=POWERSGD_COST,
+            label='PowerSGD',
+            colour='tab:orange',
+            benchmark_options=_POWERSGD_BENCHMARK)),
+    BuiltinHook(
+        'batched_powerSGD', batched_powersgd_hook,
+        HookRecord(
+            on_worker=True,
+            waits_per_bucket=False,
+            powersgd_state=True,
+            state_keeper=BatchedPowerSGDRelayout,
+            defaults=_POWERSGD_DEFAULTS,
+            count_bytes_sent=_powersgd_bytes_sent,
+            cost=BATCHED_POWERSGD_COST,
+            label='batched PowerSGD',
+            colour='tab:brown',
+            benchmark_options=_POWERSGD_BENCHMARK)),
+    BuiltinHook(
+        'int8_compress', int8_compress_hook,
+        HookRecord(
+            sent_format='int8',
+            quantizes=True,
+            on_worker=True,
+            waits_per_bucket=False,
+            state_keeper=Int8StateKeeper,
+            notes=_slow_int8_blocks,
+            count_bytes_sent=_int8_bytes_sent,
+            fsdp2_form='int8_reduce_scatter',
+            cost=INT8_COST,
+            label='int8',
+            colour='tab:blue',
+            codec=_int8_codec,
+            variants=(HookVariant('int8_ef', dict(error_feedback=True),
+                                  'int8 + error feedback', 'tab:blue'),
+                      HookVariant('int8_noef', dict(error_feedback=False),
+                                  'int8, no error feedback', 'tab:red')))),
+)
