@@ -40,7 +40,7 @@ ENTRY_POINTS = {'mmcv_custom', 'mmcv_custom.registry'}
 
 #: Longest module, and longest script under tools/, in lines.
 MAX_MODULE_LINES = 620
-MAX_SCRIPT_LINES = 320
+MAX_SCRIPT_LINES = 330
 
 
 def _modules():

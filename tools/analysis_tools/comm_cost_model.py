@@ -35,12 +35,12 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import os.path as osp
 import sys
 
 from mmcv_custom.analysis import cost, filter_tool_warnings
 from mmcv_custom.analysis.cli import cfg_options, check_output, read_config
+from mmcv_custom.integrity.files import atomic_write_bytes
 
 __all__ = ['parse_args', 'main']
 
@@ -210,13 +210,11 @@ def _check_fit(parser, args) -> None:
         except (OSError, ValueError) as e:
             parser.error(f'--fit {path}: {e}'.replace(f'{path}: {path}:',
                                                       f'{path}:'))
-    rates = sorted({r for b in args.benchmarks for r in b.measured_rates})
-    for rate in args.fit_rates or ():
-        if rate not in rates:
-            parser.error(
-                f'--fit-rates {rate:g} is not a shaped rate of '
-                f'{", ".join(args.fit)}; measured: '
-                f'{", ".join(f"{r:g}" for r in rates) or "none"} (Mbit/s)')
+    problem = cost.fit_selection_problem(args.benchmarks, args.fit_rates,
+                                         args.fit_world_sizes,
+                                         ', '.join(args.fit))
+    if problem:
+        parser.error(problem)
     for bench in args.benchmarks if args.check_collectives else ():
         config = _find(bench.config or '')
         if config is None:
@@ -224,21 +222,6 @@ def _check_fit(parser, args) -> None:
                          f' ({bench.config!r}) is not a file here or under '
                          f'{ROOT}')
         args.bench_configs.append(config)
-    sizes = sorted({b.world_size for b in args.benchmarks})
-    for size in args.fit_world_sizes or ():
-        if size not in sizes:
-            parser.error(f'--fit-world-sizes {size} is not a world size of '
-                         f'{", ".join(args.fit)}; measured: '
-                         f'{", ".join(map(str, sizes))}')
-    if not any(
-            cost.fits_on(b, r, args.fit_rates, args.fit_world_sizes) and any(
-                h in b.hooks for h in r['median_step_s'])
-            for b in args.benchmarks for r in b.rates):
-        parser.error(f'--fit {" ".join(args.fit)}: nothing to fit on: no '
-                     'hook that lists its collectives was measured at a '
-                     'shaped rate (mbit not null)' +
-                     (' of the chosen --fit-rates and --fit-world-sizes'
-                      if args.fit_rates or args.fit_world_sizes else ''))
 
 
 def _find(path: str):
@@ -288,14 +271,6 @@ def _project(args, constants, codec) -> tuple:
         sys.exit(f'{osp.basename(__file__)}: error: {e}')
 
 
-def _write_json(path: str, data: dict) -> None:
-    """Through a temporary name and a rename: no half-written file."""
-    partial = path + '.partial'
-    with open(partial, 'w') as f:
-        json.dump(data, f, indent=1)
-    os.replace(partial, path)
-
-
 def main(argv=None) -> None:
     filter_tool_warnings()
     args = parse_args(argv)
@@ -337,7 +312,9 @@ def main(argv=None) -> None:
         lines += ([''] if lines else []) + projected
     print('\n'.join(lines))
     if args.json:
-        _write_json(args.json, out)
+        # Through a temporary name and a rename: no half-written file.
+        atomic_write_bytes(
+            args.json, json.dumps(out, indent=1).encode(), digest=False)
 
 
 if __name__ == '__main__':

@@ -92,7 +92,7 @@ from .collectives import (COLLECTIVE_KINDS, GPU_CLUSTER_CONSTANTS, Cluster,
                           all_reduce_time, all_to_all_time, collective_time,
                           traffic)
 from .compute import Workload, estimate_compute
-from .fit import FitPoint, FitResult, fit, fits_on
+from .fit import FitPoint, FitResult, fit, fit_selection_problem, fits_on
 from .hooks import (HOOK_COSTS, AllReduceCost, BatchedPowerSGDCost,
                     HalfPrecisionCost, HookCost, Int8Cost, PowerSGDCost,
                     RecordCost, check_benchmark, compare_collectives,
@@ -115,7 +115,7 @@ __all__ = [
     'simulate_overlap', 'even_ready_times', 'Workload', 'estimate_compute',
     'StepPrediction', 'predict_step', 'Benchmark', 'load_benchmark',
     'check_benchmark', 'FitPoint', 'FitResult', 'fit', 'fits_on',
-    'Recommendation', 'recommend', 'assumptions', 'RecordCost',
-    'uncosted_hooks', 'config_params', 'ProjectionSettings', 'project',
-    'fit_report', 'fit_json'
+    'fit_selection_problem', 'Recommendation', 'recommend', 'assumptions',
+    'RecordCost', 'uncosted_hooks', 'config_params', 'ProjectionSettings',
+    'project', 'fit_report', 'fit_json'
 ]

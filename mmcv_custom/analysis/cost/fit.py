@@ -11,7 +11,7 @@ from .collectives import Cluster, LinkConstants, traffic
 from .measurements import Benchmark
 from .overlap import simulate_overlap
 
-__all__ = ['FitPoint', 'FitResult', 'fit', 'fits_on']
+__all__ = ['FitPoint', 'FitResult', 'fit', 'fits_on', 'fit_selection_problem']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +193,37 @@ def fits_on(bench: Benchmark,
     return (rate['mbit'] is not None
             and (fit_rates is None or rate['mbit'] in fit_rates) and
             (fit_world_sizes is None or bench.world_size in fit_world_sizes))
+
+
+def fit_selection_problem(benchmarks: Sequence[Benchmark],
+                          fit_rates: Optional[Sequence[float]],
+                          fit_world_sizes: Optional[Sequence[int]],
+                          files: str) -> Optional[str]:
+    """Why :func:`fit` cannot fit on this choice of rates and world sizes
+    of ``benchmarks`` (read from ``files``, named in the message); None
+    when it can. A rate or world size they did not measure, or nothing
+    left to fit on, is named with what was measured."""
+    rates = sorted({r for b in benchmarks for r in b.measured_rates})
+    for rate in fit_rates or ():
+        if rate not in rates:
+            return (f'--fit-rates {rate:g} is not a shaped rate of {files}; '
+                    'measured: '
+                    f'{", ".join(f"{r:g}" for r in rates) or "none"} (Mbit/s)')
+    sizes = sorted({b.world_size for b in benchmarks})
+    for size in fit_world_sizes or ():
+        if size not in sizes:
+            return (f'--fit-world-sizes {size} is not a world size of '
+                    f'{files}; measured: {", ".join(map(str, sizes))}')
+    if not any(
+            fits_on(b, r, fit_rates, fit_world_sizes) and any(
+                h in b.hooks for h in r['median_step_s']) for b in benchmarks
+            for r in b.rates):
+        return (f'--fit {files.replace(", ", " ")}: nothing to fit on: no '
+                'hook that lists its collectives was measured at a shaped '
+                'rate (mbit not null)' +
+                (' of the chosen --fit-rates and --fit-world-sizes'
+                 if fit_rates or fit_world_sizes else ''))
+    return None
 
 
 def fit(benchmarks: Sequence[Benchmark],
