@@ -271,6 +271,7 @@ def _collectives(buckets, hooks, world_size, counted):
         hooks whose counted bytes the catalogue does not match.
     """
     from mmcv_custom.analysis import cost as comm_cost
+    from mmcv_custom.comm.traffic import sent_bytes
     layout = [
         comm_cost.Bucket(
             tuple(
@@ -289,13 +290,12 @@ def _collectives(buckets, hooks, world_size, counted):
             dict(bucket=c.bucket, kind=c.kind, bytes=c.nbytes)
             for bucket in per_bucket for c in bucket
         ]
-        # What CommCounter counts: the tensors all-reduced, or int8's
-        # quantized bucket (its all-to-all's send tensor).
-        tensors = sum(c.nbytes for bucket in per_bucket for c in bucket
-                      if c.kind != 'all_gather')
-        if abs(tensors - counted[name]) > 0.01 * max(counted[name], 1):
+        # CommCounter and the catalogue count by the same rule.
+        sent = sent_bytes(((c.kind, c.nbytes) for bucket in per_bucket
+                           for c in bucket), world_size)
+        if abs(sent - counted[name]) > 0.01 * max(counted[name], 1):
             mismatched.append(f'{name}: counted {counted[name]} bytes, the '
-                              f'catalogue {tensors:.0f}')
+                              f'catalogue {sent:.0f}')
     return out, mismatched
 
 

@@ -14,6 +14,7 @@ own hook and record the same way
 from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..hooks import cast, int8_codec
 from ..hooks.batched_powersgd import batched_powersgd_hook
@@ -37,11 +38,12 @@ class BuiltinHook(NamedTuple):
 
 
 def _int8_bytes_sent(hook, state, bucket):
-    # The quantized bucket (payload, block scales, alignment): its
-    # all-to-all and all-gather are the two halves of a ring all-reduce of
-    # it, so it counts as that all-reduce's tensor, as other hooks' do.
-    sent = state.wire_bytes(bucket)
-    return hook(state, bucket), sent
+    # The all-to-all and the all-gather of the quantized bucket (payload,
+    # block scales, alignment): the two halves of a ring all-reduce of it,
+    # so they count about as that all-reduce's tensor (the one rule).
+    collectives = state.collectives(bucket)
+    world_size = dist.get_world_size(state.process_group)
+    return hook(state, bucket), int(sent_bytes(collectives, world_size))
 
 
 def _powersgd_bytes_sent(hook, state, bucket):

@@ -250,6 +250,15 @@ class Int8State:
         """
         return self._plan(bucket, _layout(bucket)).send_bytes
 
+    def collectives(self, bucket: dist.GradBucket) -> List[Tuple[str, int]]:
+        """What the hook issues for ``bucket``, as ``(kind, bytes)``: the
+        all-to-all of the whole quantized bucket, then the all-gather of
+        this rank's part (padded to the largest owner's). The telemetry
+        counts them by the one counting rule
+        (:mod:`mmcv_custom.comm.traffic`), as the cost model does."""
+        plan = self._plan(bucket, _layout(bucket))
+        return [('all_to_all', plan.send_bytes), ('all_gather', plan.padded)]
+
     def _plan(self, bucket: dist.GradBucket, layout: tuple) -> Int8BucketPlan:
         """The bucket's :class:`Int8BucketPlan`, built for a new layout.
 

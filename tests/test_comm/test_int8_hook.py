@@ -450,11 +450,15 @@ def test_training_stays_in_sync_and_counts_bytes(as_view):
     # DDP would send 676 fp32 numbers. Blocks of 32 per parameter: 16 + 1
     # + 4 + 1 = 22 blocks, so 676 int8 plus 22 fp32 scales; the two ranks'
     # segments (11 blocks each: 324 and 352 values) need no alignment.
+    # Counted by the one rule (mmcv_custom.comm.traffic): half the
+    # all-to-all of all 764 bytes, plus the all-gather of each rank's
+    # part, padded to the larger (352 + 44 = 396 bytes), from 2 ranks.
     numel = 16 * 32 + 32 + 32 * 4 + 4
+    quantized, padded = 676 + 4 * 22, 352 + 4 * 11
     for res in results:
-        for baseline, wire in res['counts']:
+        for baseline, sent in res['counts']:
             assert baseline == 4 * numel
-            assert wire == 676 + 4 * 22
+            assert sent == quantized // 2 + 2 * padded // 2
     assert "type='int8_compress' (int8_compress_hook)" in (
         results[0]['describe'])
 
