@@ -238,16 +238,10 @@ class Int8State:
         return (f'Int8State(block_size={self.block_size}, '
                 f'error_feedback={self.error_feedback})')
 
-    def wire_bytes(self, bucket: dist.GradBucket) -> int:
-        """Bytes of the quantized form of ``bucket``.
-
-        The int8 payload plus 4 bytes per block scale, plus at most 3 bytes
-        of alignment per owner: what the all-to-all scatters and the
-        all-gather gathers back. Each rank sends about ``(world_size - 1) /
-        world_size`` of it in each phase, as a ring all-reduce of a tensor
-        of this size would (the all-gather pads each owner's part to the
-        largest, a few blocks at most).
-        """
+    def quantized_bytes(self, bucket: dist.GradBucket) -> int:
+        """Bytes of the quantized form of ``bucket``: the int8 payload plus
+        4 bytes per block scale, plus at most 3 bytes of alignment per
+        owner (what the all-to-all scatters)."""
         return self._plan(bucket, _layout(bucket)).send_bytes
 
     def collectives(self, bucket: dist.GradBucket) -> List[Tuple[str, int]]:
