@@ -39,8 +39,8 @@ from mmengine.registry import init_default_scope
 from mmengine.utils import import_modules_from_strings
 
 from ..comm.builder import check_comm_hook_cfg, hook_record
-from ..engine.fsdp2_strategy import (_DEFAULT_SHARD_MODULES, select_units,
-                                     unit_parameters)
+from ..engine.fsdp2_units import (DEFAULT_SHARD_MODULES, select_units,
+                                  unit_parameters)
 
 __all__ = ['stats', 'fsdp2_units', 'fsdp2_memory', 'shard_numel']
 
@@ -259,7 +259,7 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
     strategy = _fsdp2_strategy(cfg)
     shard_modules = strategy.get('shard_modules')
     units = fsdp2_units(model, shard_modules)
-    out['fsdp2_shard_modules'] = shard_modules or _DEFAULT_SHARD_MODULES
+    out['fsdp2_shard_modules'] = shard_modules or DEFAULT_SHARD_MODULES
     out['fsdp2_units'] = {}
     for unit in units:
         out['fsdp2_units'][unit['type']] = out['fsdp2_units'].get(

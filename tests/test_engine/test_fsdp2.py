@@ -19,13 +19,13 @@ import torch.distributed as dist
 from torch import nn
 
 import mmcv_custom  # noqa: F401  (registers the strategy and the hook)
+from mmcv_custom.hooks.sharded import (AveragingReduceScatter,
+                                       install_reduce_scatter)
 from mmcv_custom.integrity.checkpoint import is_sharded_checkpoint
 from mmcv_custom.integrity.sharded_checkpoint import \
     consolidate_sharded_checkpoint
 from mmcv_custom.launching.ports import free_port
 from mmcv_custom.registry import CommCounter, build_sharded_comm
-from mmcv_custom.hooks.sharded import (AveragingReduceScatter,
-                                       install_reduce_scatter)
 from mmcv_custom.testing import run_ranks
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -421,15 +421,57 @@ def _tool(args, cwd):
         args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
+def _tools_at_once(commands, cwd):
+    """Each of ``commands`` run as :func:`_tool` runs it, all at the same
+    time; their results in order. For independent tools that read one
+    run's checkpoint: each spends most of its time starting Python and
+    importing torch and MMSegmentation, which the cores do side by side.
+    Their output goes to files, so that none waits on a full pipe."""
+    started = []
+    try:
+        for i, args in enumerate(commands):
+            out = open(osp.join(cwd, f'.tool{i}.out'), 'w+')
+            err = open(osp.join(cwd, f'.tool{i}.err'), 'w+')
+            env = dict(os.environ, PYTHON=sys.executable, PORT=free_port())
+            started.append((args,
+                            subprocess.Popen(
+                                args,
+                                cwd=cwd,
+                                env=env,
+                                stdout=out,
+                                stderr=err,
+                                text=True), out, err))
+        results = []
+        for args, process, out, err in started:
+            code = process.wait(timeout=600)
+            out.seek(0)
+            err.seek(0)
+            results.append(
+                subprocess.CompletedProcess(args, code, out.read(),
+                                            err.read()))
+        return results
+    finally:
+        for _, process, out, err in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            out.close()
+            err.close()
+
+
+# One toy set for every split (the dataset draws it anew when a split asks
+# for other sizes than the files on disk were drawn with).
+TOY_SET = [
+    f'{split}_dataloader.dataset.generate.{key}={n}'
+    for split in ('train', 'val', 'test')
+    for key, n in (('num_train', 16), ('num_val', 8))
+]
 SHORT = [
     'train_cfg.max_iters=4',
     'train_cfg.val_interval=4',
     'default_hooks.checkpoint.interval=4',
     'default_hooks.logger.interval=2',
-    'train_dataloader.dataset.generate.num_train=16',
-    'val_dataloader.dataset.generate.num_val=8',
-    'test_dataloader.dataset.generate.num_val=8',
-]
+] + TOY_SET
 
 
 @pytest.mark.slow
@@ -454,46 +496,57 @@ def test_dist_train_then_evaluate_the_sharded_checkpoint(tmp_path):
     ckpt = osp.join(work, 'iter_4.pth')
     assert is_sharded_checkpoint(ckpt)
 
-    # One process, the DDP config: its consolidated weights. Validation
-    # used rank 0's BN statistics, as the checkpoint does: same mIoU.
-    tested = _tool([
-        sys.executable,
-        osp.join(ROOT, 'tools', 'test.py'), TINY_DDP, ckpt, '--work-dir',
-        str(tmp_path / 'eval'), '--cfg-options', *SHORT[-1:]
-    ], str(tmp_path))
+    # What reads the checkpoint, at once: the test, the converter, a
+    # fine-tuning run and a resume, each in a process and a folder of its
+    # own.
+    converted = str(tmp_path / 'model.pth')
+    tested, conv, tuned, resumed = _tools_at_once(
+        [
+            # One process, the DDP config: its consolidated weights.
+            [
+                sys.executable,
+                osp.join(ROOT, 'tools', 'test.py'), TINY_DDP, ckpt,
+                '--work-dir',
+                str(tmp_path / 'eval'), '--cfg-options', *TOY_SET
+            ],
+            [
+                sys.executable,
+                osp.join(ROOT, 'tools', 'model_converters', 'fsdp2_to_pth.py'),
+                ckpt, converted
+            ],
+            # Fine-tuning the DDP config from the sharded run; resuming it
+            # cannot. (In a work dir of its own: in 'tuned', --resume continues
+            # that run from its own checkpoint, whatever load_from says.)
+            [
+                sys.executable,
+                osp.join(ROOT, 'tools', 'train.py'), TINY_DDP, '--work-dir',
+                str(tmp_path / 'tuned'), '--cfg-options', f'load_from={ckpt}',
+                *SHORT
+            ],
+            [
+                sys.executable,
+                osp.join(ROOT, 'tools', 'train.py'), TINY_DDP, '--work-dir',
+                str(tmp_path / 'moved'), '--resume', '--cfg-options',
+                f'load_from={ckpt}', *SHORT
+            ],
+        ],
+        str(tmp_path))
+
+    # Validation used rank 0's BN statistics, as the checkpoint does: same
+    # mIoU.
     log = tested.stdout + tested.stderr
     assert tested.returncode == 0, log[-3000:]
     assert 'is a sharded checkpoint: evaluating its consolidated' in log
     assert re.findall(r'mIoU: (\d+\.\d+)', log)[-1] == trained
 
-    converted = str(tmp_path / 'model.pth')
-    conv = _tool([
-        sys.executable,
-        osp.join(ROOT, 'tools', 'model_converters', 'fsdp2_to_pth.py'), ckpt,
-        converted
-    ], str(tmp_path))
     assert conv.returncode == 0, conv.stderr
     assert 'saved by 2 ranks at iteration 4' in conv.stdout
     state = torch.load(converted, weights_only=True)['state_dict']
     assert state['backbone.cls_token'].shape == (1, 1, 64)
 
-    # Fine-tuning the DDP config from the sharded run; resuming it cannot.
-    tuned = _tool([
-        sys.executable,
-        osp.join(ROOT, 'tools', 'train.py'), TINY_DDP, '--work-dir',
-        str(tmp_path / 'tuned'), '--cfg-options', f'load_from={ckpt}', *SHORT
-    ], str(tmp_path))
     log = tuned.stdout + tuned.stderr
     assert tuned.returncode == 0, log[-3000:]
     assert 'is a sharded checkpoint: loading its consolidated weights' in log
-    # (In a work dir of its own: in 'tuned', --resume continues that run
-    # from its own checkpoint, whatever load_from says.)
-    resumed = _tool([
-        sys.executable,
-        osp.join(ROOT, 'tools', 'train.py'), TINY_DDP, '--work-dir',
-        str(tmp_path / 'moved'), '--resume', '--cfg-options',
-        f'load_from={ckpt}', *SHORT
-    ], str(tmp_path))
     assert resumed.returncode == 2  # said before anything starts
     assert resumed.stderr.startswith(
         f'train.py: error: {ckpt} is a sharded checkpoint of FSDP2Strategy: '

@@ -229,21 +229,27 @@ def test_the_launchers_restart_loop(tmp_path, until, how, restarts, code,
 
 
 @pytest.mark.slow
-def test_killed_five_times_at_random_moments_it_ends_like_the_whole_run(
+def test_killed_four_times_at_random_moments_it_ends_like_the_whole_run(
         tmp_path):
     """Issue 19's fault injection: a 2-rank toy segmenter (RandomFlip,
     dropout, int8_compress with its per-rank state files) loses a rank to
-    SIGKILL in each of its first six attempts, at moments drawn at random
+    SIGKILL in each of its first four attempts, at moments drawn at random
     (inside a step, halfway through writing a checkpoint file, between a
     rename and its digest), restarts by itself each time, and ends with
     the uninterrupted run's weights, bit for bit. No half-written file is
     ever taken for a checkpoint, and what the killed saves left behind is
-    cleaned up by the saves that follow."""
+    cleaned up by the saves that follow.
+
+    Four kills (seed 19) cover every moment and both ranks: rank 0 killed
+    writing ``iter_1.pth``, in a step, and after renaming its state file
+    before the digest; rank 1 writing its state file after a resume. Each
+    attempt costs two ranks' start-up, so more kills of the same kinds
+    (issue 19 had six) only make the test slower."""
     options = [
         'comm_hook.type=int8_compress', 'default_hooks.checkpoint.interval=1'
     ]
     record = tmp_path / 'kills.txt'
-    moments = ('save', 'timer', 'rename', 'save', 'timer', 'save')
+    moments = ('save', 'timer', 'rename', 'save')
     killer = (f"dict(type='KillAtRandomHook', moments={moments!r}, "
               f"seed=19, record={str(record)!r})")
     killed = tmp_path / 'killed'
@@ -263,8 +269,8 @@ def test_killed_five_times_at_random_moments_it_ends_like_the_whole_run(
     assert code == 0, log[-4000:]
     kills = record.read_text().splitlines()
     # (A timer may fire after its rank finished the run, or a save kill
-    # meet a rank that had nothing more to write: then fewer than six.)
-    assert len(kills) >= 5, kills
+    # meet a rank that had nothing more to write: then fewer than four.)
+    assert len(kills) >= len(moments) - 1, kills
     assert any('.pth half written' in k for k in kills), kills
     assert any('without its digest' in k for k in kills), kills
     assert f'restart {len(kills)} after a failure: resuming from the ' \

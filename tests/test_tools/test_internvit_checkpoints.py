@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from mmcv_custom.models import InternViT
 from mmcv_custom.models.backbones import (UnknownCheckpointLayoutError,
                                           convert_checkpoint)
+from mmcv_custom.models.backbones.intern_vit_conversion import convert
 from tests.tool_utils import load_script
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -136,7 +137,7 @@ def test_every_layout_loads_via_pretrained_and_the_converter(
         assert torch.equal(out, ref)
 
     dst = str(tmp_path / 'converted.pth')
-    summary = _tool().convert(path, dst, sha256=[_digest(path)])
+    summary = convert(path, dst, sha256=[_digest(path)])
     assert f'{EXPECTED[layout]} layout' in summary
     converted = torch.load(dst, weights_only=True)
     assert converted['meta']['layout'] == EXPECTED[layout]
@@ -196,8 +197,7 @@ def test_a_whole_segmentor_converts_for_load_from(tmp_path):
     src = str(tmp_path / 'internvl_seg.pth')
     torch.save({'meta': {}, 'state_dict': state}, src)
     dst = str(tmp_path / 'ours.pth')
-    assert 'segmentor layout' in _tool().convert(
-        src, dst, sha256=[_digest(src)])
+    assert 'segmentor layout' in convert(src, dst, sha256=[_digest(src)])
 
     torch.manual_seed(1)
     ours = MODELS.build(cfg.model)
@@ -347,7 +347,7 @@ def test_sharded_chat_checkpoint_reads_only_the_vision_model(tmp_path, ext):
     model.init_weights()
     x = torch.randn(1, 3, 56, 56)
     assert torch.equal(model.eval()(x)[3], source(x)[3])
-    summary = _tool().convert(
+    summary = convert(
         str(index),
         str(tmp_path / 'out.pth'),
         sha256=[_digest(tmp_path / name) for name in shards])
