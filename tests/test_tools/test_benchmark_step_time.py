@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from mmcv_custom.launching import emulated_cluster
 from mmcv_custom.analysis import step_time
 from mmcv_custom.analysis import step_time_report as st
 from mmcv_custom.comm.registry import COMM_HOOKS
+from mmcv_custom.launching import emulated_cluster
 from tests.tool_utils import (load_script, netns_names, plugin_hook,
                               usage_errors)
 
