@@ -188,7 +188,7 @@ def _wire_bytes(step):
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
-    # The int8 hook issues its collectives on mmcv_custom.comm_worker's
+    # The int8 hook issues its collectives on mmcv_custom.hooks.worker's
     # thread, started before the profiler: recorded only when all threads
     # are.
     with profile(

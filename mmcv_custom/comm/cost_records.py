@@ -167,7 +167,7 @@ def _int8_segments(bucket, firsts: Dict[int, int], world_size: int,
 
 
 def _int8_sends(buckets, world_size, settings):
-    """Exactly as :mod:`mmcv_custom.int8_hooks` lays its bytes out: every
+    """Exactly as :mod:`mmcv_custom.hooks.int8` lays its bytes out: every
     parameter is cut into blocks of ``block_size`` (its last may be
     shorter); block ``b`` of a parameter belongs to rank ``(first + b) %
     P``, ``first`` numbering the parameter's blocks in the order the hook
@@ -219,8 +219,9 @@ def powersgd_compresses(n: int,
                         min_compression_rate: float = 2.0) -> bool:
     """PyTorch's rule: an ``n x m`` gradient is compressed at rank ``r``
     (``min(n, m, rank)``) iff ``(n + m) r * min_compression_rate < n m``
-    (``_should_compress``, the rule :func:`mmcv_custom.powersgd.compression`
-    applies to tensors). 1-d tensors (``m == 1``) never pass."""
+    (``_should_compress``, the rule
+    :func:`mmcv_custom.hooks.powersgd.compression` applies to tensors). 1-d
+    tensors (``m == 1``) never pass."""
     r = min(n, m, rank)
     return (n + m) * r * min_compression_rate < n * m
 

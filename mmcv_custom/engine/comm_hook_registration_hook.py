@@ -406,8 +406,9 @@ class CommHookRegistrationHook(Hook):
             self._state_files.record(checkpoint)
 
     def after_failure(self, runner) -> None:
-        """Called by :func:`mmcv_custom.launcher.run_runner` when the run
-        fails: a save that failed (a full disk) leaves no state files."""
+        """Called by :func:`mmcv_custom.launching.running.run_runner` when
+        the run fails: a save that failed (a full disk) leaves no state
+        files."""
         if self._state_files is None:
             return
         removed = self._state_files.discard_unsaved()

@@ -86,7 +86,7 @@ def remove_orphan_state_files(folder: str) -> List[str]:
 
     Call it only while no save is under way in ``folder``: at the start of
     a run that holds the work dir's lock
-    (:mod:`mmcv_custom.work_dir_lock`), before training.
+    (:mod:`mmcv_custom.launching.work_dir_lock`), before training.
     """
     try:
         names = os.listdir(folder)

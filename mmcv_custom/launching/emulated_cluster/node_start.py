@@ -31,8 +31,9 @@ def signal_exit_code(signum: int) -> int:
 
 def _set_death_signal(signum: int) -> bool:
     """``prctl(PR_SET_PDEATHSIG, signum)``: ``signum`` when the parent
-    ends. (:mod:`mmcv_custom.lifetime` does the same for ranks; this file
-    imports nothing of the package, see the module's description.)"""
+    ends. (:mod:`mmcv_custom.launching.lifetime` does the same for ranks;
+    this file imports nothing of the package, see the module's
+    description.)"""
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)

@@ -15,8 +15,8 @@ about it, before any of that:
   :class:`~mmcv_custom.datasets.ToyShapesDataset`) is left out;
 * ``load_from``, the checkpoint ``--resume`` takes and ``tools/test.py``'s
   CHECKPOINT: there, intact and holding only what the safe loader allows
-  (:func:`mmcv_custom.checkpoint.check_checkpoint_file`); URLs are left to
-  MMEngine;
+  (:func:`mmcv_custom.integrity.checkpoint_choice.check_checkpoint_file`);
+  URLs are left to MMEngine;
 * (training) every pretrained file of the model: ``pretrained`` keys and
   ``init_cfg=dict(type='Pretrained', checkpoint=...)`` anywhere in it;
 * ``comm_hook``: its names and values (:func:`check_comm_hook_cfg`, and
@@ -34,7 +34,7 @@ about it, before any of that:
   the model built on the meta device (no memory; a second for
   InternViT-6B). When the estimate fails, the room is not checked;
 * problems the caller found first (``first``: where ``tools/train.py``'s
-  run would start, see :mod:`mmcv_custom.run_start`).
+  run would start, see :mod:`mmcv_custom.launching.run_start`).
 
 :func:`checked_config` reads the config itself, so that a missing or
 unreadable config file is reported the same way.

@@ -32,7 +32,7 @@ def preflight(
 
     Args:
         cfg (Config): The merged config (``work_dir`` set, as
-            :func:`mmcv_custom.launcher.load_config` sets it).
+            :func:`mmcv_custom.launching.running.load_config` sets it).
         mode (str): ``'train'`` (``tools/train.py``: the training data, the
             validation data when validation is configured, ``load_from``,
             pretrained files, room for a checkpoint) or ``'test'``
@@ -43,8 +43,8 @@ def preflight(
         launcher (str): The tool's ``--launcher``, whose environment is
             checked. Defaults to ``'none'``.
         first (Sequence[Problem]): Problems the caller found already (where
-            the run would start, see :mod:`mmcv_custom.run_start`), said
-            first.
+            the run would start, see
+            :mod:`mmcv_custom.launching.run_start`), said first.
 
     Returns:
         list[Problem]: Empty when nothing was found.
@@ -105,8 +105,8 @@ def checked_config(path: str,
                    work_dir: Optional[str] = None,
                    option: str = 'config') -> Config:
     """The config at ``path`` as the tools read it
-    (:func:`mmcv_custom.launcher.load_config`), or a :class:`PreflightError`
-    naming the file and why: missing, not a config file, or one that does
+    (:func:`mmcv_custom.launching.running.load_config`), or a
+    :class:`PreflightError` naming the file and why: missing, not a config file, or one that does
     not parse or merge.
 
     Args:
