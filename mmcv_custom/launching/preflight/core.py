@@ -106,8 +106,8 @@ def checked_config(path: str,
                    option: str = 'config') -> Config:
     """The config at ``path`` as the tools read it
     (:func:`mmcv_custom.launching.running.load_config`), or a
-    :class:`PreflightError` naming the file and why: missing, not a config file, or one that does
-    not parse or merge.
+    :class:`PreflightError` naming the file and why: missing, not a config
+    file, or one that does not parse or merge.
 
     Args:
         path (str): The config file.
