@@ -17,6 +17,7 @@ from mmcv_custom.comm.cost_records import powersgd_compresses, square_side
 from mmcv_custom.comm.records import HookRecord, record_of
 from mmcv_custom.comm.registry import COMM_HOOKS
 from mmcv_custom.comm.traffic import COLLECTIVE_KINDS
+from ..registered import registered_hooks
 from .buckets import Bucket, ParamSpec, ddp_buckets
 from .checks import require_count, require_positive
 from .collectives import Collective
@@ -234,11 +235,11 @@ def hook_costs(block_size: int = 256,
         matrix_approximation_rank=powersgd_rank,
         min_compression_rate=min_compression_rate)
     out = {}
-    for name, hook in COMM_HOOKS.module_dict.items():
-        record = record_of(hook)
-        if record.cost is not None:
-            out[name] = RecordCost(name, record,
-                                   **record.cost.settings_with(given))
+    for hook in registered_hooks():
+        if hook.record.cost is not None:
+            out[hook.name] = RecordCost(
+                hook.name, hook.record,
+                **hook.record.cost.settings_with(given))
     return out
 
 
@@ -246,8 +247,7 @@ def uncosted_hooks() -> List[str]:
     """The registered hooks whose record states no cost: their steps are
     unknown to the model."""
     return [
-        name for name, hook in COMM_HOOKS.module_dict.items()
-        if record_of(hook).cost is None
+        hook.name for hook in registered_hooks() if hook.record.cost is None
     ]
 
 
