@@ -262,7 +262,7 @@ def plot(summary, path):
 
 
 def _collectives(buckets, hooks, world_size, counted):
-    """Each hook's collectives per bucket, as ``comm_cost``'s catalogue
+    """Each hook's collectives per bucket, as the cost model's catalogue
     derives them from the buckets' real parameters (the step's layout as
     DDP handed it over), checked against the bytes the hooks counted.
 
@@ -270,16 +270,16 @@ def _collectives(buckets, hooks, world_size, counted):
         tuple[dict, list[str]]: Hook -> collectives (JSON form), and the
         hooks whose counted bytes the catalogue does not match.
     """
-    from mmcv_custom.analysis import cost as comm_cost
+    from mmcv_custom.analysis import cost
     from mmcv_custom.comm.traffic import sent_bytes
     layout = [
-        comm_cost.Bucket(
+        cost.Bucket(
             tuple(
-                comm_cost.ParamSpec(tuple(p['shape']), p['dtype'])
+                cost.ParamSpec(tuple(p['shape']), p['dtype'])
                 for p in b['params']), tuple(p['index'] for p in b['params']))
         for b in buckets
     ]
-    costs = comm_cost.hook_costs(
+    costs = cost.hook_costs(
         powersgd_rank=hook_configs()['powerSGD']['matrix_approximation_rank'])
     out, mismatched = {}, []
     for name in hooks:
