@@ -556,13 +556,13 @@ def _traffic(runner) -> Optional[str]:
             counted = hook.traffic()
             if not counted or not counted[0]:
                 return None
-            baseline, wire = counted
-            if wire is None:
+            baseline, sent = counted
+            if sent is None:
                 return ('comm_MB: unknown (the hook has no record that '
                         f'counts what it sends); DDP sends {_size(baseline)} '
                         'without the hook')
-            saved = baseline - wire
-            return (f'rank 0 sent {_size(wire)} where DDP sends '
+            saved = baseline - sent
+            return (f'rank 0 sent {_size(sent)} where DDP sends '
                     f'{_size(baseline)} without the hook: {_size(saved)} '
                     f'({saved / baseline:.0%}) saved')
     return None
