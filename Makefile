@@ -6,6 +6,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 NPROC ?= 2
+# Test workers: the suite runs its files on this many processes at once
+# (pytest-xdist); each test file stays on one worker (tests/conftest.py).
+# TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 
 # The environment is judged by what it was installed from, not by file
 # times: the stamp's name carries a hash of setup.py and the requirements, so
@@ -62,10 +67,10 @@ format: install
 	$(PY) -m yapf --recursive --in-place $(LINTED)
 
 test: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest $(PYTEST_PARALLEL) tests
 
 test-fast: install
-	$(PY) -m pytest tests -m "not slow"
+	$(PY) -m pytest $(PYTEST_PARALLEL) tests -m "not slow"
 
 clean:
 	rm -rf work_dirs .pytest_cache

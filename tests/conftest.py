@@ -1,4 +1,5 @@
-"""Keep the pytest process free of OpenMP thread teams.
+"""Keep the pytest process free of OpenMP thread teams, and keep each test
+file on one worker when ``make test`` runs files in parallel.
 
 mmcv_custom.testing.run_ranks forks the pytest process to start gloo ranks.
 A process that forks after its OpenMP runtime started a thread team (any
@@ -11,6 +12,14 @@ child (gloo's, which run the hooks' callbacks) re-apply the setting to a
 thread pool that does not survive the fork, and abort ("Invalid thread
 pool"). Forked ranks and the tools' subprocesses inherit it: two ranks on a
 2-core machine, one thread each.
+
+``make test`` runs the files on parallel workers (pytest-xdist,
+``--dist loadgroup``): every test belongs to the group of its file, so a
+module's fixtures (a trained run shared by its tests) are built once, and
+files that share machine-wide state say so with a group of their own
+(``pytest.mark.xdist_group('emulated_nodes')``: the emulated clusters'
+network namespaces, which a cluster opening on another worker would remove
+as a killed run's leftovers while a test has them in hand).
 """
 import os
 import subprocess
@@ -52,3 +61,11 @@ def tiny_disk(tmp_path):
 def small_disk(tmp_path):
     """A full disk for a toy model's save: an 8 MiB tmpfs."""
     yield from _disk(tmp_path, '8m')
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test without an ``xdist_group`` joins its file's group."""
+    for item in items:
+        if item.get_closest_marker('xdist_group') is None:
+            test_file = item.nodeid.split('::')[0]
+            item.add_marker(pytest.mark.xdist_group(test_file))

@@ -1,14 +1,40 @@
 """Tools (scripts under tools/, not a package) loaded into the test process,
-their argument checks read back, the network namespaces they leave, and a
-plugin-like hook registered with a record for the length of a test."""
+their argument checks read back, the network namespaces they leave, a
+plugin-like hook registered with a record for the length of a test, and the
+toy sets the end-to-end runs train on."""
 import contextlib
 import importlib.util
+import os.path as osp
 import subprocess
 import sys
 
 import pytest
 
-__all__ = ['load_script', 'usage_errors', 'netns_names', 'plugin_hook']
+__all__ = [
+    'load_script', 'usage_errors', 'netns_names', 'plugin_hook', 'toy_set'
+]
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+
+
+def toy_set(num_train: int, num_val: int) -> list:
+    """``--cfg-options`` items for a toy set of ``num_train`` and
+    ``num_val`` images in every split, drawn into a folder of its own for
+    these sizes (``data/toy_shapes-<num_train>-<num_val>``).
+
+    The dataset draws its folder anew when asked for other sizes than it
+    holds; runs on different sizes sharing one folder would redraw it under
+    each other when the suite runs files in parallel (``make test``'s
+    workers). One folder per size is never redrawn, and runs on the same
+    size share it (drawn once, atomically)."""
+    root = osp.join(ROOT, 'data', f'toy_shapes-{num_train}-{num_val}')
+    return [
+        f'{split}_dataloader.dataset.{key}={value}'
+        for split in ('train', 'val', 'test')
+        for key, value in (('data_root', root), ('generate.num_train',
+                                                 num_train),
+                           ('generate.num_val', num_val))
+    ]
 
 
 def load_script(path: str, name: str):

@@ -27,6 +27,7 @@ from mmcv_custom.integrity.sharded_checkpoint import \
 from mmcv_custom.launching.ports import free_port
 from mmcv_custom.registry import CommCounter, build_sharded_comm
 from mmcv_custom.testing import run_ranks
+from tests.tool_utils import toy_set
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TINY_FSDP2 = osp.join(
@@ -461,11 +462,7 @@ def _tools_at_once(commands, cwd):
 
 # One toy set for every split (the dataset draws it anew when a split asks
 # for other sizes than the files on disk were drawn with).
-TOY_SET = [
-    f'{split}_dataloader.dataset.generate.{key}={n}'
-    for split in ('train', 'val', 'test')
-    for key, n in (('num_train', 16), ('num_val', 8))
-]
+TOY_SET = toy_set(16, 8)
 SHORT = [
     'train_cfg.max_iters=4',
     'train_cfg.val_interval=4',

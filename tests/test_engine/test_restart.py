@@ -12,6 +12,7 @@ import torch
 
 from mmcv_custom import integrity
 from mmcv_custom.launching.ports import free_port
+from tests.tool_utils import toy_set
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 DIST_TRAIN = osp.join(ROOT, 'tools', 'dist_train.sh')
@@ -28,11 +29,7 @@ FCN = osp.join(ROOT, 'configs', 'fcn',
 FCN_FAST = [
     'train_cfg.max_iters=8', 'train_cfg.val_interval=100',
     'default_hooks.checkpoint.interval=2', 'default_hooks.logger.interval=1'
-] + [
-    f'{split}_dataloader.dataset.generate.{key}={n}'
-    for split in ('train', 'val', 'test')
-    for key, n in (('num_train', 32), ('num_val', 8))
-]
+] + toy_set(32, 8)
 
 
 def _config(tmp_path,

@@ -19,6 +19,7 @@ from mmcv_custom import check_comm_hook_cfg
 from mmcv_custom.datasets.toy_shapes import CLASSES, generate_toy_shapes
 from mmcv_custom.launching.ports import free_port
 from mmcv_custom.testing import run_ranks
+from tests.tool_utils import toy_set
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 DEMO = osp.join(ROOT, 'configs', 'fcn',
@@ -154,13 +155,7 @@ SHORT = [
     'train_cfg.val_interval=10',
     'default_hooks.checkpoint.interval=5',
     'default_hooks.logger.interval=1',
-    'train_dataloader.dataset.generate.num_train=64',
-    'val_dataloader.dataset.generate.num_train=64',
-    'test_dataloader.dataset.generate.num_train=64',
-    'train_dataloader.dataset.generate.num_val=16',
-    'val_dataloader.dataset.generate.num_val=16',
-    'test_dataloader.dataset.generate.num_val=16',
-]
+] + toy_set(64, 16)
 
 
 def _tool(args, cwd, **env):

@@ -18,6 +18,7 @@ from mmengine.logging import MMLogger
 from mmcv_custom.launching.console import FILE_ONLY, ConsoleFilter, ToolConsole
 from mmcv_custom.launching.ports import free_port
 from mmcv_custom.launching.torchrun import first_failure, format_report
+from tests.tool_utils import toy_set
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOLS = osp.join(ROOT, 'tools')
@@ -30,11 +31,7 @@ SHORT = [
     'train_cfg.val_interval=10',
     'default_hooks.checkpoint.interval=5',
     'default_hooks.logger.interval=1',
-] + [
-    f'{split}_dataloader.dataset.generate.{key}={n}'
-    for split in ('train', 'val', 'test')
-    for key, n in (('num_train', 64), ('num_val', 16))
-]
+] + toy_set(64, 16)
 # What the console no longer shows (the log file does).
 ENV_DUMP = 'System environment:'
 CONFIG_DUMP = 'INFO - Config:'

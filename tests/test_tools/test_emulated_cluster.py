@@ -23,7 +23,10 @@ import pytest
 
 from mmcv_custom.launching import emulated_cluster as ec
 from mmcv_custom.launching.emulated_cluster.namespaces import run_command
-from tests.tool_utils import load_script, netns_names, usage_errors
+from tests.tool_utils import load_script, netns_names, toy_set, usage_errors
+
+# Emulated clusters on this machine: one worker runs them all (conftest.py).
+pytestmark = pytest.mark.xdist_group('emulated_nodes')
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOL = osp.join(ROOT, 'tools', 'emulated_cluster.py')
@@ -685,11 +688,7 @@ def test_without_root_it_runs_in_a_user_namespace(as_nobody):
 _TINY = [
     'default_hooks.logger.interval=1', 'train_cfg.val_interval=100',
     'default_hooks.checkpoint.interval=2', 'comm_hook.type=bf16_compress'
-] + [
-    f'{split}_dataloader.dataset.generate.{key}={n}'
-    for split in ('train', 'val', 'test')
-    for key, n in (('num_train', 16), ('num_val', 8))
-]
+] + toy_set(16, 8)
 
 
 @needs_tool

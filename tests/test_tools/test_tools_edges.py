@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mmcv_custom.launching.ports import free_port
+from tests.tool_utils import toy_set
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOLS = osp.join(ROOT, 'tools')
@@ -26,11 +27,7 @@ TINY = [
     'train_cfg.val_interval=100',
     'default_hooks.checkpoint.interval=2',
     'default_hooks.logger.interval=1',
-] + [
-    f'{split}_dataloader.dataset.generate.{key}={n}'
-    for split in ('train', 'val', 'test')
-    for key, n in (('num_train', 16), ('num_val', 8))
-]
+] + toy_set(16, 8)
 
 
 def _run(args, cwd, env=None, timeout=600):
