@@ -10,7 +10,7 @@ NPROC ?= 2
 # (pytest-xdist); each test file stays on one worker (tests/conftest.py).
 # TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
-PYTEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+PYTEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The environment is judged by what it was installed from, not by file
 # times: the stamp's name carries a hash of setup.py and the requirements, so

@@ -13,13 +13,9 @@ thread pool that does not survive the fork, and abort ("Invalid thread
 pool"). Forked ranks and the tools' subprocesses inherit it: two ranks on a
 2-core machine, one thread each.
 
-``make test`` runs the files on parallel workers (pytest-xdist,
-``--dist loadgroup``): every test belongs to the group of its file, so a
-module's fixtures (a trained run shared by its tests) are built once, and
-files that share machine-wide state say so with a group of their own
-(``pytest.mark.xdist_group('emulated_nodes')``: the emulated clusters'
-network namespaces, which a cluster opening on another worker would remove
-as a killed run's leftovers while a test has them in hand).
+``make test`` runs the test files on parallel workers (pytest-xdist,
+``--dist loadfile``), each file whole on one worker; files that share
+machine-wide state run on one worker together (:data:`ONE_WORKER`).
 """
 import os
 import subprocess
@@ -63,9 +59,30 @@ def small_disk(tmp_path):
     yield from _disk(tmp_path, '8m')
 
 
-def pytest_collection_modifyitems(config, items):
-    """Each test without an ``xdist_group`` joins its file's group."""
-    for item in items:
-        if item.get_closest_marker('xdist_group') is None:
-            test_file = item.nodeid.split('::')[0]
-            item.add_marker(pytest.mark.xdist_group(test_file))
+#: Test files that share machine-wide state and so one worker runs them one
+#: after the other: the emulated clusters' network namespaces (a cluster
+#: opening on another worker would remove a killed cluster's namespaces
+#: while a test has them in hand).
+ONE_WORKER = {
+    'tests/test_tools/test_emulated_cluster.py': 'emulated nodes',
+    'tests/test_tools/test_benchmark_step_time.py': 'emulated nodes',
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with :data:`ONE_WORKER`'s files put together.
+
+    Files go to the workers whole, so a module's fixtures (a trained run
+    its tests share) are built once."""
+    if config.getvalue('dist') != 'loadfile':
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _Files(LoadScopeScheduling):
+
+        def _split_scope(self, nodeid):
+            test_file = nodeid.split('::', 1)[0]
+            return ONE_WORKER.get(test_file, test_file)
+
+    return _Files(config, log)

@@ -15,9 +15,6 @@ from mmcv_custom.launching import emulated_cluster
 from tests.tool_utils import (load_script, netns_names, plugin_hook,
                               usage_errors)
 
-# Emulated clusters on this machine: one worker runs them all (conftest.py).
-pytestmark = pytest.mark.xdist_group('emulated_nodes')
-
 ROOT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(ROOT, 'tools', 'analysis_tools', 'benchmark_step_time.py')

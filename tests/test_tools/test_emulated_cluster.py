@@ -25,9 +25,6 @@ from mmcv_custom.launching import emulated_cluster as ec
 from mmcv_custom.launching.emulated_cluster.namespaces import run_command
 from tests.tool_utils import load_script, netns_names, toy_set, usage_errors
 
-# Emulated clusters on this machine: one worker runs them all (conftest.py).
-pytestmark = pytest.mark.xdist_group('emulated_nodes')
-
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOL = osp.join(ROOT, 'tools', 'emulated_cluster.py')
 FCN = osp.join(ROOT, 'configs', 'fcn',
