@@ -10,12 +10,16 @@ them instead, for the tools (through
 here, below the launching package, because the strategy needs it.
 """
 import os
-from typing import NamedTuple, Tuple
+import re
+from typing import Mapping, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
+from ..hooks.topology import NodeClaim
+
 __all__ = [
-    'LaunchEnv', 'LAUNCH_ENV', 'init_gloo', 'restart_count', 'is_launch_rank0'
+    'LaunchEnv', 'LAUNCH_ENV', 'init_gloo', 'restart_count', 'is_launch_rank0',
+    'launcher_claim'
 ]
 
 
@@ -25,6 +29,8 @@ class LaunchEnv(NamedTuple):
     world: str  # world size
     local: str  # rank on the node
     others: Tuple[str, ...]  # the rest the process group needs
+    node: str = ''  # the node's index ('': the starter names none)
+    local_world: str = ''  # ranks on the node (Slurm's: a list per node)
 
 
 #: Per ``--launcher``: what torchrun, ``srun`` and Open MPI's ``mpirun``
@@ -32,9 +38,11 @@ class LaunchEnv(NamedTuple):
 LAUNCH_ENV = {
     'pytorch':
     LaunchEnv('RANK', 'WORLD_SIZE', 'LOCAL_RANK',
-              ('MASTER_ADDR', 'MASTER_PORT')),
+              ('MASTER_ADDR', 'MASTER_PORT'), 'GROUP_RANK',
+              'LOCAL_WORLD_SIZE'),
     'slurm':
-    LaunchEnv('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID', ()),
+    LaunchEnv('SLURM_PROCID', 'SLURM_NTASKS', 'SLURM_LOCALID', (),
+              'SLURM_NODEID', 'SLURM_TASKS_PER_NODE'),
     'mpi':
     LaunchEnv('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
               'OMPI_COMM_WORLD_LOCAL_RANK', ()),
@@ -97,3 +105,43 @@ def restart_count() -> int:
         if value.isdigit() and int(value) > 0:
             return int(value)
     return 0
+
+
+def _slurm_tasks_on(node: int, tasks_per_node: str) -> Optional[int]:
+    """Slurm's ``SLURM_TASKS_PER_NODE`` (``'2(x3),1'``: 2 tasks on each of
+    3 nodes, then 1) for node ``node``; None where it does not parse."""
+    counts = []
+    for part in tasks_per_node.split(','):
+        match = re.fullmatch(r'(\d+)(?:\(x(\d+)\))?', part.strip())
+        if match is None:
+            return None
+        counts += [int(match[1])] * int(match[2] or 1)
+    return counts[node] if node < len(counts) else None
+
+
+def launcher_claim(
+        environ: Optional[Mapping[str, str]] = None) -> Optional[NodeClaim]:
+    """What this process's launcher says of its node: torchrun's
+    ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (which only
+    torchrun sets, so a torchrun inside a Slurm job speaks for its ranks),
+    else Slurm's ``SLURM_NODEID``, ``SLURM_LOCALID`` and
+    ``SLURM_TASKS_PER_NODE``; None where neither says (``mpirun`` names
+    no node index, a single process names nothing).
+
+    Not the host name: emulated nodes share one host. What every rank
+    claims is judged together by
+    :func:`~mmcv_custom.hooks.topology.agree_on_layout`.
+    """
+    env = os.environ if environ is None else environ
+    for launch in (LAUNCH_ENV['pytorch'], LAUNCH_ENV['slurm']):
+        node, local = env.get(launch.node, ''), env.get(launch.local, '')
+        size = env.get(launch.local_world, '')
+        if not (node.isdigit() and local.isdigit() and size):
+            continue
+        if launch.local_world == 'SLURM_TASKS_PER_NODE':
+            tasks = _slurm_tasks_on(int(node), size)
+        else:
+            tasks = int(size) if size.isdigit() else None
+        if tasks is not None:
+            return NodeClaim(int(node), int(local), tasks)
+    return None
