@@ -74,10 +74,13 @@ def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` with :data:`ONE_WORKER`'s files put together.
 
     Files go to the workers whole, so a module's fixtures (a trained run
-    its tests share) are built once."""
+    its tests share) are built once, in the order the workers collected
+    them (:func:`pytest_collection_modifyitems`), not by their number of
+    tests."""
     if config.getvalue('dist') != 'loadfile':
         return None
     from xdist.scheduler import LoadScopeScheduling
+    config.option.loadscopereorder = False
 
     class _Files(LoadScopeScheduling):
 
@@ -86,3 +89,24 @@ def pytest_xdist_make_scheduler(config, log):
             return ONE_WORKER.get(test_file, test_file)
 
     return _Files(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a parallel worker, the files with the most end-to-end runs
+    (tests marked ``slow``) first, the rest in their order: the longest
+    files start first and the many short ones fill in at the end, so the
+    two workers finish about together."""
+    if not os.environ.get('PYTEST_XDIST_WORKER'):
+        return
+    slow = {}
+    for item in items:
+        test_file = item.nodeid.split('::', 1)[0]
+        heavy = item.get_closest_marker('slow') is not None
+        slow[test_file] = slow.get(test_file, 0) + heavy
+    first_seen = {f: i for i, f in enumerate(slow)}
+
+    def order(item):
+        test_file = item.nodeid.split('::', 1)[0]
+        return -slow[test_file], first_seen[test_file]
+
+    items.sort(key=order)
