@@ -14,8 +14,9 @@ pool"). Forked ranks and the tools' subprocesses inherit it: two ranks on a
 2-core machine, one thread each.
 
 ``make test`` runs the test files on parallel workers (pytest-xdist,
-``--dist loadfile``), each file whole on one worker; files that share
-machine-wide state run on one worker together (:data:`ONE_WORKER`).
+``--dist loadfile``), each file whole on one worker, the files with the
+most end-to-end runs first; files that share machine-wide state run on one
+worker together (:data:`ONE_WORKER`).
 """
 import os
 import subprocess
@@ -69,6 +70,10 @@ ONE_WORKER = {
 }
 
 
+def _test_file(nodeid: str) -> str:
+    return nodeid.split('::', 1)[0]
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` with :data:`ONE_WORKER`'s files put together.
@@ -85,7 +90,7 @@ def pytest_xdist_make_scheduler(config, log):
     class _Files(LoadScopeScheduling):
 
         def _split_scope(self, nodeid):
-            test_file = nodeid.split('::', 1)[0]
+            test_file = _test_file(nodeid)
             return ONE_WORKER.get(test_file, test_file)
 
     return _Files(config, log)
@@ -100,13 +105,13 @@ def pytest_collection_modifyitems(config, items):
         return
     slow = {}
     for item in items:
-        test_file = item.nodeid.split('::', 1)[0]
+        test_file = _test_file(item.nodeid)
         heavy = item.get_closest_marker('slow') is not None
         slow[test_file] = slow.get(test_file, 0) + heavy
     first_seen = {f: i for i, f in enumerate(slow)}
 
     def order(item):
-        test_file = item.nodeid.split('::', 1)[0]
+        test_file = _test_file(item.nodeid)
         return -slow[test_file], first_seen[test_file]
 
     items.sort(key=order)
