@@ -23,6 +23,8 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .validation import require_int
+
 __all__ = [
     'NodeClaim', 'NodeLayout', 'NodeGroups', 'blocks_layout',
     'agree_on_layout', 'layout_of_claims', 'check_stated_layout',
@@ -82,13 +84,10 @@ def blocks_layout(world_size: int, ranks_per_node: int) -> NodeLayout:
     ranks share a node, as every launcher places them by default.
 
     Raises:
-        ValueError: ``ranks_per_node`` is not a positive int that divides
-            the world size.
+        TypeError: ``ranks_per_node`` is not an int.
+        ValueError: it is below 1, or does not divide the world size.
     """
-    if (isinstance(ranks_per_node, bool)
-            or not isinstance(ranks_per_node, int) or ranks_per_node < 1):
-        raise ValueError('ranks_per_node should be a positive int, but got '
-                         f'{ranks_per_node!r}')
+    require_int('ranks_per_node', ranks_per_node, minimum=1)
     if world_size % ranks_per_node:
         raise ValueError(
             f'ranks_per_node={ranks_per_node} does not divide the '

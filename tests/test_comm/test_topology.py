@@ -23,16 +23,18 @@ def test_a_stated_ranks_per_node_places_consecutive_ranks_together():
     assert not blocks_layout(4, 4).two_level  # one node
 
 
-@pytest.mark.parametrize('ranks_per_node, error', [
-    (3, 'ranks_per_node=3 does not divide the 4 ranks of the process group '
+@pytest.mark.parametrize('ranks_per_node, kind, error', [
+    (3, ValueError,
+     'ranks_per_node=3 does not divide the 4 ranks of the process group '
      "into whole nodes: give a divisor of 4, or topology='auto'"),
-    (0, 'ranks_per_node should be a positive int, but got 0'),
-    ('2', "ranks_per_node should be a positive int, but got '2'"),
-    (True, 'ranks_per_node should be a positive int, but got True'),
+    (0, ValueError, 'ranks_per_node should be an int >= 1, but got 0'),
+    ('2', TypeError, "ranks_per_node should be an int >= 1, but got str: '2'"),
+    (True, TypeError,
+     'ranks_per_node should be an int >= 1, but got bool: True'),
 ])
 def test_a_stated_ranks_per_node_that_cannot_be_is_named(
-        ranks_per_node, error):
-    with pytest.raises(ValueError) as raised:
+        ranks_per_node, kind, error):
+    with pytest.raises(kind) as raised:
         blocks_layout(4, ranks_per_node)
     assert error in str(raised.value)
 
