@@ -11,6 +11,9 @@ NPROC ?= 2
 # TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+# A TEST_WORKERS that is no count is named, not passed on (pytest-xdist
+# takes -n -1 as "no workers" and runs everything in one process).
+CHECK_TEST_WORKERS = @case '$(TEST_WORKERS)' in ''|*[!0-9]*) echo "make: TEST_WORKERS should be a number of test workers (0: run the tests in one process), but got '$(TEST_WORKERS)'" >&2; exit 2;; esac
 
 # The environment is judged by what it was installed from, not by file
 # times: the stamp's name carries a hash of setup.py and the requirements, so
@@ -67,9 +70,11 @@ format: install
 	$(PY) -m yapf --recursive --in-place $(LINTED)
 
 test: install
+	$(CHECK_TEST_WORKERS)
 	$(PY) -m pytest $(PYTEST_PARALLEL) tests
 
 test-fast: install
+	$(CHECK_TEST_WORKERS)
 	$(PY) -m pytest $(PYTEST_PARALLEL) tests -m "not slow"
 
 clean:
