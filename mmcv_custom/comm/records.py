@@ -102,8 +102,9 @@ class HookRecord:
         cost (CostRecord, optional): What the cost model
             (:mod:`mmcv_custom.analysis.cost`) projects its step time
             from: its collectives per bucket on a world size, its codec's
-            memory traffic and FLOPs, its caveat. None: it is left out of
-            projections.
+            memory traffic and FLOPs, its caveat, and its two-level form's
+            where it has one (:class:`~.cost_records.TwoLevelCost`). None:
+            it is left out of projections.
         label (str, optional): Its short name in the analysis tools' tables
             and legends; None: its registry name.
         colour (str, optional): Its colour in their plots (a matplotlib
