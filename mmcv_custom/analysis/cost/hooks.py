@@ -167,7 +167,8 @@ class RecordCost(HookCost):
         return f'{self.name} {detail}' if detail else self.name
 
     def two_level(self, ranks_per_node, num_nodes):
-        if self.record.cost.two_level is None:
+        # Only a form the hook runs (its record's two_level) is costed.
+        if not self.record.two_level or self.record.cost.two_level is None:
             return None
         return TwoLevelRecordCost(self, ranks_per_node, num_nodes)
 
@@ -202,9 +203,11 @@ class TwoLevelRecordCost(HookCost):
                  num_nodes: int) -> None:
         require_count('ranks_per_node', ranks_per_node)
         require_count('num_nodes', num_nodes)
-        if flat.record.cost.two_level is None:
-            raise ValueError(f'{flat.name}: its CostRecord states no '
-                             'two_level form, so it has none to cost')
+        if flat.record.cost.two_level is None or not flat.record.two_level:
+            raise ValueError(
+                f'{flat.name}: its record states no two-level form it runs '
+                '(HookRecord.two_level and CostRecord.two_level), so it has '
+                'none to cost')
         self.flat = flat
         self.ranks_per_node = ranks_per_node
         self.num_nodes = num_nodes
