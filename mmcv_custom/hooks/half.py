@@ -275,10 +275,8 @@ class CompressState:
         return size if size >= 1 else None
 
     def __repr__(self) -> str:
+        # The form (flat or two-level) is the log line's topology part.
         end = f'check_finite={self.check_finite})'
-        if self.node_groups is not None:
-            end = f'check_finite={self.check_finite}, ' + (
-                f'{self.node_groups.describe()})')
         if self.wire == 'bf16':
             # predivide_factor does not apply: say what bf16 does instead.
             return ('CompressState(divides by the world size before the '

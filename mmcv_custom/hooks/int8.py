@@ -148,10 +148,9 @@ class Int8State:
         self._plans: Dict[int, Tuple[tuple, Int8BucketPlan]] = {}
 
     def __repr__(self) -> str:
-        form = ('' if self.node_groups is None else
-                f', {self.node_groups.describe()}')
+        # The form (flat or two-level) is the log line's topology part.
         return (f'Int8State(block_size={self.block_size}, '
-                f'error_feedback={self.error_feedback}{form})')
+                f'error_feedback={self.error_feedback})')
 
     def exchange_size(self) -> int:
         """Ranks of the int8 exchange: the group's, or in the two-level
