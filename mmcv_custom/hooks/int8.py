@@ -35,7 +35,7 @@ from .int8_plan import Int8BucketPlan
 from .int8_two_level import TwoLevelPlan, two_level_reduce
 from .state import HookStateKeeper
 from .topology import NodeGroups
-from .util import ceil_div
+from .util import all_gather_single, ceil_div
 from .validation import require_bool, require_int
 from .worker import run_on_comm_worker
 
@@ -47,11 +47,6 @@ _QMAX = 127
 # 2: per-parameter blocks; the state names each parameter's first block.
 _VERSION = 2
 _READS = (1, 2)
-
-# The torch this project pins (2.13) calls it all_gather_single and warns on
-# every call of the older name; older torches only have the older one.
-_all_gather_single = (
-    getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor)
 
 
 def _layout(bucket: dist.GradBucket) -> tuple:
@@ -513,7 +508,7 @@ def _int8_reduce(state: Int8State,
 
     gathered = torch.empty(
         world_size * plan.padded, dtype=torch.uint8, device=device)
-    fut = _all_gather_single(
+    fut = all_gather_single(
         gathered, out, group=group, async_op=True).get_future()
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:

@@ -40,14 +40,9 @@ import torch.distributed as dist
 from . import int8_codec
 from .int8_plan import Int8BucketPlan
 from .topology import NodeGroups
-from .util import ceil_div
+from .util import all_gather_single, ceil_div
 
 __all__ = ['TwoLevelPlan', 'two_level_reduce']
-
-# The torch this project pins (2.13) calls it all_gather_single and warns on
-# every call of the older name; older torches only have the older one.
-_all_gather_single = (
-    getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor)
 
 
 class TwoLevelPlan:
@@ -214,7 +209,7 @@ def two_level_reduce(groups: NodeGroups, bucket: dist.GradBucket,
             torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)))
     gathered8 = torch.empty(
         nodes * cross.padded, dtype=torch.uint8, device=device)
-    _all_gather_single(gathered8, out8, group=groups.cross)
+    all_gather_single(gathered8, out8, group=groups.cross)
     mine = torch.zeros_like(sums)
     int8_codec.dequantize_blocks(gathered8, cross.gather, mine)
 
@@ -232,7 +227,7 @@ def two_level_reduce(groups: NodeGroups, bucket: dist.GradBucket,
         buffer.dtype)
     everything = torch.empty(
         node_size * share_out.numel(), dtype=buffer.dtype, device=device)
-    fut = _all_gather_single(
+    fut = all_gather_single(
         everything, share_out, group=groups.intra, async_op=True).get_future()
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
