@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from . import int8_codec
 from .half import group_or_world
-from .int8_plan import Int8BucketPlan
+from .int8_plan import Int8BucketPlan, sum_and_requantize
 from .int8_two_level import TwoLevelPlan, two_level_reduce
 from .state import HookStateKeeper
 from .topology import NodeGroups
@@ -483,28 +483,9 @@ def _int8_reduce(state: Int8State,
         input_split_sizes=plan.splits,
         group=group)
 
-    # Sum this rank's blocks over the ranks, in rank order (deterministic).
-    total = torch.empty(plan.own.numel, dtype=torch.float32, device=device)
-    for i in range(world_size):
-        int8_codec.dequantize_blocks(
-            recv[i * mine:(i + 1) * mine], plan.own, total, accumulate=i > 0)
-
-    if residual is None:
-        int8_codec.quantize_blocks(total, plan.own, out)
-    elif buffer.dtype is torch.float32:
-        # The owner feeds back what the second rounding dropped from its
-        # blocks (see Int8State), in the same pass.
-        int8_codec.quantize_blocks(total, plan.own, out, 1.0, residual,
-                                   'collect')
-    else:
-        # For a bf16 bucket, with what the cast of the result drops too.
-        int8_codec.quantize_blocks(total, plan.own, out)
-        applied = torch.empty_like(total)
-        int8_codec.dequantize_blocks(out, plan.own, applied)
-        lost = total - applied.to(buffer.dtype).float()
-        residual.index_add_(
-            0, plan.own.residual_index(device),
-            torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)))
+    # Sum this rank's blocks over the ranks and quantize the sum; the
+    # owner feeds back what this rounding drops (see Int8State).
+    sum_and_requantize(plan, recv, world_size, out, residual, buffer.dtype)
 
     gathered = torch.empty(
         world_size * plan.padded, dtype=torch.uint8, device=device)

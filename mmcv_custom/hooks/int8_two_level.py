@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import int8_codec
-from .int8_plan import Int8BucketPlan
+from .int8_plan import Int8BucketPlan, sum_and_requantize
 from .topology import NodeGroups
 from .util import all_gather_single, ceil_div
 
@@ -186,27 +186,7 @@ def two_level_reduce(groups: NodeGroups, bucket: dist.GradBucket,
         output_split_sizes=[share] * nodes,
         input_split_sizes=cross.splits,
         group=groups.cross)
-    total = torch.empty(cross.own.numel, dtype=torch.float32, device=device)
-    for i in range(nodes):
-        int8_codec.dequantize_blocks(
-            recv8[i * share:(i + 1) * share],
-            cross.own,
-            total,
-            accumulate=i > 0)
-    if dropped is None:
-        int8_codec.quantize_blocks(total, cross.own, out8)
-    elif buffer.dtype is torch.float32:
-        int8_codec.quantize_blocks(total, cross.own, out8, 1.0, dropped,
-                                   'collect')
-    else:
-        # A bf16 bucket: what the cast of the result drops is kept too.
-        int8_codec.quantize_blocks(total, cross.own, out8)
-        applied = torch.empty_like(total)
-        int8_codec.dequantize_blocks(out8, cross.own, applied)
-        lost = total - applied.to(buffer.dtype).float()
-        dropped.index_add_(
-            0, cross.own.residual_index(device),
-            torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)))
+    sum_and_requantize(cross, recv8, nodes, out8, dropped, buffer.dtype)
     gathered8 = torch.empty(
         nodes * cross.padded, dtype=torch.uint8, device=device)
     all_gather_single(gathered8, out8, group=groups.cross)

@@ -12,15 +12,11 @@ import pytest
 import torch
 
 from mmcv_custom.launching.ports import free_port
-from tests.tool_utils import ROOT, toy_set
+from tests.test_engine.test_restart import FCN, FCN_FAST
+from tests.tool_utils import ROOT
 
 DIST_TRAIN = osp.join(ROOT, 'tools', 'dist_train.sh')
-FCN = osp.join(ROOT, 'configs', 'fcn',
-               'fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py')
-OPTIONS = [
-    'train_cfg.val_interval=100', 'default_hooks.checkpoint.interval=2',
-    'default_hooks.logger.interval=1', 'comm_hook.type=int8_compress'
-] + toy_set(32, 8)
+OPTIONS = FCN_FAST + ['comm_hook.type=int8_compress']
 
 
 def _two_nodes(work_dir, max_iters, *extra):
