@@ -60,7 +60,6 @@ class TwoLevelPlan:
             rows.
         cross (Int8BucketPlan): The flat exchange of this rank's node sums
             (``per_rank`` rows) among its cross-node peers.
-        sent_across (int): Bytes this rank sends across nodes per step.
     """
 
     def __init__(self, pieces: List[Tuple[int, int, int]], groups: NodeGroups,
@@ -112,8 +111,22 @@ class TwoLevelPlan:
                                               length_of[mine][held],
                                               where[held] // slots_each, nodes,
                                               groups.cross_rank)
-        self.sent_across = self.cross.send_bytes + self.cross.padded * (
-            nodes - 1)
+        # The indices the step needs, on the device of the buckets (CPU
+        # here; a GPU's copies are made once, at the first step there).
+        self._mine_at = me * self.per_rank
+        self._on: dict = {}
+
+    def indices(self, device: torch.device) -> tuple:
+        """``(slots, filled, filled_rows, my slots' rows, which of them
+        hold a row)`` on ``device``."""
+        key = str(device)
+        if key not in self._on:
+            mine = self.slots[self._mine_at:self._mine_at + self.per_rank]
+            held = mine < self.rows
+            self._on[key] = tuple(
+                t.to(device) for t in (self.slots, self.filled,
+                                       self.filled_rows, mine[held], held))
+        return self._on[key]
 
     def to_rows(self, x: torch.Tensor, scale: float, residual) -> torch.Tensor:
         """``x * scale (+ residual)`` cut into rows (plus the zero row)."""
@@ -159,7 +172,8 @@ def two_level_reduce(groups: NodeGroups, bucket: dist.GradBucket,
     rows = plan.to_rows(x, 1.0 / (node_size * nodes), residual)
     if residual is not None:
         residual.zero_()  # now in the node's sums; refilled below
-    send = rows.index_select(0, plan.slots)
+    slots, filled, filled_rows, my_rows, held = plan.indices(device)
+    send = rows.index_select(0, slots)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=groups.intra)
     del send
@@ -196,10 +210,7 @@ def two_level_reduce(groups: NodeGroups, bucket: dist.GradBucket,
     if residual is not None:
         # What this rank's roundings dropped, back to the bucket's layout.
         rows.zero_()
-        at = groups.intra_rank * plan.per_rank
-        slots = plan.slots[at:at + plan.per_rank]
-        held = slots < plan.rows
-        rows.index_copy_(0, slots[held], dropped.view(-1, block)[held])
+        rows.index_copy_(0, my_rows, dropped.view(-1, block)[held])
         plan.from_rows(rows, residual)
 
     # 3. Inside the node: every rank's share of the average, to all.
@@ -212,8 +223,7 @@ def two_level_reduce(groups: NodeGroups, bucket: dist.GradBucket,
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         got = everything.view(-1, block)
-        rows.index_copy_(0, plan.filled_rows,
-                         got[plan.filled].to(torch.float32))
+        rows.index_copy_(0, filled_rows, got[filled].to(torch.float32))
         plan.from_rows(rows, buffer)
         return buffer
 
