@@ -476,7 +476,11 @@ from mmcv_custom.launching.emulated_cluster.counters import read_link_bytes
 
 
 def sent():
-    return read_link_bytes(os.environ['GLOO_SOCKET_IFNAME']).tx
+    # Between two barriers: no rank of the node sends meanwhile.
+    dist.barrier()
+    tx = read_link_bytes(os.environ['GLOO_SOCKET_IFNAME']).tx
+    dist.barrier()
+    return tx
 
 
 dist.init_process_group('gloo')
@@ -487,13 +491,10 @@ groups = [
     for n in range(dist.get_world_size() // local)
 ]
 inside, across = torch.ones(2**20), torch.ones(2**20)
-dist.barrier()
 start = sent()
 dist.all_reduce(inside, group=groups[node])
-dist.barrier()
 middle = sent()
 dist.all_reduce(across)
-dist.barrier()
 print(f"RESULT {node} {os.environ['LOCAL_RANK']} {dist.get_rank()} "
       f'{dist.get_world_size()} {middle - start} {sent() - middle} '
       f'{inside[0]:g} {across[0]:g}', flush=True)
@@ -518,9 +519,11 @@ def test_ranks_of_a_node_talk_inside_it_and_only_the_rest_crosses(tmp_path):
                  '--', 'bash', '-c', run)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert 'Emulated cluster: 2 nodes (2 ranks each' in proc.stdout
+    # Two ranks of a node share its output: one line may hold both.
     rows = sorted(
-        line.split('RESULT ', 1)[1].split()
-        for line in proc.stdout.splitlines() if 'RESULT ' in line)
+        list(found)
+        for found in re.findall(r'RESULT ' + ' '.join([r'(\d+)'] * 8),
+                                proc.stdout))
     # Node, local rank, rank, world size: contiguous per node.
     assert [r[:4] for r in rows] == [['0', '0', '0', '4'],
                                      ['0', '1', '1', '4'],
