@@ -7,7 +7,15 @@ The report on the results is :mod:`.step_time_report`.
 
 The hooks compared are ``noop`` (a hook that sends nothing) and every
 registered hook (:func:`hook_configs`), each with the settings its record
-asks benchmarks to use.
+asks benchmarks to use, in one of its forms (``NAME``, ``NAME:flat``,
+``NAME:two_level``: see :mod:`.hook_forms`).
+
+A node runs one rank (the node worker itself) or, with several ranks per
+node, a torchrun that starts them (:func:`node_command`). Around every
+block of timed steps the ranks read their node's link counters
+(:mod:`mmcv_custom.launching.emulated_cluster.counters`), so that the
+report gives the bytes each node's link carried per step, measured, with
+the start-up and warm-up traffic left out.
 """
 import copy
 import faulthandler
@@ -23,7 +31,7 @@ from .registered import registered_hooks
 
 __all__ = [
     'hook_configs', 'hook_labels', 'rate_label', 'progress_steps',
-    'ProgressOnly', 'node_worker', 'log_tails', 'PROGRESS'
+    'ProgressOnly', 'node_command', 'node_worker', 'log_tails', 'PROGRESS'
 ]
 
 
@@ -116,23 +124,28 @@ def _build(cfg):
     return model, data
 
 
-def _ddp_models(model, cfg, spec, group):
-    """One DDP model per hook (a hook is registered once per model), each
-    on its own copy of the same weights."""
+def _ddp_models(model, cfg, spec, group, forms=True):
+    """One DDP model per hook form (a hook is registered once per model),
+    each on its own copy of the same weights. ``forms=False`` builds every
+    hook in its default form (its config without ``topology``): on a
+    one-rank group, where nothing is reduced inside a node, the forms do
+    the same local work."""
     from mmengine.optim import build_optim_wrapper
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from mmcv_custom.comm.builder import build_comm_hook
     from mmcv_custom.comm.telemetry import CommCounter
+
+    from .hook_forms import form_config, split_form
     out = {}
-    configs = hook_configs()
     for name in spec['hooks']:
+        config = form_config(name if forms else split_form(name)[0])
         module = copy.deepcopy(model)
         ddp = DDP(
             module, process_group=group, bucket_cap_mb=spec['bucket_cap_mb'])
         counter = CommCounter()
         clock = None
-        if configs[name] is None:
+        if config is None:
             clock = _Clock({
                 id(p): i
                 for i, p in enumerate(
@@ -141,7 +154,7 @@ def _ddp_models(model, cfg, spec, group):
             ddp.register_comm_hook(None, clock.hook)
         else:
             built = build_comm_hook(
-                dict(configs[name]), process_group=group, counter=counter)
+                dict(config), process_group=group, counter=counter)
             ddp.register_comm_hook(built.state, built.hook)
         optim = build_optim_wrapper(ddp.module,
                                     copy.deepcopy(cfg.optim_wrapper))
@@ -211,7 +224,7 @@ def _codec_times(model, cfg, spec, data, rank, world_size):
     """
     import torch.distributed as dist
     solos = [dist.new_group([r]) for r in range(world_size)]
-    models = _ddp_models(model, cfg, spec, solos[rank])
+    models = _ddp_models(model, cfg, spec, solos[rank], forms=False)
     times = {name: [] for name in models}
     for name, entry in models.items():
         for _ in range(_WARMUP):
@@ -227,6 +240,44 @@ def _codec_times(model, cfg, spec, data, rank, world_size):
     }
 
 
+def node_command(script_argv, ranks_per_node):
+    """What each emulated node runs: the node worker (``script_argv``, a
+    Python file and its arguments) by this interpreter with one rank per
+    node; with several, torchrun starting that many of it
+    (``--nproc-per-node``), so that the ranks see ``GROUP_RANK``,
+    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as on a real cluster,
+    numbered node by node. A shell expands the node's own ``NODE_RANK``;
+    the rendezvous is node 0's address, as for ``tools/dist_train.sh``."""
+    import shlex
+    import sys
+    if ranks_per_node == 1:
+        return [sys.executable] + list(script_argv)
+    torchrun = shlex.join([sys.executable, '-m', 'torch.distributed.run'])
+    return [
+        'bash', '-c',
+        f'exec {torchrun} --nnodes "$NNODES" --node-rank "$NODE_RANK" '
+        f'--nproc-per-node {int(ranks_per_node)} --master-addr '
+        '"$MASTER_ADDR" --master-port "$PORT" ' + shlex.join(script_argv)
+    ]
+
+
+def _rank_env():
+    """``(rank, world size, node, local rank)`` of this rank, from
+    torchrun's variables where it started the rank, else from the node's
+    (one rank per node, started by the emulated cluster itself)."""
+    if 'LOCAL_WORLD_SIZE' in os.environ:
+        return (int(os.environ['RANK']), int(os.environ['WORLD_SIZE']),
+                int(os.environ['GROUP_RANK']), int(os.environ['LOCAL_RANK']))
+    rank = int(os.environ['NODE_RANK'])
+    world_size = int(os.environ['NNODES'])
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK='0',
+        MASTER_PORT=os.environ['PORT'])
+    return rank, world_size, rank, 0
+
+
 def node_worker(spec_path):
     # Stopped for a timeout (SIGTERM), a node says where it was: every
     # thread's stack goes to its log before it ends.
@@ -236,13 +287,7 @@ def node_worker(spec_path):
 
     with open(spec_path) as f:
         spec = json.load(f)
-    rank = int(os.environ['NODE_RANK'])
-    world_size = int(os.environ['NNODES'])
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK='0',
-        MASTER_PORT=os.environ['PORT'])
+    rank, world_size, node, local_rank = _rank_env()
     torch.set_num_threads(spec['threads'])
     dist.init_process_group(
         'gloo',
@@ -254,6 +299,7 @@ def node_worker(spec_path):
     # Every DDP model lives in _measure's frame and is gone when it
     # returns: see shutdown_distributed for why that must come first.
     result = _measure(spec, rank, world_size)
+    result.update(node=node, local_rank=local_rank)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -289,6 +335,7 @@ def _measure(spec, rank, world_size):
 
     labels = [rate_label(mbit) for mbit in spec['rates']]
     steps = {label: {name: [] for name in models} for label in labels}
+    link = {label: {name: [] for name in models} for label in labels}
     wire = {name: [] for name in models}
     backward = []
     for round_ in range(spec['rounds']):
@@ -298,7 +345,7 @@ def _measure(spec, rank, world_size):
                 _set_rate(spec, mbit)
             dist.barrier()
             for name, entry in models.items():
-                dist.barrier()
+                before = _link_bytes()
                 for _ in range(spec['steps']):
                     seconds, back = _step(entry, data)
                     steps[label][name].append(seconds)
@@ -307,6 +354,9 @@ def _measure(spec, rank, world_size):
                         wire[name].append(sent)
                     if name == 'noop':
                         backward.append(back)
+                after = _link_bytes()
+                link[label][name].append(
+                    [after.tx - before.tx, after.rx - before.rx])
             if rank == 0:
                 print(
                     f'{PROGRESS}round {round_ + 1}/{spec["rounds"]}, '
@@ -323,6 +373,7 @@ def _measure(spec, rank, world_size):
     result = dict(
         rank=rank,
         steps=steps,
+        link_bytes=link,
         bucket_cap_mb=spec['bucket_cap_mb'],
         wire_bytes={
             n: max(w) if w else 0
@@ -333,6 +384,20 @@ def _measure(spec, rank, world_size):
         codec_s=codec,
         grad_bytes=grad_bytes)
     return result
+
+
+def _link_bytes():
+    """This node's link counters, read between two barriers: every rank's
+    earlier steps are done, and none of the node's ranks (which share the
+    counters) sends the next step's bytes before it is read. The
+    barriers' own few hundred bytes are counted, the steps' all."""
+    import torch.distributed as dist
+
+    from mmcv_custom.launching.emulated_cluster import read_link_bytes
+    dist.barrier()
+    counters = read_link_bytes(os.environ['GLOO_SOCKET_IFNAME'])
+    dist.barrier()
+    return counters
 
 
 def _bucket_records(clock):

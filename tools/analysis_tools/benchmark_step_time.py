@@ -3,8 +3,10 @@
 What a hook buys is time, and only a link slow enough for the gradients'
 bytes to matter shows it (over loopback, bytes are free). This tool starts
 ``--nodes`` emulated nodes (``mmcv_custom.launching.emulated_cluster``: network
-namespaces, one rank each, every node's link shaped in both directions by
-tc's tbf; rate yes, propagation delay no), and on them trains a real model
+namespaces, ``--ranks-per-node`` ranks each, started by torchrun on each
+node where more than one; every node's link shaped in both directions by
+tc's tbf; rate yes, propagation delay no; ranks of a node talk inside it),
+and on them trains a real model
 (default: the tiny InternViT UperNet on the toy data) with every hook at
 every link rate, side by side in one run: rounds of (rate, hook) blocks,
 the hooks interleaved within a rate and the rates within a round, so that
@@ -31,7 +33,25 @@ Reported per rate and hook:
   the shaped link minus on an unshaped one: where a hook's codec already
   runs past the end of the backward pass, every byte it adds is exposed.
   On a host with a core per rank, the codec cannot hide behind the
-  backward pass; the verdict judges against this bound.
+  backward pass; the verdict judges against this bound;
+* ``link``: the bytes each node's link sent per step, measured from its
+  interface counters around every block of timed steps (so start-up
+  and warm-up traffic are left out; packet headers, TCP's
+  acknowledgements and the few bytes of the barriers are in), node by
+  node; ``predicted``: what the byte counting
+  (``mmcv_custom.comm.traffic.node_link_bytes`` over the cost model's
+  collectives for these buckets) says a node's link carries, for the
+  forms the cost model knows (the flat ones). The JSON holds what each
+  node received too.
+
+A hook is named with its form, so that one run puts the flat and the
+two-level form of a hook side by side (``--hooks allreduce
+int8_compress:flat int8_compress:two_level --ranks-per-node 2``):
+``NAME`` is the hook as its config builds it by default, ``NAME:flat``
+sets ``topology='flat'``, ``NAME:two_level`` ``topology='auto'`` (two
+levels where there are several ranks per node; so it needs
+``--ranks-per-node`` >= 2). A suffix needs a hook whose config takes
+``topology``; each form's config is checked before any node starts.
 
 ``exposed / wire`` against ``bound / wire`` says how well a hook overlaps
 its communication with the backward pass; the targets of issue 18 are
@@ -52,6 +72,11 @@ Examples:
     python tools/analysis_tools/benchmark_step_time.py \\
         configs/fcn/fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py \\
         --bucket-cap-mb 1 --rates 100 300 unshaped
+    # 2 nodes x 2 ranks: bytes on each node's link, flat and two-level
+    python tools/analysis_tools/benchmark_step_time.py \\
+        configs/fcn/fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py \\
+        --ranks-per-node 2 --rates 50 unshaped \\
+        --hooks allreduce int8_compress:flat int8_compress:two_level
 """
 import argparse
 import json
@@ -63,9 +88,12 @@ import tempfile
 
 from mmcv_custom.analysis import (Progress, cfg_options, check_output,
                                   check_work_dir, read_config)
+from mmcv_custom.analysis.hook_forms import (FORMS, TWO_LEVEL, form_config,
+                                             split_form)
 from mmcv_custom.analysis.step_time import (ProgressOnly, hook_configs,
-                                            log_tails, node_worker,
-                                            progress_steps, rate_label)
+                                            log_tails, node_command,
+                                            node_worker, progress_steps,
+                                            rate_label)
 from mmcv_custom.analysis.step_time_report import (bench_json, plot, report,
                                                    summarize, verdict)
 from mmcv_custom.launching.emulated_cluster import MAX_NODES
@@ -111,6 +139,37 @@ def _rate(text):
     return _mbit(text)
 
 
+def _hook_form(text):
+    """``--hooks``: ``NAME`` or ``NAME:FORM``."""
+    try:
+        form_config(text)
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f'invalid choice: {text!r} (choose from NAME or NAME:FORM, NAME '
+            f'one of {", ".join(map(repr, hook_configs()))}, FORM one of '
+            f'{", ".join(map(repr, FORMS))})')
+    return text
+
+
+def _check_forms(parser, hooks, ranks_per_node):
+    """Each hook form's config, checked as a run checks its
+    ``comm_hook`` (a usage error now, not a failure on the nodes)."""
+    from mmcv_custom.comm.builder import check_comm_hook_cfg
+    for name in hooks:
+        form = split_form(name)[1]
+        if form == TWO_LEVEL and ranks_per_node == 1:
+            parser.error(f'--hooks {name}: the two-level form needs several '
+                         'ranks per node (with one, it is the flat form), '
+                         'but --ranks-per-node is 1')
+        config = form_config(name)
+        if form is None or config is None:
+            continue
+        try:
+            check_comm_hook_cfg(dict(config))
+        except (TypeError, ValueError, KeyError) as e:
+            parser.error(f'--hooks {name}: ' + str(e).strip('"\''))
+
+
 def parse_args(argv=None):
     hooks = list(hook_configs())
     parser = argparse.ArgumentParser(
@@ -125,7 +184,15 @@ def parse_args(argv=None):
         '--nodes',
         type=int,
         default=2,
-        help=f'emulated nodes, one rank each, 2 to {MAX_NODES} (default: 2)')
+        help=f'emulated nodes, 2 to {MAX_NODES} (default: 2)')
+    parser.add_argument(
+        '--ranks-per-node',
+        type=int,
+        default=1,
+        metavar='N',
+        help='ranks on each emulated node, an int >= 1, started by torchrun '
+        '(--nproc-per-node N) where more than one; they talk inside the '
+        'node, only traffic between nodes crosses its link (default: 1)')
     parser.add_argument(
         '--rates',
         type=_rate,
@@ -137,9 +204,12 @@ def parse_args(argv=None):
         '--hooks',
         nargs='+',
         default=hooks,
-        choices=hooks,
+        type=_hook_form,
         metavar='HOOK',
-        help=f'hooks to compare (default: all of '
+        help='hooks to compare, each as NAME (its default form) or '
+        f'NAME:FORM, FORM one of {", ".join(FORMS)} (topology=flat or '
+        'auto; two_level needs --ranks-per-node >= 2), e.g. '
+        'int8_compress:flat int8_compress:two_level (default: all of '
         f'{", ".join(hooks)})')
     parser.add_argument(
         '--bucket-cap-mb',
@@ -161,8 +231,8 @@ def parse_args(argv=None):
         '--threads',
         type=_positive_int,
         default=None,
-        help='torch threads per node (default: cores / '
-        'nodes, at least 1)')
+        help='torch threads per rank (default: cores / '
+        'ranks, at least 1)')
     parser.add_argument(
         '--timeout',
         type=_positive_float,
@@ -197,6 +267,9 @@ def parse_args(argv=None):
     if not 2 <= args.nodes <= MAX_NODES:
         parser.error(f'--nodes should be an int from 2 to {MAX_NODES} (one '
                      f'network namespace per node), but got {args.nodes}')
+    if args.ranks_per_node < 1:
+        parser.error('--ranks-per-node should be an int >= 1 (ranks on each '
+                     f'emulated node), but got {args.ranks_per_node}')
     if None not in args.rates:
         parser.error("--rates must include 'unshaped': exposed time is the "
                      'step on a shaped link minus the same step unshaped')
@@ -206,6 +279,7 @@ def parse_args(argv=None):
         if name not in args.hooks:
             args.hooks.insert(0 if name == 'noop' else 1, name)
     args.hooks = list(dict.fromkeys(args.hooks))
+    _check_forms(parser, args.hooks, args.ranks_per_node)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -237,10 +311,11 @@ def main(argv=None):
             f'benchmark_step_time: cannot emulate nodes here: {reason}',
             file=sys.stderr)
         return 1
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
+    world_size = args.nodes * args.ranks_per_node
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
     calibrated = {}
     with tempfile.TemporaryDirectory() as folder, ec.EmulatedCluster(
-            args.nodes) as cluster:
+            args.nodes, ranks_per_node=args.ranks_per_node) as cluster:
         for line in cluster.describe():
             print(line, flush=True)
         if args.calibrate:
@@ -265,10 +340,9 @@ def main(argv=None):
         spec_path = osp.join(folder, 'spec.json')
         with open(spec_path, 'w') as f:
             json.dump(spec, f)
-        command = [
-            sys.executable,
-            osp.abspath(__file__), '--node-worker', spec_path
-        ]
+        command = node_command(
+            [osp.abspath(__file__), '--node-worker', spec_path],
+            args.ranks_per_node)
         print(f"Nodes' logs: {args.work_dir}/node<i>.log", flush=True)
         steps = progress_steps(args.hooks, args.rates, args.rounds, args.steps)
         with Progress(len(steps), weights=[w for _, w in steps]) as progress:
@@ -289,6 +363,7 @@ def main(argv=None):
     rank0 = results[0]
     meta = dict(
         nodes=args.nodes,
+        ranks_per_node=args.ranks_per_node,
         config=args.config,
         bucket_cap_mb=rank0['bucket_cap_mb'],
         buckets=len(rank0['buckets']),
@@ -297,14 +372,14 @@ def main(argv=None):
         rounds=args.rounds,
         steps=args.steps,
         calibrated=calibrated)
-    summary = summarize(results, args.rates, args.hooks, args.nodes,
-                        args.rounds)
+    summary = summarize(results, args.rates, args.hooks, world_size,
+                        args.rounds, args.ranks_per_node)
     print(report(summary, meta))
     print()
     for line in verdict(summary):
         print(line)
     data = bench_json(results, summary, meta, args.hooks, args.rates,
-                      args.nodes)
+                      world_size)
     for line in data['collectives_mismatched']:
         print(f'warning: the cost model\'s collectives do not match the '
               f'bytes counted: {line}')

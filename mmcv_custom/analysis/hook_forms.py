@@ -1,0 +1,103 @@
+"""How a benchmark names a hook in one of its forms, flat or two-level,
+so that a run compares both side by side: ``NAME`` (the hook as its
+config builds it by default), ``NAME:flat`` and ``NAME:two_level``.
+
+Issue 30 adds a ``topology`` key to the hooks' configs: ``'flat'`` keeps
+today's collectives over all ranks, ``'auto'`` (its default) reduces
+inside each node first and compresses only what crosses nodes, where
+there are several nodes with several ranks each. A benchmark names the
+forms rather than the key's values, because the question it answers is
+"flat or two-level", and ``'auto'`` is two-level exactly where the
+benchmark can tell the two apart (several ranks per node):
+
+* ``NAME``: the hook's config as registered, no ``topology`` key (the
+  hook's default form: flat for a hook without that key, ``'auto'``
+  for one with it);
+* ``NAME:flat``: ``topology='flat'``;
+* ``NAME:two_level``: ``topology='auto'``, so that the hook decides as
+  it does for a user who turns it on with ``comm_hook.type`` alone.
+
+A hook whose config does not take ``topology`` refuses both suffixes in
+the config check (:func:`~mmcv_custom.comm.builder.check_comm_hook_cfg`),
+which a tool runs before any node starts.
+"""
+import functools
+
+from .step_time import hook_configs
+
+__all__ = [
+    'FORMS', 'TWO_LEVEL', 'split_form', 'form_config', 'takes_topology',
+    'resolved_form', 'form_label'
+]
+
+#: The suffixes after ``NAME:``, and the ``topology`` each sets.
+FORMS = {'flat': 'flat', 'two_level': 'auto'}
+#: The suffix of the two-level form.
+TWO_LEVEL = 'two_level'
+
+
+def split_form(name: str):
+    """``'int8_compress:flat'`` -> ``('int8_compress', 'flat')``;
+    ``'allreduce'`` -> ``('allreduce', None)``."""
+    base, sep, form = name.partition(':')
+    return base, (form if sep else None)
+
+
+def form_config(name: str):
+    """The ``comm_hook`` config of a hook form (None for ``noop``): the
+    hook's benchmark config, plus the ``topology`` its suffix sets.
+
+    Raises:
+        KeyError: An unknown hook or suffix, naming the valid ones.
+    """
+    base, form = split_form(name)
+    configs = hook_configs()
+    if base not in configs:
+        raise KeyError(f'{base!r} is not a hook; valid: '
+                       f'{", ".join(configs)}')
+    config = configs[base]
+    if form is None:
+        return config
+    if form not in FORMS:
+        raise KeyError(f'{form!r} is not a form of {base}; valid: '
+                       f'{", ".join(FORMS)}')
+    if config is None:
+        raise KeyError(f'{base} sends nothing and has no forms: give it '
+                       'without a suffix')
+    return dict(config, topology=FORMS[form])
+
+
+@functools.lru_cache(maxsize=None)
+def takes_topology(base: str) -> bool:
+    """Whether hook ``base``'s config takes the ``topology`` key (asked of
+    the config check, so that it follows the hook's own code)."""
+    from mmcv_custom.comm.builder import check_comm_hook_cfg
+    config = hook_configs().get(base)
+    if config is None:
+        return False
+    try:
+        check_comm_hook_cfg(dict(config, topology='flat'))
+    except (TypeError, ValueError, KeyError):
+        return False
+    return True
+
+
+def resolved_form(name: str, ranks_per_node: int) -> str:
+    """``'flat'`` or ``'two_level'``: the collectives hook form ``name``
+    issues with ``ranks_per_node`` ranks on each node. ``'auto'`` counts
+    as two-level with several ranks per node (flat with one, where there
+    is nothing to reduce inside a node); a hook without ``topology`` is
+    flat."""
+    base, form = split_form(name)
+    if form == 'flat' or ranks_per_node == 1:
+        return 'flat'
+    if form == TWO_LEVEL or takes_topology(base):
+        return TWO_LEVEL
+    return 'flat'
+
+
+def form_label(name: str, labels: dict) -> str:
+    """A hook form's label in a plot: its hook's label, and the form."""
+    base, form = split_form(name)
+    label = labels.get(base, base)
+    return label if form is None else f'{label} ({form.replace("_", "-")})'
