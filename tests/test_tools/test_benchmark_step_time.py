@@ -1,16 +1,19 @@
 """tools/analysis_tools/benchmark_step_time.py: its arithmetic
-(:mod:`mmcv_custom.analysis.step_time_report`), its hooks, its arguments,
-and (slow) a real run on two emulated nodes."""
+(:mod:`mmcv_custom.analysis.step_time_report`, a node link's bytes), its
+hooks and their forms, its arguments, and (slow) real runs on two
+emulated nodes, of one rank and of two ranks each."""
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 
-from mmcv_custom.analysis import step_time
+from mmcv_custom.analysis import hook_forms, step_time
 from mmcv_custom.analysis import step_time_report as st
 from mmcv_custom.comm.registry import COMM_HOOKS
+from mmcv_custom.comm.traffic import node_link_bytes, reduced_bytes
 from mmcv_custom.launching import emulated_cluster
 from tests.tool_utils import (load_script, netns_names, plugin_hook,
                               usage_errors)
@@ -18,6 +21,8 @@ from tests.tool_utils import (load_script, netns_names, plugin_hook,
 ROOT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(ROOT, 'tools', 'analysis_tools', 'benchmark_step_time.py')
+FCN = os.path.join(ROOT, 'configs', 'fcn',
+                   'fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py')
 bench = load_script(TOOL, 'benchmark_step_time')
 
 _REASON = emulated_cluster.check_available()
@@ -210,6 +215,46 @@ def test_a_plugin_hook_with_a_record_is_a_choice_with_its_label(monkeypatch):
     assert name not in step_time.hook_configs()
 
 
+def test_a_node_link_carries_one_ring_edge_or_every_all_to_all_share():
+    # One rank per node: what every rank sends, as the counting has it.
+    for kind, nbytes in (('all_reduce', 800), ('all_gather', 100),
+                         ('all_to_all', 800)):
+        assert node_link_bytes(kind, nbytes, 4, 1) == pytest.approx(
+            reduced_bytes(kind, nbytes, 4) * 2 * 3 / 4)
+    # 2 nodes x 4 ranks: a ring still crosses once each way, ...
+    assert node_link_bytes('all_reduce', 800, 2, 4) == 2 * 7 / 8 * 800
+    assert node_link_bytes('all_gather', 100, 2, 4) == 7 * 100
+    # ... an all-to-all sends each rank's 4 eighths from all 4 ranks.
+    assert node_link_bytes('all_to_all', 800, 2, 4) == 4 * 4 / 8 * 800
+    assert node_link_bytes('all_reduce', 800, 1, 8) == 0.0
+    with pytest.raises(ValueError, match="but got 'broadcast'"):
+        node_link_bytes('broadcast', 1, 2, 2)
+
+
+def test_hook_forms_set_the_topology_their_suffix_names():
+    assert hook_forms.split_form('int8_compress:flat') == ('int8_compress',
+                                                           'flat')
+    assert hook_forms.form_config('int8_compress') == dict(
+        type='int8_compress')
+    assert hook_forms.form_config('int8_compress:flat') == dict(
+        type='int8_compress', topology='flat')
+    assert hook_forms.form_config('powerSGD:two_level') == dict(
+        step_time.hook_configs()['powerSGD'], topology='auto')
+    assert hook_forms.form_config('noop') is None
+    # A named form is what it says; a plain name is two-level only where
+    # its hook takes topology (and there are several ranks per node).
+    assert hook_forms.resolved_form('int8_compress:flat', 2) == 'flat'
+    assert hook_forms.resolved_form('int8_compress:two_level', 2) == \
+        'two_level'
+    assert hook_forms.resolved_form('int8_compress:two_level', 1) == 'flat'
+    assert hook_forms.resolved_form('int8_compress', 2) == (
+        'two_level'
+        if hook_forms.takes_topology('int8_compress') else 'flat')
+    assert hook_forms.form_label('int8_compress:two_level',
+                                 step_time.hook_labels()).endswith(
+                                     ' (two-level)')
+
+
 @pytest.mark.parametrize(
     'args, message',
     [
@@ -227,6 +272,19 @@ def test_a_plugin_hook_with_a_record_is_a_choice_with_its_label(monkeypatch):
         (['--nodes', '1025'], '--nodes should be an int from 2 to 1024'),
         (['--nodes', 'two'], "argument --nodes: invalid int value: 'two'"),
         (['--hooks', 'int4'], "invalid choice: 'int4'"),
+        (['--hooks', 'int8_compress:fast'
+          ], "invalid choice: 'int8_compress:fast' (choose from NAME or "
+         'NAME:FORM'),
+        (['--hooks', 'noop:flat'], "invalid choice: 'noop:flat'"),
+        (['--hooks', 'int8_compress:two_level'
+          ], '--hooks int8_compress:two_level: the two-level form needs '
+         'several ranks per node (with one, it is the flat form), but '
+         '--ranks-per-node is 1'),
+        (['--ranks-per-node', '0'
+          ], '--ranks-per-node should be an int >= 1 (ranks on each emulated '
+         'node), but got 0'),
+        (['--ranks-per-node', 'two'
+          ], "argument --ranks-per-node: invalid int value: 'two'"),
         (['--steps', '0'], "'0' is not an int >= 1"),
         (['--rounds', '-1'], "'-1' is not an int >= 1"),
         (['--threads', '0'], "'0' is not an int >= 1"),
@@ -281,6 +339,42 @@ def test_real_run_on_two_emulated_nodes(tmp_path):
     assert 0.25 < ratio < 0.27
     assert [r['mbit'] for r in data['rates']] == [200.0, None]
     assert png.stat().st_size > 0
+    assert not _namespaces_of(pid)
+
+
+@pytest.mark.slow
+@needs_netns
+def test_two_nodes_of_two_ranks_measure_what_crosses_each_link(tmp_path):
+    """2 nodes x 2 ranks, FCN toy: the bytes each node's link carried per
+    step, read from its counters, are what a ring all-reduce of the
+    model's gradients sends across (one ring edge leaves each node), and
+    what the byte counting predicts for flat int8."""
+    out = tmp_path / 'bench.json'
+    proc, pid = _run_tool(FCN, '--ranks-per-node', '2', '--rates',
+                          'unshaped', '--hooks', 'allreduce', 'int8_compress',
+                          '--steps', '2', '--rounds', '1', '--timeout', '300',
+                          '--json', str(out), '--work-dir',
+                          str(tmp_path / 'logs'))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert '2 emulated nodes x 2 ranks (gloo)' in proc.stdout
+    data = json.loads(out.read_text())
+    assert (data['nodes'], data['ranks_per_node'],
+            data['world_size']) == (2, 2, 4)
+    # The model's fp32 gradients, from its parameters as DDP bucketed them.
+    grads = 4 * sum(
+        math.prod(p['shape']) for b in data['buckets'] for p in b['params'])
+    rows = {row['hook']: row for row in data['rows']}
+    for tx, rx in zip(rows['allreduce']['link_tx_bytes'],
+                      rows['allreduce']['link_rx_bytes']):
+        assert tx == pytest.approx(2 * 3 / 4 * grads, rel=0.03)
+        assert rx == pytest.approx(2 * 3 / 4 * grads, rel=0.03)
+    for name in ('allreduce', 'int8_compress'):
+        for tx in rows[name]['link_tx_bytes']:
+            assert tx == pytest.approx(
+                rows[name]['predicted_link_bytes'], rel=0.05)
+    # The table has them, node by node.
+    mb = '/'.join(f'{b / 1e6:.2f}' for b in rows['allreduce']['link_tx_bytes'])
+    assert f'| {mb} |' in proc.stdout
     assert not _namespaces_of(pid)
 
 
