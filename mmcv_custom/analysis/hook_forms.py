@@ -1,4 +1,6 @@
-"""How a benchmark names a hook in one of its forms, flat or two-level,
+"""The hooks a benchmark compares (``noop`` and every registered hook,
+with the settings its record asks benchmarks to use), and how it names a
+hook in one of its forms, flat or two-level,
 so that a run compares both side by side: ``NAME`` (the hook as its
 config builds it by default), ``NAME:flat`` and ``NAME:two_level``.
 
@@ -23,10 +25,11 @@ which a tool runs before any node starts.
 """
 import functools
 
-from .step_time import hook_configs
+from .registered import registered_hooks
 
 __all__ = [
-    'FORMS', 'TWO_LEVEL', 'split_form', 'form_config', 'takes_topology',
+    'FORMS', 'TWO_LEVEL', 'hook_configs', 'hook_labels', 'split_form',
+    'form_config', 'parse_form_name', 'check_form_configs', 'takes_topology',
     'resolved_form', 'form_label'
 ]
 
@@ -34,6 +37,24 @@ __all__ = [
 FORMS = {'flat': 'flat', 'two_level': 'auto'}
 #: The suffix of the two-level form.
 TWO_LEVEL = 'two_level'
+
+
+def hook_configs():
+    """Hook name -> its ``comm_hook`` config, in the tool's order:
+    ``noop`` (None: it sends nothing), then every registered hook with
+    its record's ``benchmark_options``."""
+    out = {'noop': None}
+    for hook in registered_hooks():
+        out[hook.name] = dict(type=hook.name, **hook.record.benchmark_options)
+    return out
+
+
+def hook_labels():
+    """Hook name -> its label in the plot's legend (its record's, else
+    its name), for the hooks of :func:`hook_configs`."""
+    labels = {'noop': 'noop'}
+    labels.update((h.name, h.label) for h in registered_hooks())
+    return labels
 
 
 def split_form(name: str):
@@ -65,6 +86,44 @@ def form_config(name: str):
         raise KeyError(f'{base} sends nothing and has no forms: give it '
                        'without a suffix')
     return dict(config, topology=FORMS[form])
+
+
+def parse_form_name(text: str) -> str:
+    """``text`` if it names a hook form; else a ``ValueError`` saying what
+    is valid (a command line's ``--hooks``)."""
+    try:
+        form_config(text)
+    except KeyError:
+        raise ValueError(
+            f'invalid choice: {text!r} (choose from NAME or NAME:FORM, NAME '
+            f'one of {", ".join(map(repr, hook_configs()))}, FORM one of '
+            f'{", ".join(map(repr, FORMS))})') from None
+    return text
+
+
+def check_form_configs(names, ranks_per_node: int) -> None:
+    """Check the config of each named form as a run checks its
+    ``comm_hook``, so that a tool refuses a form before any rank starts
+    rather than on every rank once they have; and refuse a two-level form
+    with one rank per node, where it would be the flat one under another
+    name.
+
+    Raises:
+        ValueError: ``'<name>: <why>'``.
+    """
+    from mmcv_custom.comm.builder import check_comm_hook_cfg
+    for name in names:
+        if split_form(name)[1] == TWO_LEVEL and ranks_per_node == 1:
+            raise ValueError(
+                f'{name}: the two-level form needs several ranks per node '
+                '(with one, it is the flat form), but there is 1')
+        config = form_config(name)
+        if split_form(name)[1] is None or config is None:
+            continue
+        try:
+            check_comm_hook_cfg(dict(config))
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f'{name}: ' + str(e).strip('"\'')) from None
 
 
 @functools.lru_cache(maxsize=None)

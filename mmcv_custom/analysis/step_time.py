@@ -27,30 +27,13 @@ import statistics
 import time
 from datetime import timedelta
 
-from .registered import registered_hooks
+from .hook_forms import form_config, hook_configs, hook_labels, split_form
 
 __all__ = [
     'hook_configs', 'hook_labels', 'rate_label', 'progress_steps',
-    'ProgressOnly', 'node_command', 'node_worker', 'log_tails', 'PROGRESS'
+    'ProgressOnly', 'node_command', 'run_on_cluster', 'node_worker',
+    'log_tails', 'PROGRESS'
 ]
-
-
-def hook_configs():
-    """Hook name -> its ``comm_hook`` config, in the tool's order:
-    ``noop`` (None: it sends nothing), then every registered hook with
-    its record's ``benchmark_options``."""
-    out = {'noop': None}
-    for hook in registered_hooks():
-        out[hook.name] = dict(type=hook.name, **hook.record.benchmark_options)
-    return out
-
-
-def hook_labels():
-    """Hook name -> its label in the plot's legend (its record's, else
-    its name), for the hooks of :func:`hook_configs`."""
-    labels = {'noop': 'noop'}
-    labels.update((h.name, h.label) for h in registered_hooks())
-    return labels
 
 
 def rate_label(mbit):
@@ -135,8 +118,6 @@ def _ddp_models(model, cfg, spec, group, forms=True):
 
     from mmcv_custom.comm.builder import build_comm_hook
     from mmcv_custom.comm.telemetry import CommCounter
-
-    from .hook_forms import form_config, split_form
     out = {}
     for name in spec['hooks']:
         config = form_config(name if forms else split_form(name)[0])
@@ -259,6 +240,42 @@ def node_command(script_argv, ranks_per_node):
         f'--nproc-per-node {int(ranks_per_node)} --master-addr '
         '"$MASTER_ADDR" --master-port "$PORT" ' + shlex.join(script_argv)
     ]
+
+
+def run_on_cluster(cluster, spec, script, work_dir, folder):
+    """Run the node worker (``script --node-worker SPEC``) on every node
+    of the open ``cluster``, ``cluster.ranks_per_node`` ranks each, with
+    ``spec`` (plus the cluster's links, which rank 0 shapes, and where the
+    results go, both in ``folder``), its progress on stderr and each
+    node's log in ``work_dir``.
+
+    Returns:
+        tuple: The :class:`~mmcv_custom.launching.emulated_cluster.RunResult`
+        and, when every node ended well, the ranks' results (else None).
+    """
+    from mmcv_custom.launching.emulated_cluster import run_on_nodes
+    from .progress import Progress
+    spec = dict(
+        spec,
+        links=[list(link) for link in cluster.shaped_links],
+        out=osp.join(folder, 'results.json'))
+    spec_path = osp.join(folder, 'spec.json')
+    with open(spec_path, 'w') as f:
+        json.dump(spec, f)
+    steps = progress_steps(spec['hooks'], spec['rates'], spec['rounds'],
+                           spec['steps'])
+    with Progress(len(steps), weights=[w for _, w in steps]) as progress:
+        result = run_on_nodes(
+            cluster,
+            node_command([script, '--node-worker', spec_path],
+                         cluster.ranks_per_node),
+            log_dir=work_dir,
+            timeout=spec['timeout'],
+            stream=ProgressOnly(progress))
+    if result.returncode != 0:
+        return result, None
+    with open(spec['out']) as f:
+        return result, json.load(f)
 
 
 def _rank_env():

@@ -13,7 +13,7 @@ from .step_time import hook_configs, hook_labels, rate_label
 __all__ = [
     'overlap_bound', 'median_error', 'round_error', 'link_per_step',
     'predicted_link_bytes', 'summarize', 'report', 'verdict', 'plot',
-    'bench_json'
+    'bench_json', 'report_run'
 ]
 
 
@@ -157,12 +157,7 @@ def link_per_step(results, label, name):
     return tx, rx
 
 
-def summarize(results,
-              rates,
-              hooks,
-              world_size,
-              rounds=1,
-              ranks_per_node=1):
+def summarize(results, rates, hooks, world_size, rounds=1, ranks_per_node=1):
     """Merge the ranks' results into the report's rows (rank 0's times;
     the slowest rank's bytes; each node's link bytes, measured and
     predicted). ``noise_s`` is the larger of the two standard errors:
@@ -445,3 +440,38 @@ def bench_json(results, summary, meta, hooks, rates, world_size):
         ],
         rows=summary,
         steps=rank0['steps'])
+
+
+def report_run(results, meta, hooks, rates, json_path=None, plot_path=None):
+    """The whole report of a run: the table and the verdict (returned as
+    lines), the JSON and the plot (written where asked).
+
+    Args:
+        results (list[dict]): Every rank's measurements.
+        meta (dict): ``nodes``, ``ranks_per_node``, ``config``,
+            ``rounds``, ``steps`` and ``calibrated`` (rate -> bus
+            bandwidth); rank 0's bucket facts are added here.
+    """
+    import json
+    rank0 = results[0]
+    meta = dict(
+        meta,
+        bucket_cap_mb=rank0['bucket_cap_mb'],
+        buckets=len(rank0['buckets']),
+        grad_bytes=rank0['grad_bytes'],
+        backward_s=rank0['backward_s'])
+    world_size = meta['nodes'] * meta['ranks_per_node']
+    summary = summarize(results, rates, hooks, world_size, meta['rounds'],
+                        meta['ranks_per_node'])
+    lines = [report(summary, meta), ''] + verdict(summary)
+    data = bench_json(results, summary, meta, hooks, rates, world_size)
+    lines += [
+        "warning: the cost model's collectives do not match the bytes "
+        f'counted: {line}' for line in data['collectives_mismatched']
+    ]
+    if json_path:
+        with open(json_path, 'w') as f:
+            json.dump(data, f, indent=1)
+    if plot_path:
+        plot(summary, plot_path)
+    return lines

@@ -247,12 +247,13 @@ def test_hook_forms_set_the_topology_their_suffix_names():
     assert hook_forms.resolved_form('int8_compress:two_level', 2) == \
         'two_level'
     assert hook_forms.resolved_form('int8_compress:two_level', 1) == 'flat'
-    assert hook_forms.resolved_form('int8_compress', 2) == (
-        'two_level'
-        if hook_forms.takes_topology('int8_compress') else 'flat')
-    assert hook_forms.form_label('int8_compress:two_level',
-                                 step_time.hook_labels()).endswith(
-                                     ' (two-level)')
+    assert hook_forms.resolved_form(
+        'int8_compress',
+        2) == ('two_level'
+               if hook_forms.takes_topology('int8_compress') else 'flat')
+    assert hook_forms.form_label(
+        'int8_compress:two_level',
+        step_time.hook_labels()).endswith(' (two-level)')
 
 
 @pytest.mark.parametrize(
@@ -278,8 +279,8 @@ def test_hook_forms_set_the_topology_their_suffix_names():
         (['--hooks', 'noop:flat'], "invalid choice: 'noop:flat'"),
         (['--hooks', 'int8_compress:two_level'
           ], '--hooks int8_compress:two_level: the two-level form needs '
-         'several ranks per node (with one, it is the flat form), but '
-         '--ranks-per-node is 1'),
+         'several ranks per node (with one, it is the flat form), but there '
+         'is 1'),
         (['--ranks-per-node', '0'
           ], '--ranks-per-node should be an int >= 1 (ranks on each emulated '
          'node), but got 0'),
@@ -350,11 +351,10 @@ def test_two_nodes_of_two_ranks_measure_what_crosses_each_link(tmp_path):
     model's gradients sends across (one ring edge leaves each node), and
     what the byte counting predicts for flat int8."""
     out = tmp_path / 'bench.json'
-    proc, pid = _run_tool(FCN, '--ranks-per-node', '2', '--rates',
-                          'unshaped', '--hooks', 'allreduce', 'int8_compress',
-                          '--steps', '2', '--rounds', '1', '--timeout', '300',
-                          '--json', str(out), '--work-dir',
-                          str(tmp_path / 'logs'))
+    proc, pid = _run_tool(FCN, '--ranks-per-node', '2', '--rates', 'unshaped',
+                          '--hooks', 'allreduce', 'int8_compress', '--steps',
+                          '2', '--rounds', '1', '--timeout', '300', '--json',
+                          str(out), '--work-dir', str(tmp_path / 'logs'))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert '2 emulated nodes x 2 ranks (gloo)' in proc.stdout
     data = json.loads(out.read_text())

@@ -522,11 +522,11 @@ def test_ranks_of_a_node_talk_inside_it_and_only_the_rest_crosses(tmp_path):
     # Two ranks of a node share its output: one line may hold both.
     rows = sorted(
         list(found)
-        for found in re.findall(r'RESULT ' + ' '.join([r'(\d+)'] * 8),
-                                proc.stdout))
+        for found in re.findall(r'RESULT ' +
+                                ' '.join([r'(\d+)'] * 8), proc.stdout))
     # Node, local rank, rank, world size: contiguous per node.
-    assert [r[:4] for r in rows] == [['0', '0', '0', '4'],
-                                     ['0', '1', '1', '4'],
+    assert [r[:4] for r in rows] == [['0', '0', '0',
+                                      '4'], ['0', '1', '1', '4'],
                                      ['1', '0', '2', '4'],
                                      ['1', '1', '3', '4']]
     assert all(r[6:] == ['2', '4'] for r in rows)  # the sums

@@ -32,8 +32,9 @@ multi-node torchrun job (``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``,
 node share its namespace and talk through its loopback device, so only
 traffic between nodes crosses the shaped link) and
 ``GLOO_SOCKET_IFNAME``, and stops them all as soon as one fails.
-:mod:`.counters` reads what a node's link carried. Nothing outlives the process that made the cluster, SIGKILL
-included: each node's command gets SIGTERM when that process ends, and a
+:mod:`.counters` reads what a node's link carried. Nothing outlives the
+process that made the cluster, SIGKILL included: each node's command gets
+SIGTERM when that process ends, and a
 keeper process removes the namespaces and what still runs in them (see
 :class:`EmulatedCluster`). :func:`calibrate` measures what a plain gloo
 ``all_reduce`` achieves across the emulated links.
