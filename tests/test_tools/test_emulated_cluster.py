@@ -468,11 +468,19 @@ def test_arguments_the_tool_accepts():
 # during each (read inside the node, as the benchmark does).
 _TWO_LEVEL_PROBE = """
 import os
+import sys
+import types
 
 import torch
 import torch.distributed as dist
 
-from mmcv_custom.launching.emulated_cluster.counters import read_link_bytes
+# counters.py imports only the standard library (and .namespaces, which
+# does too): loaded without mmcv_custom's __init__ (MMEngine and the rest,
+# seconds for each rank on a shared machine).
+package = types.ModuleType('emulated_cluster')
+package.__path__ = [sys.argv[1]]
+sys.modules['emulated_cluster'] = package
+from emulated_cluster.counters import read_link_bytes  # noqa: E402
 
 
 def sent():
@@ -511,10 +519,10 @@ def test_ranks_of_a_node_talk_inside_it_and_only_the_rest_crosses(tmp_path):
     puts on each node's link what a ring all-reduce sends there."""
     probe = tmp_path / 'probe.py'
     probe.write_text(_TWO_LEVEL_PROBE)
-    run = (f'PYTHONPATH={ROOT} {sys.executable} -m torch.distributed.run '
+    run = (f'{sys.executable} -m torch.distributed.run '
            '--nnodes $NNODES --node-rank $NODE_RANK --nproc-per-node '
            '$NPROC_PER_NODE --master-addr $MASTER_ADDR --master-port $PORT '
-           f'{probe}')
+           f'{probe} {osp.dirname(ec.counters.__file__)}')
     proc = _tool('--nodes', '2', '--ranks-per-node', '2', '--timeout', '100',
                  '--', 'bash', '-c', run)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
