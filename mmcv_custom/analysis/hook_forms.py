@@ -30,7 +30,7 @@ from .registered import registered_hooks
 __all__ = [
     'FORMS', 'TWO_LEVEL', 'hook_configs', 'hook_labels', 'split_form',
     'form_config', 'parse_form_name', 'check_form_configs', 'takes_topology',
-    'resolved_form', 'form_label'
+    'flat_form', 'resolved_form', 'form_label'
 ]
 
 #: The suffixes after ``NAME:``, and the ``topology`` each sets.
@@ -139,6 +139,14 @@ def takes_topology(base: str) -> bool:
     except (TypeError, ValueError, KeyError):
         return False
     return True
+
+
+def flat_form(name: str) -> str:
+    """The name of the flat form of hook form ``name``'s hook:
+    ``NAME:flat`` where its config takes ``topology``, else ``NAME``
+    (which is flat)."""
+    base = split_form(name)[0]
+    return f'{base}:flat' if takes_topology(base) else base
 
 
 def resolved_form(name: str, ranks_per_node: int) -> str:

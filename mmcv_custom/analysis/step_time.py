@@ -27,7 +27,7 @@ import statistics
 import time
 from datetime import timedelta
 
-from .hook_forms import form_config, hook_configs, hook_labels, split_form
+from .hook_forms import flat_form, form_config, hook_configs, hook_labels
 
 __all__ = [
     'hook_configs', 'hook_labels', 'rate_label', 'progress_steps',
@@ -110,9 +110,10 @@ def _build(cfg):
 def _ddp_models(model, cfg, spec, group, forms=True):
     """One DDP model per hook form (a hook is registered once per model),
     each on its own copy of the same weights. ``forms=False`` builds every
-    hook in its default form (its config without ``topology``): on a
-    one-rank group, where nothing is reduced inside a node, the forms do
-    the same local work."""
+    hook in its flat form, for the codec times on one-rank groups: there
+    nothing is reduced inside a node and the forms do the same local work,
+    and a two-level form would find its one-rank group at odds with the
+    launcher's ranks per node."""
     from mmengine.optim import build_optim_wrapper
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -120,7 +121,7 @@ def _ddp_models(model, cfg, spec, group, forms=True):
     from mmcv_custom.comm.telemetry import CommCounter
     out = {}
     for name in spec['hooks']:
-        config = form_config(name if forms else split_form(name)[0])
+        config = form_config(name if forms else flat_form(name))
         module = copy.deepcopy(model)
         ddp = DDP(
             module, process_group=group, bucket_cap_mb=spec['bucket_cap_mb'])

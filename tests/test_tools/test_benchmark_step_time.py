@@ -251,6 +251,11 @@ def test_hook_forms_set_the_topology_their_suffix_names():
         'int8_compress',
         2) == ('two_level'
                if hook_forms.takes_topology('int8_compress') else 'flat')
+    # Codec times on one-rank groups take the flat form of every form.
+    assert hook_forms.flat_form('int8_compress:two_level') == (
+        'int8_compress:flat'
+        if hook_forms.takes_topology('int8_compress') else 'int8_compress')
+    assert hook_forms.flat_form('noop') == 'noop'
     assert hook_forms.form_label(
         'int8_compress:two_level',
         step_time.hook_labels()).endswith(' (two-level)')
