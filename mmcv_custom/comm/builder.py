@@ -25,11 +25,13 @@ from ..hooks.half import (CompressState, bf16_compress_wrapper,
                           check_bf16_support, fp16_compress_wrapper)
 from ..hooks.int8 import Int8State
 from ..hooks.state import HookStateKeeper
+from ..hooks.topology import NodeClaim
 from ..hooks.worker import on_comm_worker
 from . import states  # noqa: F401 (registers the built-in factories)
 from .records import HookRecord, record_of
 from .registry import COMM_HOOK_STATES, COMM_HOOKS
 from .telemetry import CommCounter, add_baseline_count, add_sent_count
+from .topology import check_topology, resolve_topology
 
 __all__ = [
     'CommHookSpec', 'check_comm_hook_cfg', 'build_comm_hook', 'hook_record',
@@ -66,6 +68,8 @@ class CommHookSpec:
         notes (tuple[str]): What the user should read in the log besides
             :meth:`describe`, as warnings (e.g. a bf16 backbone's buckets
             sent as bf16 under ``fp16_compress``).
+        topology (str): Flat or two-level, and why (see
+            :mod:`.topology`); empty where not decided (a plugin's hook).
     """
     type: str
     hook: Callable
@@ -77,6 +81,7 @@ class CommHookSpec:
     on_worker: bool = False
     state_keeper: Optional[HookStateKeeper] = None
     notes: tuple = ()
+    topology: str = ''
 
     def describe(self) -> str:
         """One line saying what is registered, for the training log."""
@@ -91,6 +96,8 @@ class CommHookSpec:
                               self.defaults_set else '')
                              for k, v in self.state_kwargs.items())
             parts.append(f'state: {type(self.state).__name__}({args})')
+        if self.topology:
+            parts.append(f'topology: {self.topology}')
         if self.on_worker:
             parts.append('CPU buckets communicated in order on a worker '
                          'thread, overlapped with backward')
@@ -352,6 +359,7 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
     given = dict(cfg)
     cfg = dict(cfg)
     wrapper = cfg.pop('wrapper', None)
+    topology = cfg.pop('topology', 'auto')
     if 'type' not in cfg:
         _raise_all([
             KeyError(f'comm_hook needs a `type` key, but got {given!r}. '
@@ -364,13 +372,21 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
         # The keys depend on the type: only the wrapper can be judged.
         _raise_all([e] + _check_wrapper(hook_type, wrapper, None))
     errors = _check_wrapper(hook_type, wrapper, record)
+    errors += check_topology(topology, hook_type, record, _two_level_types())
     defaults_set, found = _check_state_keys(hook_type, wrapper, record, cfg)
     _raise_all(errors + found)
     return dict(
         type=hook_type,
         wrapper=wrapper,
+        topology=topology,
         state_kwargs=cfg,
         defaults_set=defaults_set)
+
+
+def _two_level_types() -> list:
+    """The registered names whose hooks have a two-level form."""
+    return sorted(name for name, hook in COMM_HOOKS.module_dict.items()
+                  if record_of(hook).two_level)
 
 
 def describe_sent_as_they_are(checked: dict, base_hook: Callable,
@@ -411,7 +427,8 @@ def build_comm_hook(cfg: dict,
                     process_group: Optional[dist.ProcessGroup] = None,
                     device: Optional[torch.device] = None,
                     counter: Optional[CommCounter] = None,
-                    param_names: Optional[dict] = None) -> CommHookSpec:
+                    param_names: Optional[dict] = None,
+                    node_claim: Optional[NodeClaim] = None) -> CommHookSpec:
     """Build the hook and state a ``comm_hook`` config describes.
 
     Args:
@@ -428,6 +445,10 @@ def build_comm_hook(cfg: dict,
             layouts and can be saved (``spec.state_keeper``), and
             ``spec.notes`` says which parameters a half-precision hook
             sends in their own dtype. Defaults to None.
+        node_claim (NodeClaim, optional): What this rank's launcher says of
+            its node, for ``topology='auto'`` (see :mod:`.topology`); None:
+            it says nothing, and 'auto' is flat. Collective: with a hook
+            that has a two-level form, every rank builds together.
 
     Returns:
         CommHookSpec: register it with
@@ -447,6 +468,10 @@ def build_comm_hook(cfg: dict,
         if factory is None else factory(process_group, **state_kwargs))
 
     record = record_of(base_hook)
+    topology = resolve_topology(checked['topology'], record, process_group,
+                                node_claim)
+    if topology.groups is not None:
+        state.node_groups = topology.groups
     if wrapper == 'bf16' or record.sent_format == 'bf16':
         check_bf16_support(process_group, device)
     notes = ()
@@ -485,4 +510,5 @@ def build_comm_hook(cfg: dict,
         defaults_set=checked['defaults_set'],
         on_worker=on_worker,
         state_keeper=state_keeper,
-        notes=notes)
+        notes=notes,
+        topology=topology.describe)

@@ -14,7 +14,6 @@ own hook and record the same way
 from typing import Callable, NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..hooks import cast, int8_codec
 from ..hooks.batched_powersgd import batched_powersgd_hook
@@ -41,9 +40,10 @@ def _int8_bytes_sent(hook, state, bucket):
     # The all-to-all and the all-gather of the quantized bucket (payload,
     # block scales, alignment): the two halves of a ring all-reduce of it,
     # so they count about as that all-reduce's tensor (the one rule).
+    # In the two-level form, those across nodes, on the number of nodes.
     collectives = state.collectives(bucket)
-    world_size = dist.get_world_size(state.process_group)
-    return hook(state, bucket), int(sent_bytes(collectives, world_size))
+    return hook(state,
+                bucket), int(sent_bytes(collectives, state.exchange_size()))
 
 
 def _powersgd_bytes_sent(hook, state, bucket):
@@ -190,7 +190,8 @@ BUILTIN_HOOKS = (
             cost=HALF_PRECISION_COSTS['fp16'],
             label='fp16',
             colour='tab:green',
-            codec=_half_codec(torch.float16))),
+            codec=_half_codec(torch.float16),
+            two_level=True)),
     BuiltinHook(
         'bf16_compress', bf16_compress_hook,
         HookRecord(
@@ -201,7 +202,8 @@ BUILTIN_HOOKS = (
             cost=HALF_PRECISION_COSTS['bf16'],
             label='bf16',
             colour='tab:purple',
-            codec=_half_codec(torch.bfloat16))),
+            codec=_half_codec(torch.bfloat16),
+            two_level=True)),
     # Both PowerSGD hooks and int8 wait between their collectives (PyTorch's
     # own PowerSGD hook would start collectives from future callbacks,
     # unsafe on gloo with several buckets in flight: pytorch/pytorch#48478);
@@ -248,6 +250,7 @@ BUILTIN_HOOKS = (
             label='int8',
             colour='tab:blue',
             codec=_int8_codec,
+            two_level=True,
             variants=(HookVariant('int8_ef', dict(error_feedback=True),
                                   'int8 + error feedback', 'tab:blue'),
                       HookVariant('int8_noef', dict(error_feedback=False),

@@ -15,17 +15,27 @@ the model), ``numel`` and ``itemsize``. Settings are the hook's state keys
 of a ``comm_hook`` config (``block_size``, ``matrix_approximation_rank``,
 ...), over :attr:`CostRecord.settings`' defaults. Standard library only,
 like the counting rule beside it (:mod:`.traffic`).
+
+A hook with a two-level (node-aware) form, chosen by the ``comm_hook`` key
+``topology``, states it in :attr:`CostRecord.two_level` (a
+:class:`TwoLevelCost`): its collectives per bucket on ``M`` nodes of ``G``
+ranks, each at its level (:data:`LEVELS`: inside a node, or across the
+nodes among the ranks of one local rank), and its codec. The cost model
+times the two levels at different rates (NVLink against the NIC), which is
+the whole point of the form: full precision where bytes are cheap,
+compressed where they are not.
 """
 import dataclasses
 import math
-from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import (Any, Callable, Dict, List, Mapping, Optional, Sequence,
+                    Tuple)
 
 from ..hooks.util import align_up, ceil_div
 
 __all__ = [
-    'CostRecord', 'powersgd_compresses', 'square_side', 'ALLREDUCE_COST',
-    'HALF_PRECISION_COSTS', 'INT8_COST', 'POWERSGD_COST',
-    'BATCHED_POWERSGD_COST'
+    'CostRecord', 'TwoLevelCost', 'LEVELS', 'powersgd_compresses',
+    'square_side', 'ALLREDUCE_COST', 'HALF_PRECISION_COSTS', 'INT8_COST',
+    'POWERSGD_COST', 'BATCHED_POWERSGD_COST'
 ]
 
 #: ``sends(buckets, world_size, settings)``: per bucket, in DDP's order, the
@@ -34,9 +44,56 @@ Sends = Callable[[Sequence[Any], int, Mapping], List[List[Tuple[str, float]]]]
 #: ``work(bucket, world_size, settings) -> float``.
 BucketWork = Callable[[Any, int, Mapping], float]
 
+#: Where a two-level hook's collective runs: ``'intra'`` among the ranks of
+#: one node (``G`` of them, over the node's GPU links), ``'cross'`` among
+#: the ranks of one local rank on every node (``M`` of them, through the
+#: node's network link, which the node's ``G`` such groups share).
+LEVELS = ('intra', 'cross')
+
+#: ``sends(buckets, ranks_per_node, num_nodes, settings)``: per bucket, in
+#: DDP's order, the ``(kind, nbytes, level)`` of the collectives one step of
+#: the two-level form issues, in their order; ``nbytes`` as :mod:`.traffic`
+#: states it, for the group of that level.
+TwoLevelSends = Callable[[Sequence[Any], int, int, Mapping],
+                         List[List[Tuple[str, float, str]]]]
+#: ``work(bucket, ranks_per_node, num_nodes, settings) -> float``.
+LevelWork = Callable[[Any, int, int, Mapping], float]
+
 
 def _no_flops(bucket, world_size: int, settings: Mapping) -> float:
     return 0.0
+
+
+def _no_level_flops(bucket, ranks_per_node: int, num_nodes: int,
+                    settings: Mapping) -> float:
+    return 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoLevelCost:
+    """What the cost model knows about a hook's two-level form.
+
+    The hooks run their two-level form only on several nodes of several
+    ranks each (``topology='auto'``, or ``dict(ranks_per_node=N)``); on one
+    node, or one rank per node, they run the flat form, and the cost model
+    asks :attr:`CostRecord.sends` there instead. So these functions are
+    called with ``ranks_per_node >= 2`` and ``num_nodes >= 2``.
+
+    Attributes:
+        sends (Callable): ``sends(buckets, ranks_per_node, num_nodes,
+            settings)``: per bucket, the ``(kind, nbytes, level)`` of its
+            collectives (:data:`TwoLevelSends`); ``level`` one of
+            :data:`LEVELS`.
+        codec_bytes (Callable): ``codec_bytes(bucket, ranks_per_node,
+            num_nodes, settings)``: bytes of memory traffic of one rank's
+            local work on ``bucket`` (a two-level hook quantizes or
+            compresses only its ``1 / G`` share, but sums and copies the
+            whole bucket).
+        codec_flops (Callable): The same in matmul FLOPs. Defaults to none.
+    """
+    sends: TwoLevelSends
+    codec_bytes: LevelWork
+    codec_flops: LevelWork = _no_level_flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +120,8 @@ class CostRecord:
             (fp16): where two hooks' steps tie, the other is preferred.
             Defaults to False.
         caveat (str): What to know before choosing it.
+        two_level (TwoLevelCost, optional): The hook's two-level form, if
+            it has one (``topology`` picks it). Defaults to None: flat only.
     """
     sends: Sends
     codec_bytes: BucketWork
@@ -72,6 +131,7 @@ class CostRecord:
     lossless: bool = True
     overflows: bool = False
     caveat: str = ''
+    two_level: Optional[TwoLevelCost] = None
 
     def settings_with(self, given: Mapping[str, Any]) -> Dict[str, Any]:
         """:attr:`settings` overridden by the keys of ``given`` it names
@@ -87,6 +147,27 @@ def _each_bucket(per_bucket: Callable) -> Sends:
         return [per_bucket(b, world_size, settings) for b in buckets]
 
     return sends
+
+
+def _each_bucket_two_level(per_bucket: Callable) -> TwoLevelSends:
+    """A :data:`TwoLevelSends` of a hook whose buckets do not depend on
+    each other: ``per_bucket(bucket, ranks_per_node, num_nodes, settings)``
+    for each."""
+
+    def sends(buckets, ranks_per_node, num_nodes, settings):
+        return [
+            per_bucket(b, ranks_per_node, num_nodes, settings) for b in buckets
+        ]
+
+    return sends
+
+
+def _intra_reduce(bucket) -> Tuple[str, float, str]:
+    """The first step of every two-level form: the bucket all-to-all'd
+    inside the node in its own dtype (segment ``l`` to local rank ``l``),
+    each rank then summing the ``G`` segments of its share: a
+    reduce-scatter over the fast link, in full precision."""
+    return ('all_to_all', bucket.numel * bucket.itemsize, 'intra')
 
 
 # -- allreduce, fp16_compress, bf16_compress --------------------------------
@@ -114,12 +195,40 @@ def _half_codec_bytes(bucket, world_size, settings):
     return (12.0 if bucket.itemsize > 2 else 4.0) * bucket.numel
 
 
+def _two_level_half_bucket(bucket, ranks_per_node, num_nodes, settings):
+    # Full precision inside the node, 2 bytes only across it: the rank's
+    # 1 / G share all-reduced among its M peers, then all-gathered inside
+    # the node in the half format.
+    share = ceil_div(bucket.numel, ranks_per_node)
+    return [
+        _intra_reduce(bucket), ('all_reduce', 2 * share, 'cross'),
+        ('all_gather', 2 * share, 'intra')
+    ]
+
+
+def _two_level_half_codec_bytes(bucket, ranks_per_node, num_nodes, settings):
+    # Summing the G received segments (read the bucket's n e bytes) into
+    # the share, divided and cast (write 2 a share element); the gathered
+    # half-precision bucket cast back into an fp32 bucket (read 2, write
+    # 4; a 2-byte bucket is gathered into in place).
+    n, e = bucket.numel, bucket.itemsize
+    back = (2 + e) * n if e > 2 else 0
+    return float(e * n + 2 * ceil_div(n, ranks_per_node) + back)
+
+
+#: The two-level form of ``fp16_compress`` / ``bf16_compress`` (and of the
+#: ``'fp16'``/``'bf16'`` wrappers on ``allreduce``).
+_TWO_LEVEL_HALF = TwoLevelCost(
+    sends=_each_bucket_two_level(_two_level_half_bucket),
+    codec_bytes=_two_level_half_codec_bytes)
+
 #: ``fp16_compress`` / ``bf16_compress``: 2 bytes an element.
 HALF_PRECISION_COSTS = {
     fmt:
     CostRecord(
         sends=_each_bucket(_half_bucket),
         codec_bytes=_half_codec_bytes,
+        two_level=_TWO_LEVEL_HALF,
         overflows=fmt == 'fp16',
         caveat=('nearly lossless: 11 significant bits, overflows above 65504'
                 if fmt == 'fp16' else
@@ -200,10 +309,49 @@ def _int8_codec_bytes(bucket, world_size, settings):
     return float(per * bucket.numel)
 
 
+def _two_level_int8_bucket(bucket, ranks_per_node, num_nodes, settings):
+    """The two-level ``int8_compress``: (1) the bucket, cut into blocks of
+    ``block_size`` per parameter (each padded to a whole block) in fp32,
+    all-to-all'd inside the node, local rank ``l`` getting the ``l``-th
+    ``1 / G`` of the blocks and summing them; (2) that share quantized
+    (int8 and an fp32 scale a block) and all-to-all'd among the rank's
+    ``M`` peers on the other nodes; (3) each peer's ``1 / M`` of it, summed
+    and quantized again, all-gathered among the peers; (4) the decoded
+    share all-gathered inside the node in the bucket's dtype. Only (2) and
+    (3) cross nodes: about ``2 (M - 1) / M`` of the quantized bucket per
+    node link, against about ``G`` times that for the flat all-to-all. The
+    largest share sets the pace, so shares are counted rounded up."""
+    block = settings['block_size']
+    blocks = sum(ceil_div(p.numel, block) for p in bucket.params)
+    share = ceil_div(blocks, ranks_per_node)
+    piece = ceil_div(share, num_nodes)
+    return [('all_to_all', 4 * block * blocks, 'intra'),
+            ('all_to_all', share * (block + 4), 'cross'),
+            ('all_gather', piece * (block + 4), 'cross'),
+            ('all_gather', share * block * bucket.itemsize, 'intra')]
+
+
+def _two_level_int8_codec_bytes(bucket, ranks_per_node, num_nodes, settings):
+    # Per element of the bucket: copied into fp32 blocks (read e, write 4),
+    # the received segments read to sum them (4), the gathered bucket
+    # copied out of its blocks (2 e). Per element of the 1 / G share:
+    # writing the sum (4), quantizing it (read 4, write 1, and the fp32
+    # residual read and written, 8, with error feedback), summing the
+    # received pieces and quantizing again (about 2) and decoding the
+    # gathered share (read 1, write e).
+    n, e = bucket.numel, bucket.itemsize
+    share = ceil_div(n, ranks_per_node)
+    ef = 8 if settings['error_feedback'] else 0
+    return float((e + 4 + 4 + 2 * e) * n + (4 + 5 + ef + 2 + 1 + e) * share)
+
+
 #: ``int8_compress``: blockwise int8, an all-to-all then an all-gather.
 INT8_COST = CostRecord(
     sends=_int8_sends,
     codec_bytes=_int8_codec_bytes,
+    two_level=TwoLevelCost(
+        sends=_each_bucket_two_level(_two_level_int8_bucket),
+        codec_bytes=_two_level_int8_codec_bytes),
     settings=dict(block_size=256, error_feedback=True),
     detail='(block {block_size})',
     lossless=False,
@@ -263,12 +411,39 @@ def _powersgd_codec_bytes(bucket, world_size, settings):
     return float(bucket.itemsize * (11 * compressed + 6 * plain))
 
 
+def _two_level_powersgd_bucket(bucket, ranks_per_node, num_nodes, settings):
+    # Reduced inside the node in the bucket's dtype; then each local rank
+    # runs PowerSGD on its 1 / G of the matrices among its M peers (its
+    # uncompressed tensors, P and Q all-reduced: 1 / G of the flat form's
+    # each); then the decompressed share all-gathered inside the node.
+    plain, ps, qs, _ = _powersgd_split(bucket, settings)
+    g, e = ranks_per_node, bucket.itemsize
+    return [
+        _intra_reduce(bucket), ('all_reduce', ceil_div(plain, g) * e, 'cross'),
+        ('all_reduce', ceil_div(ps, g) * e, 'cross'),
+        ('all_reduce', ceil_div(qs, g) * e, 'cross'),
+        ('all_gather', ceil_div(bucket.numel, g) * e, 'intra')
+    ]
+
+
+def _two_level_powersgd_codec_bytes(bucket, ranks_per_node, num_nodes,
+                                    settings):
+    # The G received segments read to sum them (n e), then the flat form's
+    # work on the rank's 1 / G of the matrices.
+    return (bucket.numel * bucket.itemsize +
+            _powersgd_codec_bytes(bucket, 1, settings) / ranks_per_node)
+
+
 #: ``powerSGD`` (PyTorch's, after its warm-up); ``6 n m r`` FLOPs a
 #: compressed gradient.
 POWERSGD_COST = CostRecord(
     sends=_each_bucket(_powersgd_bucket),
     codec_bytes=_powersgd_codec_bytes,
     codec_flops=lambda b, world_size, s: _powersgd_split(b, s)[3],
+    two_level=TwoLevelCost(
+        sends=_each_bucket_two_level(_two_level_powersgd_bucket),
+        codec_bytes=_two_level_powersgd_codec_bytes,
+        codec_flops=lambda b, g, m, s: _powersgd_split(b, s)[3] / g),
     settings=dict(matrix_approximation_rank=1, min_compression_rate=2.0),
     detail='(rank {matrix_approximation_rank})',
     lossless=False,
@@ -296,6 +471,34 @@ def _batched_flops(bucket, world_size, settings):
     return 6.0 * side * side * min(side, settings['matrix_approximation_rank'])
 
 
+def _two_level_batched_bucket(bucket, ranks_per_node, num_nodes, settings):
+    # Reduced inside the node; each local rank's 1 / G share of the bucket
+    # as one square matrix (side about side / sqrt(G)), its two factors
+    # all-reduced among its M peers; the share all-gathered inside the node.
+    share = ceil_div(bucket.numel, ranks_per_node)
+    side = square_side(share)
+    rank = min(side, settings['matrix_approximation_rank'])
+    e = bucket.itemsize
+    factor = ('all_reduce', side * rank * e, 'cross')
+    return [
+        _intra_reduce(bucket), factor, factor,
+        ('all_gather', share * e, 'intra')
+    ]
+
+
+def _two_level_batched_codec_bytes(bucket, ranks_per_node, num_nodes,
+                                   settings):
+    # The G received segments read to sum them (n e), then the flat form's
+    # 15 passes over the 1 / G share.
+    share = ceil_div(bucket.numel, ranks_per_node)
+    return float(bucket.itemsize * (bucket.numel + 15 * share))
+
+
+def _two_level_batched_flops(bucket, ranks_per_node, num_nodes, settings):
+    side = square_side(ceil_div(bucket.numel, ranks_per_node))
+    return 6.0 * side * side * min(side, settings['matrix_approximation_rank'])
+
+
 #: ``batched_powerSGD``: each bucket as one square matrix. Local work:
 #: error feedback (3 passes), a copy (2), the zero-padded square (2), two
 #: products (2), the decompression and copy back (3) and the residual (3):
@@ -304,6 +507,10 @@ BATCHED_POWERSGD_COST = CostRecord(
     sends=_each_bucket(_batched_bucket),
     codec_bytes=lambda b, world_size, s: 15.0 * b.itemsize * b.numel,
     codec_flops=_batched_flops,
+    two_level=TwoLevelCost(
+        sends=_each_bucket_two_level(_two_level_batched_bucket),
+        codec_bytes=_two_level_batched_codec_bytes,
+        codec_flops=_two_level_batched_flops),
     settings=dict(matrix_approximation_rank=1),
     detail='(rank {matrix_approximation_rank})',
     lossless=False,

@@ -102,8 +102,9 @@ class HookRecord:
         cost (CostRecord, optional): What the cost model
             (:mod:`mmcv_custom.analysis.cost`) projects its step time
             from: its collectives per bucket on a world size, its codec's
-            memory traffic and FLOPs, its caveat. None: it is left out of
-            projections.
+            memory traffic and FLOPs, its caveat, and its two-level form's
+            where it has one (:class:`~.cost_records.TwoLevelCost`). None:
+            it is left out of projections.
         label (str, optional): Its short name in the analysis tools' tables
             and legends; None: its registry name.
         colour (str, optional): Its colour in their plots (a matplotlib
@@ -117,6 +118,11 @@ class HookRecord:
         benchmark_options (Mapping): State keys the benchmarks and the
             convergence comparison run it with, where its defaults would
             not show it at work in a short run.
+        two_level (bool): Whether it has a two-level (node-aware) form:
+            its state takes the node groups as ``node_groups`` (set by the
+            builder when ``topology`` calls for it, see
+            :mod:`mmcv_custom.comm.topology`), and its byte count then
+            counts what crosses nodes. Defaults to False.
         variants (tuple[HookVariant]): The settings the convergence
             comparison trains it under, each a variant of its own; empty:
             one, named as registered, with :attr:`label` and
@@ -141,6 +147,7 @@ class HookRecord:
     benchmark_options: Mapping[str, Any] = \
         dataclasses.field(default_factory=dict)
     variants: Tuple['HookVariant', ...] = ()
+    two_level: bool = False
 
     @property
     def half_precision(self) -> Optional[str]:
@@ -210,7 +217,13 @@ def sends_bucket(element_bytes: Optional[int] = None) -> BytesSentCounter:
 
     def count(hook, state, bucket):
         buffer = bucket.buffer()
-        size = buffer.numel() * (element_bytes or buffer.element_size())
+        numel = buffer.numel()
+        groups = getattr(state, 'node_groups', None)
+        if groups is not None:
+            # The two-level form: what crosses nodes, one all-reduce of
+            # the rank's share of the node's sum.
+            numel = -(-numel // groups.layout.ranks_per_node)
+        size = numel * (element_bytes or buffer.element_size())
         # An all-reduce counts its tensor, whatever the world size.
         return hook(state, bucket), int(sent_bytes([('all_reduce', size)], 1))
 

@@ -67,7 +67,8 @@ def build_sharded_comm(cfg: dict,
 
     Raises:
         ValueError: A type without a sharded form (PowerSGD, user hooks,
-            ``int8_compress`` with error feedback), a ``wrapper``, or
+            ``int8_compress`` with error feedback), a ``wrapper``, a
+            stated two-level ``topology``, or
             CompressState keys that change nothing under FSDP2
             (``predivide_factor``: the whole division is done before the
             cast; ``check_finite``). Besides the errors of
@@ -77,6 +78,12 @@ def build_sharded_comm(cfg: dict,
     hook_type = checked['type']
     what = f'comm_hook type={hook_type!r}'
     record = hook_record(hook_type)
+    if isinstance(checked['topology'], dict):
+        # 'auto' is flat here, as for any hook without a two-level form.
+        raise ValueError(
+            f"{what}, topology={checked['topology']!r}: FSDP2's "
+            'reduce-scatter has no two-level form yet; leave topology out '
+            "(or 'flat') under FSDP2Strategy, or train with DDP.")
     if record.fsdp2_form == 'int8_reduce_scatter':
         return _sharded_int8(checked, what)
     if record.fsdp2_form != 'averaging_reduce_scatter':

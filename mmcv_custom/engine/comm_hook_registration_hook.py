@@ -19,6 +19,7 @@ from ..hooks.half import CompressState
 from ..hooks.sharded import fsdp_modules, install_reduce_scatter
 from ..hooks.validation import require_int
 from .hook_state_files import HookStateFiles
+from .process_group import launcher_claim
 
 __all__ = ['CommHookRegistrationHook', 'NonFiniteGradientsError']
 
@@ -281,7 +282,8 @@ class CommHookRegistrationHook(Hook):
                 param_names={
                     p: n
                     for n, p in ddp.module.named_parameters()
-                })
+                },
+                node_claim=launcher_claim())
             if spec.state_keeper is not None:
                 keepers[name] = spec.state_keeper
             ddp.register_comm_hook(spec.state, spec.hook)

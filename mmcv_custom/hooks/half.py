@@ -41,8 +41,11 @@ import torch
 import torch.distributed as dist
 
 from . import cast
+from .half_two_level import two_level_compress
+from .topology import NodeGroups
 from .util import named_after
 from .validation import require_bool, require_real
+from .worker import run_on_comm_worker
 
 __all__ = [
     'allreduce_hook',
@@ -217,6 +220,10 @@ class CompressState:
         wire (str, optional): ``'fp16'`` or ``'bf16'``: the hook it goes
             with, so that its description (the runner hook's log line)
             says only what applies. Defaults to None: not said.
+        node_groups (NodeGroups, optional): Reduce in two levels over these
+            groups: in the bucket's own precision inside the node, in half
+            precision only across nodes (see :mod:`.half_two_level`).
+            Defaults to None: one all-reduce over the whole group.
 
     Raises:
         TypeError: ``predivide_factor`` is neither None nor a real number
@@ -231,8 +238,13 @@ class CompressState:
                  predivide_factor: Optional[float] = None,
                  check_finite: bool = False,
                  *,
-                 wire: Optional[str] = None) -> None:
+                 wire: Optional[str] = None,
+                 node_groups: Optional[NodeGroups] = None) -> None:
         check_compress_args(predivide_factor, check_finite)
+        if node_groups is not None and not isinstance(node_groups, NodeGroups):
+            raise TypeError('node_groups should be a NodeGroups (from '
+                            'make_node_groups) or None, but got '
+                            f'{type(node_groups).__name__}')
         if wire not in (None, 'fp16', 'bf16'):
             raise ValueError(f"wire should be 'fp16', 'bf16' or None, but "
                              f'got {wire!r}')
@@ -245,6 +257,7 @@ class CompressState:
         self.predivide_factor = predivide_factor
         self.check_finite = check_finite
         self.wire = wire
+        self.node_groups = node_groups
         # bucket index -> (parameters, flag on the device). One entry per
         # bucket, or-ed until popped, so memory stays bounded.
         self._nonfinite: dict = {}
@@ -263,6 +276,7 @@ class CompressState:
         return size if size >= 1 else None
 
     def __repr__(self) -> str:
+        # The form (flat or two-level) is the log line's topology part.
         end = f'check_finite={self.check_finite})'
         if self.wire == 'bf16':
             # predivide_factor does not apply: say what bf16 does instead.
@@ -356,6 +370,14 @@ def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
     wire = wire_dtype_for(dtype, buffer)
     require_dtype_support(wire, group, buffer.device)
     before, after = state.factors(wire, group.size())
+    if state.node_groups is not None:
+        # Three collectives that wait for each other: on the worker, in
+        # bucket order, while the backward goes on.
+        return run_on_comm_worker(
+            lambda: two_level_compress(wire, state, bucket, before, after,
+                                       _record_nonfinite),
+            bucket,
+            wait=False)
 
     if buffer.dtype is wire:
         # Already 2 bytes an element (a bf16 backbone's bucket): average it

@@ -31,9 +31,11 @@ import torch.distributed as dist
 
 from . import int8_codec
 from .half import group_or_world
-from .int8_codec import BlockTable
+from .int8_plan import Int8BucketPlan
+from .int8_two_level import TwoLevelPlan, two_level_reduce
 from .state import HookStateKeeper
-from .util import align_up, ceil_div
+from .topology import NodeGroups
+from .util import all_gather_single, ceil_div
 from .validation import require_bool, require_int
 from .worker import run_on_comm_worker
 
@@ -45,110 +47,6 @@ _QMAX = 127
 # 2: per-parameter blocks; the state names each parameter's first block.
 _VERSION = 2
 _READS = (1, 2)
-
-# The torch this project pins (2.13) calls it all_gather_single and warns on
-# every call of the older name; older torches only have the older one.
-_all_gather_single = (
-    getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor)
-
-
-def _align4(nbytes: int) -> int:
-    return align_up(nbytes, 4)
-
-
-class Int8BucketPlan:
-    """How one bucket layout is quantized, scattered and gathered, on one
-    rank: built once per layout, reused every step.
-
-    A rank's send buffer holds one segment per owner rank ``j``: the fp32
-    scales of the blocks ``j`` owns, then their int8 payload, padded to 4
-    bytes (so that the next segment's scales stay aligned), all in bucket
-    order.
-
-    Attributes:
-        send (BlockTable): bucket -> send buffer (residual at the bucket
-            offset).
-        splits (list[int]): bytes of each owner's segment.
-        own (BlockTable): this rank's blocks: a received segment -> the
-            sum, in its own compact layout, and the sum -> the re-quantized
-            segment (residual at the bucket offset); ``own.numel`` values.
-        gather (BlockTable): all-gathered segments -> bucket.
-        padded (int): bytes of each all-gathered segment (the largest).
-
-    Args:
-        pieces (list[tuple[int, int, int]]): The bucket's parameters in
-            bucket order, as ``(offset, numel, first)``: where each starts
-            in the bucket, its size and the number of its first block (its
-            block ``b`` belongs to rank ``(first + b) % world_size``).
-        world_size (int): Ranks in the group.
-        rank (int): This rank in the group.
-        block (int): ``block_size``.
-    """
-
-    def __init__(self, pieces: List[Tuple[int, int, int]], world_size: int,
-                 rank: int, block: int) -> None:
-        starts, lengths, owners = [], [], []
-        for offset, numel, first in pieces:
-            b = torch.arange(ceil_div(numel, block), dtype=torch.int64)
-            starts.append(offset + b * block)
-            lengths.append((numel - b * block).clamp(max=block))
-            owners.append((first + b) % world_size)
-        start, length, owner = (
-            torch.cat(t) for t in (starts, lengths, owners))
-        # Grouped by owner, in bucket order within each group.
-        owner, order = torch.sort(owner, stable=True)
-        start, length = start[order], length[order]
-        counts = torch.bincount(owner, minlength=world_size)
-        group_first = torch.cumsum(counts, 0) - counts
-        index = torch.arange(len(owner)) - group_first[owner]
-        numels = torch.zeros(
-            world_size, dtype=torch.int64).index_add_(0, owner, length)
-        local = torch.cumsum(length, 0) - length
-        local -= (torch.cumsum(numels, 0) - numels)[owner]
-        self.splits = [
-            _align4(4 * int(c) + int(n)) for c, n in zip(counts, numels)
-        ]
-        self.padded = max(self.splits)
-        self._payload_ends = [
-            4 * int(c) + int(n) for c, n in zip(counts, numels)
-        ]
-        segment = torch.tensor([0] + self.splits[:-1]).cumsum(0)
-        scale_at = 4 * index
-        payload_at = 4 * counts[owner] + local
-
-        # Rows in bucket order: the kernels then read the bucket (and
-        # residual) front to back and write to world_size streams, about 2.5x
-        # faster on CPU than reading it owner by owner.
-        in_bucket_order = torch.argsort(start)
-
-        def table(src, res, base):
-            return BlockTable(
-                torch.stack(
-                    [src, res, length, base + payload_at, base + scale_at],
-                    1)[in_bucket_order])
-
-        self.send = table(start, start, segment[owner])
-        self.gather = table(start, start, owner * self.padded)
-        mine = owner == rank
-        self.own = BlockTable(
-            torch.stack([
-                local[mine], start[mine], length[mine], payload_at[mine],
-                scale_at[mine]
-            ], 1))
-
-    @property
-    def send_bytes(self) -> int:
-        return sum(self.splits)
-
-    def zero_padding(self, send: torch.Tensor, out: torch.Tensor,
-                     rank: int) -> None:
-        """Zero the alignment bytes no block writes, so no stale memory
-        goes on the wire."""
-        at = 0
-        for split, end in zip(self.splits, self._payload_ends):
-            send[at + end:at + split].zero_()
-            at += split
-        out[self._payload_ends[rank]:].zero_()
 
 
 def _layout(bucket: dist.GradBucket) -> tuple:
@@ -206,6 +104,10 @@ class Int8State:
         error_feedback (bool): Keep what quantization drops and add it to
             the next step's gradient. Costs one fp32 copy of the gradients
             per rank. Defaults to True.
+        node_groups (NodeGroups, optional): Reduce in two levels over these
+            groups (see :mod:`.int8_two_level`; made by
+            :func:`~mmcv_custom.hooks.topology.make_node_groups`). Defaults
+            to None: the flat form.
 
     Raises:
         TypeError: ``block_size`` is not an int (``True`` is not one), or
@@ -216,10 +118,16 @@ class Int8State:
     def __init__(self,
                  process_group: Optional[dist.ProcessGroup] = None,
                  block_size: int = 256,
-                 error_feedback: bool = True) -> None:
+                 error_feedback: bool = True,
+                 node_groups: Optional[NodeGroups] = None) -> None:
         require_int('block_size', block_size, minimum=1)
         require_bool('error_feedback', error_feedback)
+        if node_groups is not None and not isinstance(node_groups, NodeGroups):
+            raise TypeError('node_groups should be a NodeGroups (from '
+                            'make_node_groups) or None, but got '
+                            f'{type(node_groups).__name__}')
         self.process_group = process_group
+        self.node_groups = node_groups
         self.block_size = int(block_size)  # numpy's ints count too
         self.error_feedback = error_feedback
         # bucket index -> (((parameter id, numel), ...) in bucket order,
@@ -235,52 +143,76 @@ class Int8State:
         self._plans: Dict[int, Tuple[tuple, Int8BucketPlan]] = {}
 
     def __repr__(self) -> str:
+        # The form (flat or two-level) is the log line's topology part.
         return (f'Int8State(block_size={self.block_size}, '
                 f'error_feedback={self.error_feedback})')
+
+    def exchange_size(self) -> int:
+        """Ranks of the int8 exchange: the group's, or in the two-level
+        form the number of nodes (what :meth:`collectives` counts on)."""
+        if self.node_groups is not None:
+            return self.node_groups.layout.num_nodes
+        return group_or_world(self.process_group).size()
 
     def quantized_bytes(self, bucket: dist.GradBucket) -> int:
         """Bytes of the quantized form of ``bucket``: the int8 payload plus
         4 bytes per block scale, plus at most 3 bytes of alignment per
         owner (what the all-to-all scatters)."""
-        return self._plan(bucket, _layout(bucket)).send_bytes
+        plan = self._plan(bucket, _layout(bucket))
+        return (plan.cross
+                if isinstance(plan, TwoLevelPlan) else plan).send_bytes
 
     def collectives(self, bucket: dist.GradBucket) -> List[Tuple[str, int]]:
         """What the hook issues for ``bucket``, as ``(kind, bytes)``: the
         all-to-all of the whole quantized bucket, then the all-gather of
         this rank's part (padded to the largest owner's). The telemetry
         counts them by the one counting rule
-        (:mod:`mmcv_custom.comm.traffic`), as the cost model does."""
+        (:mod:`mmcv_custom.comm.traffic`), as the cost model does, on
+        :meth:`exchange_size` ranks. In the two-level form, those of the
+        exchange across nodes: what the node's link carries (the fp32
+        traffic inside the node is left out)."""
         plan = self._plan(bucket, _layout(bucket))
+        if isinstance(plan, TwoLevelPlan):
+            plan = plan.cross
         return [('all_to_all', plan.send_bytes), ('all_gather', plan.padded)]
 
-    def _plan(self, bucket: dist.GradBucket, layout: tuple) -> Int8BucketPlan:
-        """The bucket's :class:`Int8BucketPlan`, built for a new layout.
+    def _plan(self, bucket: dist.GradBucket, layout: tuple):
+        """The bucket's :class:`Int8BucketPlan` (a :class:`TwoLevelPlan`
+        in the two-level form), built for a new layout.
 
         Parameters met for the first time are numbered in bucket order, the
         same on every rank (and, in a fresh run, the same in every run of
         the same model: DDP's first layout follows the parameters' order).
         """
-        buffer = bucket.buffer()
         kept = self._plans.get(bucket.index())
         if kept is not None and kept[0] == layout:
             return kept[1]
-        group = group_or_world(self.process_group)
+        pieces = self._pieces(bucket, layout)
+        if self.node_groups is not None:
+            plan = TwoLevelPlan(pieces, self.node_groups, self.block_size)
+        else:
+            group = group_or_world(self.process_group)
+            plan = Int8BucketPlan(pieces, group.size(), group.rank(),
+                                  self.block_size)
+        self._plans[bucket.index()] = (layout, plan)
+        return plan
+
+    def _pieces(self, bucket: dist.GradBucket,
+                layout: tuple) -> List[Tuple[int, int, int]]:
+        """The bucket's parameters as ``(offset, numel, first block)``."""
+        buffer = bucket.buffer()
         if sum(numel for _, numel in layout) != buffer.numel():
             # Not parameter after parameter (no such bucket is known): the
             # bucket as one piece, still the same on every rank.
-            pieces = [(0, buffer.numel(), 0)]
-        else:
-            pieces, offset = [], 0
-            for pid, numel in layout:
-                if pid not in self._firsts:
-                    self._firsts[pid] = self._next_block
-                    self._next_block += ceil_div(numel, self.block_size)
-                pieces.append((offset, numel, self._firsts[pid]))
-                offset += numel
-        plan = Int8BucketPlan(pieces, group.size(), group.rank(),
-                              self.block_size)
-        self._plans[bucket.index()] = (layout, plan)
-        return plan
+            return [(0, buffer.numel(), 0)]
+        pieces, offset = [], 0
+        for pid, numel in layout:
+            if pid not in self._firsts:
+                self._firsts[pid] = self._next_block
+                self._next_block += ceil_div(numel, self.block_size)
+            pieces.append((offset, numel, self._firsts[pid]))
+            offset += numel
+        return pieces
 
     # -- error feedback across bucket layouts ----------------------------
     def _residual(self, bucket: dist.GradBucket,
@@ -336,6 +268,10 @@ class Int8State:
             world_size=group_or_world(self.process_group).size(),
             block_size=self.block_size,
             error_feedback=self.error_feedback,
+            # Informative only: a residual is an addend of the average in
+            # either form, so it carries over between them.
+            topology=('flat' if self.node_groups is None else
+                      self.node_groups.describe()),
             params={
                 by_id[pid]: r.detach().cpu().clone()
                 for pid, r in per_param.items() if pid in by_id
@@ -523,6 +459,10 @@ def _int8_reduce(state: Int8State,
     numel, device = buffer.numel(), buffer.device
     layout = _layout(bucket)
     plan = state._plan(bucket, layout)
+    if isinstance(plan, TwoLevelPlan):
+        return two_level_reduce(
+            state.node_groups, bucket, plan,
+            state._residual(bucket, layout) if state.error_feedback else None)
 
     # This rank's share (the bucket times 1 / world_size, plus the residual
     # of earlier steps), quantized into the owners' segments in one pass.
@@ -568,7 +508,7 @@ def _int8_reduce(state: Int8State,
 
     gathered = torch.empty(
         world_size * plan.padded, dtype=torch.uint8, device=device)
-    fut = _all_gather_single(
+    fut = all_gather_single(
         gathered, out, group=group, async_op=True).get_future()
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:

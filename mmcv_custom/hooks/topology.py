@@ -72,8 +72,10 @@ class NodeLayout(NamedTuple):
         return tuple(ranks[local] for ranks in self.nodes)
 
     def describe(self) -> str:
+        nodes = 'node' if self.num_nodes == 1 else 'nodes'
+        ranks = 'rank' if self.ranks_per_node == 1 else 'ranks'
         return (
-            f'{self.num_nodes} nodes x {self.ranks_per_node} ranks '
+            f'{self.num_nodes} {nodes} x {self.ranks_per_node} {ranks} '
             f'(ranks {self.nodes[0]} on node 0' +
             (f', {self.nodes[1]} on node 1' if self.num_nodes > 1 else '') +
             (', ...' if self.num_nodes > 2 else '') + ')')
@@ -168,38 +170,60 @@ def check_stated_layout(stated: NodeLayout,
 
 class NodeGroups(NamedTuple):
     """This rank's two groups: its node's ranks (``intra``) and its peers
-    of the same local rank on every node (``cross``)."""
+    on every other node (``cross``).
+
+    ``new_group`` numbers a group's ranks in the order of their global
+    ranks, whatever order it is given them in. So a rank's place in
+    ``intra`` (``intra_rank``) is its place among its node's ranks in that
+    order, and ``cross`` joins the ranks of the same place on every node:
+    every rank of a node then agrees which peer of ``intra`` stands for
+    which ``cross`` group, even where the launcher numbered a node's ranks
+    in another order than their global ranks.
+    """
     layout: NodeLayout
     intra: dist.ProcessGroup
     cross: dist.ProcessGroup
+
+    @property
+    def intra_rank(self) -> int:
+        return dist.get_rank(self.intra)
+
+    @property
+    def cross_rank(self) -> int:
+        return dist.get_rank(self.cross)
+
+    def describe(self) -> str:
+        return 'two-level, ' + self.layout.describe()
 
 
 def make_node_groups(
         layout: NodeLayout,
         process_group: Optional[dist.ProcessGroup] = None) -> NodeGroups:
-    """Make every node's group and every local rank's cross-node group, on
-    every rank in the same order (as ``new_group`` requires), and return
-    this rank's two. Collective: every rank of the default group calls it
+    """Make every node's group and every place's cross-node group, on every
+    rank in the same order (as ``new_group`` requires), and return this
+    rank's two. Collective: every rank of the default group calls it
     (``new_group`` is), with the same ``layout``.
 
     The layout's ranks are ranks of ``process_group``; the groups are made
-    from their global ranks.
+    from their global ranks, each node's in ascending order (see
+    :class:`NodeGroups`).
     """
 
     def global_ranks(ranks):
         if process_group is None:
-            return list(ranks)
-        return [dist.get_global_rank(process_group, r) for r in ranks]
+            return sorted(ranks)
+        return sorted(dist.get_global_rank(process_group, r) for r in ranks)
 
-    rank = dist.get_rank(process_group)
+    me = dist.get_rank()
+    nodes = [global_ranks(ranks) for ranks in layout.nodes]
     intra = cross = None
-    for ranks in layout.nodes:
-        group = dist.new_group(global_ranks(ranks))
-        if rank in ranks:
+    for ranks in nodes:
+        group = dist.new_group(ranks)
+        if me in ranks:
             intra = group
-    for local in range(layout.ranks_per_node):
-        peers = tuple(ranks[local] for ranks in layout.nodes)
-        group = dist.new_group(global_ranks(peers))
-        if rank in peers:
+    for place in range(layout.ranks_per_node):
+        peers = [ranks[place] for ranks in nodes]
+        group = dist.new_group(peers)
+        if me in peers:
             cross = group
     return NodeGroups(layout, intra, cross)

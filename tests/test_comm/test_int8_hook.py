@@ -470,8 +470,10 @@ def test_bucket_layout_changes_no_number():
     that owners take turns unevenly."""
     cfg = dict(type='int8_compress', block_size=32)
     one = run_ranks(_train, True, cfg, 25, world_size=3)
-    # 0.002 MB = 512 fp32 gradients: fc1.weight (512) fills a bucket alone.
-    many = run_ranks(_train, True, cfg, 0.002, world_size=3)
+    # A bucket closes once it is over the cap: at 1e-4 MB (26 fp32
+    # gradients), DDP's buckets from its second step on are fc2 (132),
+    # fc1.bias (32) and fc1.weight (512).
+    many = run_ranks(_train, True, cfg, 1e-4, world_size=3)
     for a, b in zip(one, many):
         assert a['losses'] == b['losses']
         for p, q in zip(a['params'], b['params']):

@@ -431,8 +431,8 @@ def test_catalogue_matches_the_real_hooks_under_ddp(one_rank_group,
                         recorded('all_reduce', dist.all_reduce, 0))
     monkeypatch.setattr(dist, 'all_to_all_single',
                         recorded('all_to_all', dist.all_to_all_single, 1))
-    monkeypatch.setattr(int8, '_all_gather_single',
-                        recorded('all_gather', int8._all_gather_single, 1))
+    monkeypatch.setattr(int8, 'all_gather_single',
+                        recorded('all_gather', int8.all_gather_single, 1))
     cases = dict(
         powerSGD=(
             powerSGD.powerSGD_hook,
@@ -496,6 +496,219 @@ def test_compare_collectives_finds_differences():
     measured[1]['bytes'] += 4
     problems = cc.compare_collectives(predicted, measured)
     assert len(problems) == 1 and problems[0].startswith('bucket 0:')
+
+
+# -- two-level (node-aware) forms ---------------------------------------------
+def test_two_level_collectives_run_at_their_level():
+    cluster = cc.Cluster(4, 2, 8 * GBIT, intra_bps=80 * GBIT)  # P = 8
+    s = 8e6
+    # Inside the node: a ring of G = 2 on the GPU links, intra latency.
+    inside = cc.traffic(cc.Collective('all_reduce', s, level='intra'), cluster)
+    assert inside == cc.Traffic(0, 0.0, s, intra_messages=2)
+    # Across nodes: a ring of M = 4 per local rank; the node's G rings
+    # share its link.
+    across = cc.traffic(cc.Collective('all_reduce', s, level='cross'), cluster)
+    assert across == cc.Traffic(6, 2 * (2 * 3 / 4 * s), 0.0)
+    a2a = cc.traffic(cc.Collective('all_to_all', s, level='cross'), cluster)
+    assert (a2a.messages, a2a.node_bytes) == (3, 2 * 3 / 4 * s)
+    gather = cc.traffic(cc.Collective('all_gather', s, level='intra'), cluster)
+    assert (gather.intra_messages, gather.intra_bytes) == (1, s)
+    constants = cc.LinkConstants(alpha_s=1e-5, eta=0.5, intra_alpha_s=1e-6)
+    assert _close(
+        cc.collective_time(
+            cc.Collective('all_reduce', s, level='intra'), cluster, constants),
+        2e-6 + s / 10e9 / 0.5)
+    assert _close(
+        cc.collective_time(
+            cc.Collective('all_reduce', s, level='cross'), cluster, constants),
+        6e-5 + 3 * s / 1e9 / 0.5)
+    assert [
+        cc.group_size(cc.Collective('all_reduce', s, level=level), cluster)
+        for level in (None, 'intra', 'cross')
+    ] == [8, 2, 4]
+    with pytest.raises(
+            ValueError,
+            match=r"collective level should be None \(all ranks\) or one "
+            r"of \['intra', 'cross'\], but got 'node'"):
+        cc.Collective('all_reduce', s, level='node')
+
+
+def _levels(collectives):
+    return [[(c.kind, c.nbytes, c.level) for c in b] for b in collectives]
+
+
+def test_two_level_bytes_by_hand():
+    # 3 nodes of 2 ranks. int8 in blocks of 2: p0 (5) 3 blocks, p1 (3) 2,
+    # each padded: 5 blocks. Local rank l reduces 3 of them (rounded up),
+    # sends them quantized (3 * (2 + 4) bytes) to its 3 peers, which each
+    # gather 1 block back; then 3 blocks of fp32 values gathered in the
+    # node.
+    buckets = _one_bucket((5, ), (3, ))
+    int8 = cc.Int8Cost(block_size=2).two_level(2, 3)
+    assert _levels(int8.collectives(buckets, 6)) == [[
+        ('all_to_all', 4 * 2 * 5, 'intra'),
+        ('all_to_all', 3 * 6, 'cross'),
+        ('all_gather', 1 * 6, 'cross'),
+        ('all_gather', 3 * 2 * 4, 'intra'),
+    ]]
+    # Half precision: fp32 inside the node, 2 bytes across.
+    half = cc.HalfPrecisionCost('bf16').two_level(2, 3)
+    assert _levels(half.collectives(buckets,
+                                    6)) == [[('all_to_all', 32, 'intra'),
+                                             ('all_reduce', 8, 'cross'),
+                                             ('all_gather', 8, 'intra')]]
+    # PowerSGD at rank 1 on SHAPES: uncompressed 8 + 12, P 8 + 100, Q
+    # 4 + 100 numbers; each local rank takes half of each.
+    big = _one_bucket(*SHAPES)
+    psgd = cc.PowerSGDCost(1).two_level(2, 3)
+    assert _levels(psgd.collectives(big, 6)) == [[
+        ('all_to_all', 4 * NUMEL, 'intra'), ('all_reduce', 4 * 10, 'cross'),
+        ('all_reduce', 4 * 54, 'cross'), ('all_reduce', 4 * 52, 'cross'),
+        ('all_gather', 4 * 5026, 'intra')
+    ]]
+    # Batched: each local rank's 5026 numbers as a 71 x 71 square.
+    batched = cc.BatchedPowerSGDCost(1).two_level(2, 3)
+    assert _levels(batched.collectives(big, 6)) == [[
+        ('all_to_all', 4 * NUMEL, 'intra'), ('all_reduce', 4 * 71, 'cross'),
+        ('all_reduce', 4 * 71, 'cross'), ('all_gather', 4 * 5026, 'intra')
+    ]]
+    # allreduce states no two-level form.
+    assert cc.AllReduceCost().two_level(2, 3) is None
+    assert psgd.label() == 'powerSGD (rank 1) (two-level)'
+    assert psgd.key == 'powerSGD (two-level)'
+    with pytest.raises(
+            ValueError,
+            match=r'powerSGD \(two-level\) was costed for 3 nodes x 2 ranks '
+            r'\(6\), but got world_size 8'):
+        psgd.collectives(big, 8)
+
+
+def test_two_level_is_the_flat_form_on_one_node_or_one_rank_per_node():
+    buckets = _one_bucket(*SHAPES)
+    forms = 0
+    for hook in cc.hook_costs().values():
+        for g, m in ((1, 4), (4, 1)):
+            two = hook.two_level(g, m)
+            if two is None:
+                continue
+            forms += 1
+            assert two.collectives(buckets, 4) == hook.collectives(buckets, 4)
+            assert two.memory_bytes(buckets[0],
+                                    4) == hook.memory_bytes(buckets[0], 4)
+            assert two.flops(buckets[0], 4) == hook.flops(buckets[0], 4)
+    # Every hook whose record states a two-level form, at both layouts.
+    assert forms == 2 * sum(h.record.cost.two_level is not None
+                            for h in cc.hook_costs().values()) > 0
+    # So the recommendation weighs only the flat forms there.
+    for cluster in (cc.Cluster(4, 1, GBIT), cc.Cluster(1, 4, GBIT)):
+        rec = cc.recommend(
+            _params((64, 64)), cluster, backward_s=0.1, compute_step_s=0.2)
+        assert list(rec.predictions) == list(cc.hook_costs())
+        assert 'topology' not in rec.config('int8_compress')
+
+
+def test_two_level_int8_crosses_nodes_with_about_one_gth_of_the_bytes():
+    m, g = 8, 8
+    cluster = cc.Cluster(m, g, 100 * GBIT)
+    big = _one_bucket((4096, 256))
+    flat = cc.Int8Cost(256)
+    two = flat.two_level(g, m)
+    (a2a, gather), = flat.collectives(big, m * g)
+    (_, cross_a2a, cross_gather, _), = two.collectives(big, m * g)
+    # The all-to-all across nodes carries 1 / G of the flat one's bytes
+    # through the node link...
+    assert cc.traffic(cross_a2a, cluster).node_bytes == pytest.approx(
+        cc.traffic(a2a, cluster).node_bytes / g)
+    # ...and with the all-gathers, about 2 (M - 1) / M of the quantized
+    # bucket against G (M - 1) / M + (P - 1) / P.
+    node = {
+        h.key: cc.predict_step(h, big, cluster, 0.0, 0.0).node_bytes
+        for h in (flat, two)
+    }
+    p = m * g
+    assert node['int8_compress (two-level)'] / node[
+        'int8_compress'] == pytest.approx(
+            (2 * (m - 1) / m) / (g * (m - 1) / m + (p - 1) / p))
+    # Nothing of the fp32 traffic inside the node reaches the node link.
+    assert sum(
+        cc.traffic(c, cluster).node_bytes for c in two.collectives(big, p)[0]
+        if c.level == 'intra') == 0
+
+
+def test_a_record_without_a_two_level_form_has_none_to_cost():
+    with pytest.raises(
+            ValueError,
+            match='allreduce: its CostRecord states no two_level form, so it '
+            'has none to cost'):
+        cc.TwoLevelRecordCost(cc.AllReduceCost(), 2, 2)
+
+
+def test_a_plugins_two_level_form_is_weighed(monkeypatch):
+    """A hook of a user's, whose record states a two-level form the
+    documented way, is projected in both forms, as the built-ins are."""
+    from mmcv_custom.comm.cost_records import CostRecord, TwoLevelCost
+    from mmcv_custom.comm.records import HOOK_RECORDS, HookRecord
+    from mmcv_custom.comm.registry import COMM_HOOKS
+
+    def node_aware_hook(state, bucket):  # never run: costed only
+        raise AssertionError('not run')
+
+    def two_level_sends(buckets, ranks_per_node, num_nodes, settings):
+        return [[('all_reduce', b.nbytes / ranks_per_node, 'cross')]
+                for b in buckets]
+
+    record = HookRecord(
+        cost=CostRecord(
+            sends=lambda buckets, world_size, settings:
+            [[('all_reduce', b.nbytes)] for b in buckets],
+            codec_bytes=lambda b, world_size, settings: 0.0,
+            two_level=TwoLevelCost(
+                sends=two_level_sends,
+                codec_bytes=lambda b, g, m, settings: 0.0)))
+    monkeypatch.setitem(COMM_HOOKS.module_dict, 'test_node_aware',
+                        node_aware_hook)
+    monkeypatch.setitem(HOOK_RECORDS, node_aware_hook, record)
+    rec = cc.recommend(
+        _params((1024, 1024)),
+        cc.Cluster(2, 4, GBIT),
+        backward_s=0.0,
+        compute_step_s=0.0)
+    flat = rec.predictions['test_node_aware']
+    two = rec.predictions['test_node_aware (two-level)']
+    # A quarter of the bucket per rank across, four ranks a node link.
+    assert two.node_bytes == 4 * (2 * 1 / 2 * 4 * 2**20 / 4)
+    assert two.step_s < flat.step_s
+    assert rec.config('test_node_aware (two-level)') == (
+        "comm_hook = dict(type='test_node_aware', topology='auto')")
+
+
+def test_recommendation_weighs_both_forms_and_names_the_topology():
+    params = _params(*[(4096, 4096)] * 20, dtype='bfloat16')
+    hooks = dict(cc.hook_costs(), powerSGD=cc.PowerSGDCost(rank=4))
+    rec = cc.recommend(
+        params,
+        cc.Cluster(8, 8, 100 * GBIT),
+        backward_s=0.2,
+        compute_step_s=0.35,
+        hooks=hooks)
+    keys = list(rec.predictions)
+    # Each two-level form right after its flat form.
+    assert keys.index(
+        'int8_compress (two-level)') == keys.index('int8_compress') + 1
+    assert 'allreduce (two-level)' not in keys
+    steps = {k: p.step_s for k, p in rec.predictions.items()}
+    assert steps['int8_compress (two-level)'] < steps['int8_compress']
+    assert rec.predictions['int8_compress (two-level)'].form == 'two-level'
+    assert rec.config('int8_compress (two-level)') == (
+        "comm_hook = dict(type='int8_compress', topology='auto')")
+    # The flat form is no longer the default on this cluster.
+    assert rec.config('int8_compress') == (
+        "comm_hook = dict(type='int8_compress', topology='flat')")
+    assert rec.config('allreduce') == "comm_hook = dict(type='allreduce')"
+    assert rec.config('powerSGD (two-level)') == (
+        "comm_hook = dict(type='powerSGD', matrix_approximation_rank=4, "
+        "topology='auto')")
+    assert f'`{rec.config(rec.best)}`' in rec.line()
 
 
 # -- overlap ------------------------------------------------------------------
@@ -740,15 +953,20 @@ def test_recommendation_picks_the_fastest_and_names_its_caveat():
     steps = {h: p.step_s for h, p in rec.predictions.items()}
     assert rec.best == min(steps, key=steps.get)
     # A bf16 model: allreduce sends bf16 already, as the compressing
-    # hooks do, and is listed first.
-    assert rec.best_lossless == 'allreduce'
+    # hooks do, and is listed first; the flat bf16 hook ties with it at
+    # best, but its two-level form rings across 8 nodes, not 64 ranks.
+    flat = {h: s for h, s in steps.items() if 'two-level' not in h}
+    assert min(flat, key=flat.get) != 'bf16_compress'
+    assert rec.best_lossless == 'bf16_compress (two-level)'
     assert rec.speedup('allreduce') == 1
     line = rec.line()
     label = rec.predictions[rec.best].label
     assert line.startswith(f'100 Gbit/s: use {label}:')
     assert 'lossy' in line
-    assert 'Fastest of the exact or nearly exact hooks: allreduce at ' \
-        in line and '(exact: the reference).' in line
+    assert ('Fastest of the exact or nearly exact hooks: bf16_compress '
+            '(two-level) at ') in line and (
+                "8 significant bits, fp32's range; `comm_hook = dict("
+                "type='bf16_compress', topology='auto')`).") in line
     # An fp32 model: the half-precision hooks halve the bytes; bf16 ties
     # with fp16 and is preferred (fp16 overflows above 65504).
     fp32 = cc.recommend(
@@ -756,7 +974,7 @@ def test_recommendation_picks_the_fastest_and_names_its_caveat():
         cc.Cluster(8, 8, 100 * GBIT),
         backward_s=0.2,
         compute_step_s=0.35)
-    assert fp32.best_lossless == 'bf16_compress'
+    assert fp32.best_lossless == 'bf16_compress (two-level)'
     assert fp32.speedup('bf16_compress') > 1.5
     # int8's flat all-to-all costs more than a bf16 all-reduce at G = 8...
     assert steps['int8_compress'] > steps['allreduce']
@@ -807,6 +1025,8 @@ def bench_file(tmp_path):
          'its value (Imbalanced brackets exist in [1,2)'),
         (['--alpha-us', 'nan'], '--alpha-us should be a number >= 0, but got '
          'nan'),
+        (['--intra-alpha-us', '-1'], '--intra-alpha-us should be a number >= '
+         '0, but got -1.0'),
         (['--backward-s', '0.3', '--compute-step-s', '0.2'],
          '--compute-step-s 0.2 should be at least --backward-s 0.3: the step '
          'contains the backward'),
@@ -833,9 +1053,9 @@ def bench_file(tmp_path):
     ],
     ids=[
         'nodes', 'gbps', 'eta', 'eta-above-1', 'cfg-options', 'alpha',
-        'step-below-backward', 'codec', 'hooks', 'fit-rates-alone',
-        'check-alone', 'codec-fitted-alone', 'fit-missing', 'config-missing',
-        'json-dir-missing', 'config-not-a-config'
+        'intra-alpha', 'step-below-backward', 'codec', 'hooks',
+        'fit-rates-alone', 'check-alone', 'codec-fitted-alone', 'fit-missing',
+        'config-missing', 'json-dir-missing', 'config-not-a-config'
     ])
 def test_bad_arguments_are_usage_errors(tool_args, args, message):
     code, last = tool_args(args)
@@ -935,6 +1155,10 @@ def test_cli_projects_internvit_6b_and_recommends(capsys):
     ]
     for hook in cc.hook_costs().values():
         assert f'| {hook.label()} |' in text, hook.label()
+        # Both forms of every hook that has a two-level one, on 8 x 8.
+        two = hook.two_level(8, 8)
+        assert (two is not None) == (f'| {hook.label()} (two-level) |'
+                                     in text), hook.label()
     recommend = [
         line for line in text.splitlines()
         if line.startswith('- ') and ': use ' in line
@@ -942,6 +1166,8 @@ def test_cli_projects_internvit_6b_and_recommends(capsys):
     assert [line.split(':')[0] for line in recommend
             ] == ['- 100 Gbit/s', '- 200 Gbit/s', '- 400 Gbit/s']
     assert 'against' in recommend[0] and 'with allreduce' in recommend[0]
+    assert all('`comm_hook = dict(type=' in line for line in recommend)
+    assert '(two-level): the hook\'s node-aware form' in text
     assert '> - no propagation delay' in text
     assert 'codec on the GPU assumed' in text
     # Every parameter trains: the ViT's 6.03e9 in bf16 and the heads'

@@ -11,12 +11,14 @@ or both:
 * ``--config CONFIG`` (default: InternViT-6B's UperNet) builds the model
   on the meta device, lays its gradients out in DDP's buckets and prints,
   per hook and link rate, the predicted step time on ``--nodes`` x
-  ``--gpus-per-node`` GPUs; ``--recommend`` adds one line per rate naming
-  the hook to use. Link constants come from ``--fit`` when given, else
-  from defaults for NCCL on a GPU cluster (alpha 10 us, eta 0.9); the
-  codec (each hook's local work) is assumed from GPU memory bandwidth and
-  FLOP/s unless ``--codec fitted``. The assumptions are printed with the
-  table.
+  ``--gpus-per-node`` GPUs, each hook with a two-level (node-aware) form
+  in both forms; ``--recommend`` adds one line per rate naming the hook
+  and form to use, with the ``comm_hook`` line that sets them. Link
+  constants come from ``--fit`` when given, else from defaults for NCCL
+  on a GPU cluster (alpha 10 us, eta 0.9); the intra-node rate and
+  latency of the two-level forms from ``--intra-gbps`` and
+  ``--intra-alpha-us``; the codec (each hook's local work) from GPU
+  memory bandwidth and FLOP/s unless ``--codec fitted``; all printed.
 
 Arguments are checked before any work starts: a bad value is a usage error
 (exit code 2) naming it and the valid ones.
@@ -55,7 +57,10 @@ _PROJECTION_OPTIONS = (
     ('--nodes', int, 8, 'nodes (M)'),
     ('--gpus-per-node', int, 8, 'GPUs per node (G)'),
     ('--intra-gbps', float, 3600.0, 'intra-node rate per GPU per direction, '
-     'Gbit/s (default 3600: NVLink 4, 450 GB/s)'),
+     'Gbit/s (default 3600: NVLink 4 on HGX H100/H200, 450 GB/s)'),
+    ('--intra-alpha-us', float, 2.0, 'latency per message of the two-level '
+     'forms\' collectives inside a node, us (default 2, assumed for NCCL '
+     'on NVLink)'),
     ('--alpha-us', float, None, 'latency per message, us (default: fitted, '
      'else 10)'),
     ('--eta', float, None, 'achieved fraction of the link rate (default: '
@@ -78,7 +83,8 @@ _PROJECTION_OPTIONS = (
     ('--bucket-cap-mb', float, None, 'DDP bucket_cap_mb (default: the '
      "config's model_wrapper_cfg, else DDP's 25)"),
 )
-_AT_LEAST_0 = ('--alpha-us', '--backward-s', '--compute-step-s')
+_AT_LEAST_0 = ('--alpha-us', '--intra-alpha-us', '--backward-s',
+               '--compute-step-s')
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -307,6 +313,9 @@ def main(argv=None) -> None:
             1e-6)
         eta = constants.eta if args.eta is None else args.eta
         constants = cost.LinkConstants(alpha, eta, source='given')
+    # Never fitted (the emulated nodes have no intra-node link): as given.
+    constants = dataclasses.replace(
+        constants, intra_alpha_s=args.intra_alpha_us * 1e-6)
     if args.project:
         projected, out['projection'] = _project(args, constants, codec)
         lines += ([''] if lines else []) + projected

@@ -45,11 +45,27 @@ every rate (:func:`collective_time`):
   node link. With ``G`` GPUs per node the flat all-to-all of
   ``int8_compress`` therefore costs about ``G`` times a ring
   reduce-scatter across nodes, and int8's advantage shrinks on multi-GPU
-  nodes, to a loss at ``G = 8`` against a 2-byte all-reduce. A hierarchical
-  all-to-all (reduce inside the node first, then one rank per node across)
-  would fix it; it is not built.
+  nodes, to a loss at ``G = 8`` against a 2-byte all-reduce: what the
+  two-level forms fix.
 
 With ``G = 1`` (the emulated nodes) ``B_in`` does not matter.
+
+**Two-level forms** (the hooks' ``topology='auto'`` on ``M > 1`` nodes of
+``G > 1`` ranks; :class:`TwoLevelRecordCost`): each collective carries its
+level (:data:`LEVELS`). One ``'intra'`` runs among a node's ``G`` ranks on
+the GPU links: a ring of ``G`` as above with ``B_in`` and the intra-node
+latency ``alpha_in`` (:attr:`LinkConstants.intra_alpha_s`, assumed), and
+no node-link bytes. One ``'cross'`` runs among the ``M`` ranks of one
+local rank, one per node; the node's ``G`` such groups run at once and
+share its link, which carries ``G`` times what one member sends (an
+all-reduce of ``s`` bytes: ``G * 2 (M - 1) / M * s``), with ``2 (M - 1)``
+steps of ``alpha``, not ``2 (P - 1)``. So a two-level hook that
+compresses only across nodes sends its compressed ``1 / G`` share per rank
+through the node link, ``G`` of them: the compressed bucket about once,
+where the flat all-to-all sent it ``G`` times. A bucket's levels run one
+after the other (no pipelining with the next bucket's); the codec counts
+the hook's work on its ``1 / G`` share plus the full-bucket sums and
+copies.
 
 **Hooks** (:func:`hook_costs`, one :class:`HookCost` per registered hook
 whose :class:`~mmcv_custom.comm.records.HookRecord` states a ``cost``):
@@ -87,16 +103,17 @@ Example:
 """
 from .buckets import DTYPE_BYTES, Bucket, MiB, ParamSpec, ddp_buckets
 from .codecs import CodecCost, FittedCodec, GpuCodec
-from .collectives import (COLLECTIVE_KINDS, GPU_CLUSTER_CONSTANTS, Cluster,
-                          Collective, LinkConstants, Traffic, all_gather_time,
-                          all_reduce_time, all_to_all_time, collective_time,
-                          traffic)
+from .collectives import (COLLECTIVE_KINDS, GPU_CLUSTER_CONSTANTS, LEVELS,
+                          Cluster, Collective, LinkConstants, Traffic,
+                          all_gather_time, all_reduce_time, all_to_all_time,
+                          collective_time, group_size, traffic)
 from .compute import Workload, estimate_compute
 from .fit import FitPoint, FitResult, fit, fit_selection_problem, fits_on
-from .hooks import (HOOK_COSTS, AllReduceCost, BatchedPowerSGDCost,
+from .hooks import (FORMS, HOOK_COSTS, AllReduceCost, BatchedPowerSGDCost,
                     HalfPrecisionCost, HookCost, Int8Cost, PowerSGDCost,
-                    RecordCost, check_benchmark, compare_collectives,
-                    hook_costs, powersgd_compresses, uncosted_hooks)
+                    RecordCost, TwoLevelRecordCost, check_benchmark,
+                    compare_collectives, hook_costs, powersgd_compresses,
+                    uncosted_hooks)
 from .measurements import Benchmark, load_benchmark
 from .model import config_params
 from .overlap import Overlap, even_ready_times, simulate_overlap
@@ -117,5 +134,6 @@ __all__ = [
     'check_benchmark', 'FitPoint', 'FitResult', 'fit', 'fits_on',
     'fit_selection_problem', 'Recommendation', 'recommend', 'assumptions',
     'RecordCost', 'uncosted_hooks', 'config_params', 'ProjectionSettings',
-    'project', 'fit_report', 'fit_json'
+    'project', 'fit_report', 'fit_json', 'LEVELS', 'FORMS', 'group_size',
+    'TwoLevelRecordCost'
 ]

@@ -1,20 +1,31 @@
 """Collectives on ``M`` nodes of ``G`` ranks: what each puts on the links
 and how long it takes (the formulas are in :mod:`mmcv_custom.analysis.cost`'s
-docstring). Standard library only."""
+docstring). A collective runs among all ``P`` ranks (a flat hook's), or at
+one of the two levels of a two-level hook (:data:`LEVELS`). Standard
+library only."""
 import dataclasses
-from typing import Mapping
+from typing import Mapping, Optional
 
+from mmcv_custom.comm.cost_records import LEVELS
 from mmcv_custom.comm.traffic import COLLECTIVE_KINDS
 from .checks import require_count, require_positive
 
 __all__ = [
-    'COLLECTIVE_KINDS', 'Collective', 'Cluster', 'LinkConstants',
-    'GPU_CLUSTER_CONSTANTS', 'Traffic', 'traffic', 'collective_time',
-    'all_reduce_time', 'all_gather_time', 'all_to_all_time'
+    'COLLECTIVE_KINDS', 'LEVELS', 'Collective', 'Cluster', 'LinkConstants',
+    'GPU_CLUSTER_CONSTANTS', 'Traffic', 'traffic', 'group_size',
+    'collective_time', 'all_reduce_time', 'all_gather_time', 'all_to_all_time'
 ]
 
-# NVLink 4 (H100/H200): 900 GB/s per GPU, both directions together.
+# NVLink 4 (HGX H100/H200): 18 links of 25 GB/s per direction, 450 GB/s
+# per GPU per direction (NVIDIA quotes 900 GB/s, both directions
+# together). At the model's eta of 0.9 a ring gets 405 GB/s, a little
+# below the 460-480 GB/s busbw nccl-tests' all_reduce_perf shows on one
+# 8 x H100 SXM node (NVLink SHARP helps there): a conservative figure.
 _DEFAULT_INTRA_BPS = 450e9 * 8
+# NCCL's latency per ring step inside an NVSwitch node: a few us (its LL
+# protocol; an 8-GPU all_reduce of a few KB takes some 10-30 us, 14
+# steps). Assumed, not measured here.
+_DEFAULT_INTRA_ALPHA_S = 2e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,10 +38,15 @@ class Collective:
             the rank's whole send tensor; ``all_gather``: the rank's own
             part (the benchmark JSON's convention).
         bucket (int): The bucket's index. Defaults to 0.
+        level (str, optional): Where a two-level hook runs it: ``'intra'``
+            (among the ``G`` ranks of each node) or ``'cross'`` (among the
+            ``M`` ranks of each local rank, one per node); ``nbytes`` is
+            then for that group. Defaults to None: among all ranks.
     """
     kind: str
     nbytes: float
     bucket: int = 0
+    level: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.kind not in COLLECTIVE_KINDS:
@@ -38,6 +54,10 @@ class Collective:
                              f'{list(COLLECTIVE_KINDS)}, but got '
                              f'{self.kind!r}')
         require_positive('collective bytes', self.nbytes, allow_zero=True)
+        if self.level is not None and self.level not in LEVELS:
+            raise ValueError(f'collective level should be None (all ranks) '
+                             f'or one of {list(LEVELS)}, but got '
+                             f'{self.level!r}')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +95,10 @@ class LinkConstants:
     Args:
         alpha_s (float): Latency per message (per ring step), seconds.
         eta (float): Achieved fraction of every link rate.
+        intra_alpha_s (float): Latency per message of a two-level hook's
+            collectives inside a node (NVLink, not the network). Assumed,
+            not fitted (the emulated nodes have no such link). Defaults to
+            2 us.
         overhead_share (Mapping[str, float]): A cost per step and hook
             beyond the model (thread hand-offs, the codec's thread taking
             cores from the backward), as a share of the compute step:
@@ -88,10 +112,12 @@ class LinkConstants:
     overhead_share: Mapping[str,
                             float] = dataclasses.field(default_factory=dict)
     source: str = 'defaults'
+    intra_alpha_s: float = _DEFAULT_INTRA_ALPHA_S
 
     def __post_init__(self) -> None:
         require_positive('alpha_s', self.alpha_s, allow_zero=True)
         require_positive('eta', self.eta)
+        require_positive('intra_alpha_s', self.intra_alpha_s, allow_zero=True)
 
 
 # NCCL on a GPU cluster: ~10 us per ring step, ~90% of the link rate.
@@ -108,24 +134,67 @@ class Traffic:
         node_bytes (float): Bytes through each node link, per direction.
         intra_bytes (float): Bytes through each GPU's intra-node link, per
             direction, that add to the node link's time.
+        intra_messages (int): Sequential latency steps of a collective
+            confined to a node (a two-level hook's ``'intra'`` level), each
+            costing the intra-node latency. Defaults to 0.
     """
     messages: int
     node_bytes: float
     intra_bytes: float
+    intra_messages: int = 0
 
     def seconds(self,
                 cluster: Cluster,
                 alpha_s: float = 0.0,
-                eta: float = 1.0) -> float:
-        """The time with latency ``alpha_s`` and efficiency ``eta``."""
-        return (self.messages * alpha_s + 8 *
-                (self.node_bytes / cluster.link_bps +
-                 self.intra_bytes / cluster.intra_bps) / eta)
+                eta: float = 1.0,
+                intra_alpha_s: float = 0.0) -> float:
+        """The time with latencies ``alpha_s`` (across nodes) and
+        ``intra_alpha_s`` (inside one) and efficiency ``eta``."""
+        return (self.messages * alpha_s + self.intra_messages * intra_alpha_s +
+                8 * (self.node_bytes / cluster.link_bps +
+                     self.intra_bytes / cluster.intra_bps) / eta)
+
+
+def group_size(collective: Collective, cluster: Cluster) -> int:
+    """The ranks taking part in ``collective``: all of them, a node's
+    ``G`` (``'intra'``) or one per node, ``M`` (``'cross'``)."""
+    if collective.level == 'intra':
+        return cluster.gpus_per_node
+    if collective.level == 'cross':
+        return cluster.nodes
+    return cluster.world_size
+
+
+def _ring(kind: str, nbytes: float, ranks: int):
+    """Sequential steps and bytes each rank sends for ``kind`` on a ring of
+    ``ranks`` (an all-to-all: its off-rank share, in ``ranks - 1``
+    steps)."""
+    if kind == 'all_reduce':
+        return 2 * (ranks - 1), 2 * (ranks - 1) / ranks * nbytes
+    if kind == 'all_gather':
+        return ranks - 1, (ranks - 1) * nbytes  # (r - 1) / r of r * s
+    return ranks - 1, (ranks - 1) / ranks * nbytes
+
+
+def _level_traffic(collective: Collective, cluster: Cluster) -> Traffic:
+    """A two-level hook's collective: inside a node it runs on the GPU
+    links only; across nodes the node's ``G`` groups (one per local rank)
+    run at once and share the node link, which therefore carries ``G``
+    times what one member sends."""
+    ranks = group_size(collective, cluster)
+    if ranks == 1:
+        return Traffic(0, 0.0, 0.0)
+    steps, sent = _ring(collective.kind, collective.nbytes, ranks)
+    if collective.level == 'intra':
+        return Traffic(0, 0.0, sent, intra_messages=steps)
+    return Traffic(steps, cluster.gpus_per_node * sent, 0.0)
 
 
 def traffic(collective: Collective, cluster: Cluster) -> Traffic:
     """The links' load of ``collective`` on ``cluster`` (see the module's
     docstring for the formulas)."""
+    if collective.level is not None:
+        return _level_traffic(collective, cluster)
     p, m, g = cluster.world_size, cluster.nodes, cluster.gpus_per_node
     if p == 1:
         return Traffic(0, 0.0, 0.0)
@@ -145,8 +214,9 @@ def collective_time(collective: Collective,
                     cluster: Cluster,
                     constants: LinkConstants = GPU_CLUSTER_CONSTANTS) -> float:
     """Seconds ``collective`` takes on ``cluster``."""
-    return traffic(collective, cluster).seconds(cluster, constants.alpha_s,
-                                                constants.eta)
+    return traffic(collective,
+                   cluster).seconds(cluster, constants.alpha_s, constants.eta,
+                                    constants.intra_alpha_s)
 
 
 def all_reduce_time(nbytes: float,

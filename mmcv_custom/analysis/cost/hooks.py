@@ -9,6 +9,11 @@ built-in or a user's; a hook without one is listed by
 with its settings (``block_size``, ``matrix_approximation_rank``, ...):
 the collectives it issues for a bucket layout on a world size, and the
 memory traffic and FLOPs of its codec.
+
+A hook whose cost record states a two-level form
+(:attr:`~mmcv_custom.comm.cost_records.CostRecord.two_level`) has a second
+:class:`HookCost` for a cluster's layout, :meth:`HookCost.two_level`
+(a :class:`TwoLevelRecordCost`), whose collectives carry their level.
 """
 from abc import ABC, abstractmethod
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -24,10 +29,16 @@ from .collectives import Collective
 from .measurements import Benchmark
 
 __all__ = [
-    'HookCost', 'RecordCost', 'AllReduceCost', 'HalfPrecisionCost', 'Int8Cost',
-    'PowerSGDCost', 'BatchedPowerSGDCost', 'powersgd_compresses', 'hook_costs',
-    'HOOK_COSTS', 'uncosted_hooks', 'compare_collectives', 'check_benchmark'
+    'HookCost', 'RecordCost', 'TwoLevelRecordCost', 'FORMS', 'AllReduceCost',
+    'HalfPrecisionCost', 'Int8Cost', 'PowerSGDCost', 'BatchedPowerSGDCost',
+    'powersgd_compresses', 'hook_costs', 'HOOK_COSTS', 'uncosted_hooks',
+    'compare_collectives', 'check_benchmark'
 ]
+
+#: A hook's forms: ``'flat'`` (every rank with every rank, what
+#: ``topology='flat'`` runs) and ``'two-level'`` (node-aware, what
+#: ``topology='auto'`` runs on several nodes of several ranks each).
+FORMS = ('flat', 'two-level')
 
 
 class HookCost(ABC):
@@ -43,11 +54,13 @@ class HookCost(ABC):
         overflows (bool): Whether its format overflows where fp32 does not:
             of two hooks whose steps tie, the other is recommended.
         caveat (str): What to know before choosing it.
+        form (str): One of :data:`FORMS`.
     """
     name: str = ''
     lossless: bool = True
     overflows: bool = False
     caveat: str = ''
+    form: str = 'flat'
 
     @abstractmethod
     def collectives(self, buckets: Sequence[Bucket],
@@ -67,6 +80,26 @@ class HookCost(ABC):
     def label(self) -> str:
         """The name with the settings that change the bytes."""
         return self.name
+
+    @property
+    def key(self) -> str:
+        """Its key among a recommendation's predictions: the name, with
+        ``' (two-level)'`` for that form (both forms share the name, as
+        the hook does)."""
+        if self.form == 'flat':
+            return self.name
+        return f'{self.name} ({self.form})'
+
+    def two_level(self, ranks_per_node: int,
+                  num_nodes: int) -> Optional['HookCost']:
+        """Its two-level form on ``num_nodes`` nodes of ``ranks_per_node``
+        ranks, or None if it has none. Defaults to None."""
+        return None
+
+    def config_keys(self) -> Dict[str, Any]:
+        """The ``comm_hook`` keys beyond ``type`` that give these settings
+        (those off the hook's defaults). Defaults to none."""
+        return {}
 
 
 def _record(name: str) -> HookRecord:
@@ -132,6 +165,98 @@ class RecordCost(HookCost):
     def label(self) -> str:
         detail = self.record.cost.detail.format(**self.settings)
         return f'{self.name} {detail}' if detail else self.name
+
+    def two_level(self, ranks_per_node, num_nodes):
+        # Only a form the hook runs (its record's two_level) is costed.
+        if not self.record.two_level or self.record.cost.two_level is None:
+            return None
+        return TwoLevelRecordCost(self, ranks_per_node, num_nodes)
+
+    def config_keys(self):
+        defaults = self.record.cost.settings
+        return {k: v for k, v in self.settings.items() if v != defaults[k]}
+
+
+class TwoLevelRecordCost(HookCost):
+    """A hook's two-level form, as its record's ``cost.two_level`` states
+    it, on nodes of ``ranks_per_node`` ranks.
+
+    Its collectives carry their level (``'intra'`` inside a node,
+    ``'cross'`` among the ranks of one local rank across nodes), so the
+    model times each on its own link. On one node, or one rank per node,
+    the hook runs its flat form (there is nothing to split), and so does
+    this cost: the flat collectives and codec.
+
+    Args:
+        flat (RecordCost): The hook's flat form, with its settings.
+        ranks_per_node (int): ``G``.
+        num_nodes (int): ``M``.
+
+    Raises:
+        ValueError: ``flat``'s record states no two-level form, or a count
+            is below 1.
+    """
+
+    form = 'two-level'
+
+    def __init__(self, flat: RecordCost, ranks_per_node: int,
+                 num_nodes: int) -> None:
+        require_count('ranks_per_node', ranks_per_node)
+        require_count('num_nodes', num_nodes)
+        if flat.record.cost.two_level is None or not flat.record.two_level:
+            raise ValueError(
+                f'{flat.name}: its record states no two-level form it runs '
+                '(HookRecord.two_level and CostRecord.two_level), so it has '
+                'none to cost')
+        self.flat = flat
+        self.ranks_per_node = ranks_per_node
+        self.num_nodes = num_nodes
+        self.cost = flat.record.cost.two_level
+        self.name = flat.name
+        self.settings = flat.settings
+        self.lossless = flat.lossless
+        self.overflows = flat.overflows
+        self.caveat = flat.caveat
+
+    @property
+    def splits(self) -> bool:
+        """Whether the two levels differ from the flat form: several
+        nodes of several ranks each (what ``topology='auto'`` needs)."""
+        return self.ranks_per_node > 1 and self.num_nodes > 1
+
+    def collectives(self, buckets, world_size):
+        layout = self.ranks_per_node * self.num_nodes
+        if world_size != layout:
+            raise ValueError(
+                f'{self.name} (two-level) was costed for {self.num_nodes} '
+                f'nodes x {self.ranks_per_node} ranks ({layout}), but got '
+                f'world_size {world_size}')
+        if not self.splits:
+            return self.flat.collectives(buckets, world_size)
+        sends = self.cost.sends(buckets, self.ranks_per_node, self.num_nodes,
+                                self.settings)
+        return [[
+            Collective(kind, nbytes, i, level)
+            for kind, nbytes, level in bucket if nbytes > 0
+        ] for i, bucket in enumerate(sends)]
+
+    def memory_bytes(self, bucket, world_size=1):
+        if not self.splits:
+            return self.flat.memory_bytes(bucket, world_size)
+        return self.cost.codec_bytes(bucket, self.ranks_per_node,
+                                     self.num_nodes, self.settings)
+
+    def flops(self, bucket, world_size=1):
+        if not self.splits:
+            return self.flat.flops(bucket, world_size)
+        return self.cost.codec_flops(bucket, self.ranks_per_node,
+                                     self.num_nodes, self.settings)
+
+    def label(self) -> str:
+        return f'{self.flat.label()} (two-level)'
+
+    def config_keys(self):
+        return self.flat.config_keys()
 
 
 class AllReduceCost(RecordCost):

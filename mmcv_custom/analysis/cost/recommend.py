@@ -1,13 +1,14 @@
 """One hook's step on a cluster (:func:`predict_step`), every hook's and
 the pick (:func:`recommend`), and the model's assumptions in words."""
 import dataclasses
-from typing import List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
-from mmcv_custom.comm.traffic import sent_bytes
+from mmcv_custom.comm.traffic import reduced_bytes
 from .buckets import Bucket, ParamSpec, ddp_buckets
 from .checks import require_positive
 from .codecs import CodecCost, GpuCodec
-from .collectives import GPU_CLUSTER_CONSTANTS, Cluster, LinkConstants, traffic
+from .collectives import (GPU_CLUSTER_CONSTANTS, Cluster, LinkConstants,
+                          group_size, traffic)
 from .compute import Workload, estimate_compute
 from .hooks import HookCost, hook_costs
 from .overlap import even_ready_times, simulate_overlap
@@ -45,8 +46,12 @@ class StepPrediction:
             tensors as they are, an all-to-all and an all-gather by what
             they move against an all-reduce (int8's pair: its quantized
             bucket about once).
+            A two-level form's collectives are counted each in its own
+            group (a node's ``G`` ranks, or one rank per node).
         node_bytes (float): Bytes through each node link per direction.
         collectives (int): Collectives per step.
+        form (str): ``'flat'`` or ``'two-level'``
+            (:data:`~.hooks.FORMS`). Defaults to ``'flat'``.
     """
     hook: str
     label: str
@@ -60,6 +65,7 @@ class StepPrediction:
     sent_bytes: float
     node_bytes: float
     collectives: int
+    form: str = 'flat'
 
 
 def predict_step(hook: HookCost,
@@ -100,16 +106,17 @@ def predict_step(hook: HookCost,
         loads = [traffic(c, cluster) for c in collectives]
         local = codec.seconds(hook, bucket, cluster.world_size)
         link = sum(
-            t.seconds(cluster, constants.alpha_s, constants.eta)
-            for t in loads)
+            t.seconds(cluster, constants.alpha_s, constants.eta,
+                      constants.intra_alpha_s) for t in loads)
         ideal = sum(t.seconds(cluster) for t in loads)
         busy.append(link + local)
         bound.append(ideal)
         codec_total += local
         wire += ideal
         node += sum(t.node_bytes for t in loads)
-        sent += sent_bytes(((c.kind, c.nbytes) for c in collectives),
-                           cluster.world_size)
+        sent += sum(
+            reduced_bytes(c.kind, c.nbytes, group_size(c, cluster))
+            for c in collectives)
     exposed = simulate_overlap(ready_s, busy, backward_s).exposed_s
     overhead = constants.overhead_share.get(hook.name, 0.0) * compute_step_s
     return StepPrediction(
@@ -124,7 +131,8 @@ def predict_step(hook: HookCost,
         overlap_bound_s=simulate_overlap(ready_s, bound, backward_s).exposed_s,
         sent_bytes=sent,
         node_bytes=node,
-        collectives=sum(len(c) for c in per_bucket))
+        collectives=sum(len(c) for c in per_bucket),
+        form=hook.form)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +141,11 @@ class Recommendation:
 
     Attributes:
         cluster (Cluster): The cluster.
-        predictions (dict): Hook name -> :class:`StepPrediction`, in
-            :func:`hook_costs`' order.
-        hooks (dict): Hook name -> its :class:`HookCost`.
+        predictions (dict): Hook key (:attr:`HookCost.key`: the name, or
+            ``'NAME (two-level)'`` for a hook's two-level form) ->
+            :class:`StepPrediction`, in :func:`hook_costs`' order, each
+            hook's two-level form after its flat one.
+        hooks (dict): Hook key -> its :class:`HookCost`.
     """
     cluster: Cluster
     predictions: Mapping[str, StepPrediction]
@@ -165,8 +175,25 @@ class Recommendation:
         return (self.predictions['allreduce'].step_s /
                 self.predictions[hook].step_s)
 
+    def config(self, key: str) -> str:
+        """The config line that runs the hook (and form) of ``key``.
+
+        A hook with a two-level form runs it by default on several nodes
+        of several ranks (``topology='auto'``), so its flat form there
+        needs ``topology='flat'``; other hooks need no ``topology``.
+        """
+        hook = self.hooks[key]
+        keys = dict(type=hook.name, **hook.config_keys())
+        if hook.form == 'two-level':
+            keys['topology'] = 'auto'
+        elif _runs_two_level(hook, self.cluster):
+            keys['topology'] = 'flat'
+        return 'comm_hook = dict(' + ', '.join(f'{k}={v!r}'
+                                               for k, v in keys.items()) + ')'
+
     def line(self) -> str:
-        """One line: the hook to use, what it saves, its caveat."""
+        """One line: the hook (and form) to use, what it saves, its caveat
+        and the config that sets it."""
         rate = f'{self.cluster.link_bps / 1e9:g} Gbit/s'
         best = self.predictions[self.best]
         text = f'{rate}: use {best.label}: {best.step_s:.3f} s per step'
@@ -175,14 +202,37 @@ class Recommendation:
             text += (f' against {ref:.3f} s with allreduce (saves '
                      f'{ref - best.step_s:.3f} s, '
                      f'{self.speedup(self.best):.2f}x)')
-        text += f'; {self.hooks[self.best].caveat}.'
+        text += (f'; {self.hooks[self.best].caveat}; '
+                 f'`{self.config(self.best)}`.')
         safe = self.best_lossless
         if safe is not None and safe != self.best:
             text += (' Fastest of the exact or nearly exact hooks: '
                      f'{self.predictions[safe].label} at '
                      f'{self.predictions[safe].step_s:.3f} s '
-                     f'({self.hooks[safe].caveat}).')
+                     f'({self.hooks[safe].caveat}; '
+                     f'`{self.config(safe)}`).')
         return text
+
+
+def _runs_two_level(hook: HookCost, cluster: Cluster) -> bool:
+    """Whether ``hook`` runs a two-level form on ``cluster`` by default
+    (``topology='auto'``): it has one, and there are several nodes of
+    several ranks."""
+    return (cluster.nodes > 1 and cluster.gpus_per_node > 1 and hook.two_level(
+        cluster.gpus_per_node, cluster.nodes) is not None)
+
+
+def _forms(hooks: Mapping[str, HookCost],
+           cluster: Cluster) -> Dict[str, HookCost]:
+    """Every hook's flat form and, where it runs one on ``cluster``, its
+    two-level form after it, keyed by :attr:`HookCost.key`."""
+    out: Dict[str, HookCost] = {}
+    for hook in hooks.values():
+        out[hook.key] = hook
+        if hook.form == 'flat' and _runs_two_level(hook, cluster):
+            two = hook.two_level(cluster.gpus_per_node, cluster.nodes)
+            out[two.key] = two
+    return out
 
 
 def recommend(params: Sequence[ParamSpec],
@@ -211,7 +261,9 @@ def recommend(params: Sequence[ParamSpec],
             defaults.
         hooks (Mapping[str, HookCost], optional): Defaults to
             :func:`~.hooks.hook_costs`' defaults (every registered hook
-            whose record states a cost).
+            whose record states a cost). Each hook with a two-level form
+            is weighed in both forms where the cluster has several nodes
+            of several GPUs (elsewhere the hooks run flat).
         workload (Workload): For the estimates. Defaults to InternViT-6B's
             recipe.
         total_params (int, optional): All parameters, for the FLOPs.
@@ -230,15 +282,16 @@ def recommend(params: Sequence[ParamSpec],
     if compute_step_s is None:
         compute_step_s = est_step - est_backward + backward_s
     buckets = ddp_buckets(params, bucket_cap_mb)
+    forms = _forms(hooks, cluster)
     return Recommendation(
         cluster=cluster,
         predictions={
-            name:
+            key:
             predict_step(hook, buckets, cluster, backward_s, compute_step_s,
                          constants, codec)
-            for name, hook in hooks.items()
+            for key, hook in forms.items()
         },
-        hooks=dict(hooks))
+        hooks=forms)
 
 
 def assumptions(constants: LinkConstants,
@@ -249,10 +302,17 @@ def assumptions(constants: LinkConstants,
         f'link constants: alpha {constants.alpha_s * 1e6:.3g} us per '
         f'message, eta {constants.eta:.3g} of the link rate '
         f'({constants.source})',
-        'flat rings for all_reduce and all_gather (one node-link crossing '
-        'per node and direction); a flat all_to_all for int8, whose G ranks '
-        'per node all push their off-node shares through the node link (no '
-        'hierarchical all-to-all)',
+        'flat forms: rings for all_reduce and all_gather (one node-link '
+        'crossing per node and direction); a flat all_to_all for int8, whose '
+        'G ranks per node all push their off-node shares through the node '
+        'link',
+        'two-level forms (topology=\'auto\', on several nodes of several '
+        'GPUs): collectives inside the node at the intra-node rate and '
+        f'latency ({constants.intra_alpha_s * 1e6:.3g} us per message, '
+        'assumed), those across nodes among the G groups of one local rank '
+        'at once, sharing the node link (G times what one rank sends); a '
+        'bucket\'s levels one after the other, not pipelined with the next '
+        'bucket\'s',
         'no propagation delay: the emulated links measured none, so alpha '
         'holds only the software latency; long-haul links add their own',
         codec.describe(),

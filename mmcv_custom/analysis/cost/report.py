@@ -306,6 +306,14 @@ def _step_table(settings, recs) -> list:
         'against allreduce; sent: the tensors one rank reduces; per '
         'node link: bytes through it each way'
     ]
+    if any(p.form == 'two-level' for p in first.values()):
+        lines += [
+            '', '(two-level): the hook\'s node-aware form, which it runs by '
+            "default here (`topology='auto'`): reduced inside the node at "
+            f'{settings.intra_gbps:g} Gbit/s per GPU, compressed only '
+            'across nodes; the row above it is its flat form '
+            "(`topology='flat'`)"
+        ]
     return lines
 
 

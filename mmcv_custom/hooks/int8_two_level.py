@@ -1,0 +1,240 @@
+"""The two-level (node-aware) form of the int8 hook.
+
+The flat form has every rank send its quantized share to every other rank:
+each of a node's G ranks pushes its off-node share through the node's one
+network link, about G times the bytes a ring puts there. The two-level form
+reduces inside the node first, over the fast link and in fp32, and only the
+node's sums cross nodes, in int8:
+
+1. every rank scales its bucket by ``1 / world_size`` and adds its error
+   feedback; an all-to-all inside the node hands each of the node's ranks
+   its blocks from every other, which it sums in fp32 (in rank order);
+2. the flat int8 exchange runs on those sums among the ranks of the same
+   place on every node (``NodeGroups.cross``): quantize, all-to-all, sum,
+   quantize again, all-gather;
+3. an all-gather inside the node, in the bucket's dtype, gives every rank
+   the whole average.
+
+So a node's link carries about 1/G of the flat form's int8 bytes.
+
+Blocks follow the parameters, as in the flat form: block ``b`` of a
+parameter whose first block is numbered ``f`` is block ``k = f + b``; it
+is summed inside the node by the node's rank ``k % G`` and owned across
+nodes by the cross-group rank ``(k // G) % M``. Neither depends on how DDP
+cuts its buckets, nor do the order of any sum or any block's rounding, so
+a re-laid-out or resumed run is bit for bit the uninterrupted one.
+
+To move blocks without a per-element index, the bucket is copied into
+*rows* of ``block`` values, one block a row, each parameter's last row
+padded with zeros; rows are then picked by a per-row index. Error feedback
+is kept in the bucket's layout, as the flat form keeps it: a rank's
+residual is added to its values before the node's sum, so wherever the
+residual of a block is kept the sum carries it, and what each rounding
+drops is kept by the rank that rounds. Imports only torch.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import int8_codec
+from .int8_plan import Int8BucketPlan
+from .topology import NodeGroups
+from .util import all_gather_single, ceil_div
+
+__all__ = ['TwoLevelPlan', 'two_level_reduce']
+
+
+class TwoLevelPlan:
+    """How one bucket layout goes through the two levels, on one rank.
+
+    Attributes:
+        pieces (list[tuple[int, int, int]]): ``(offset, numel, first row)``
+            of each parameter: where it is in the bucket and in the rows.
+        rows (int): Rows of the bucket (its blocks).
+        slots (Tensor): int64, ``G * M * Q``: the row each slot of the send
+            buffer takes, grouped by node rank, then by cross owner, ``Q``
+            slots each (``rows``, an all-zero row, where there is none).
+        per_rank (int): ``M * Q``, the slots each node rank sums.
+        filled (Tensor): The slots that hold a row; ``filled_rows``: those
+            rows.
+        cross (Int8BucketPlan): The flat exchange of this rank's node sums
+            (``per_rank`` rows) among its cross-node peers.
+        sent_across (int): Bytes this rank sends across nodes per step.
+    """
+
+    def __init__(self, pieces: List[Tuple[int, int, int]], groups: NodeGroups,
+                 block: int) -> None:
+        layout = groups.layout
+        node_size, nodes = layout.ranks_per_node, layout.num_nodes
+        self.block = block
+        self.pieces, firsts, counts = [], [], []
+        row = 0
+        for offset, numel, first in pieces:
+            count = ceil_div(numel, block)
+            self.pieces.append((offset, numel, row))
+            firsts.append(first)
+            counts.append(count)
+            row += count
+        self.rows = row
+        count = torch.tensor(counts, dtype=torch.int64)
+        row_start = torch.cumsum(count, 0) - count
+        row_ids = torch.arange(self.rows, dtype=torch.int64)
+        piece_of = torch.repeat_interleave(
+            torch.arange(len(counts)), count, output_size=self.rows)
+        b = row_ids - row_start[piece_of]
+        k = torch.tensor(firsts, dtype=torch.int64)[piece_of] + b
+        numel = torch.tensor([n for _, n, _ in pieces], dtype=torch.int64)
+        length = (numel[piece_of] - b * block).clamp(max=block)
+
+        # Slots: grouped by (node rank, cross owner), bucket order within.
+        key = (k % node_size) * nodes + (k // node_size) % nodes
+        key, order = torch.sort(key, stable=True)
+        per_key = torch.bincount(key, minlength=node_size * nodes)
+        slots_each = max(int(per_key.max()), 1) if self.rows else 1
+        first_of_key = torch.cumsum(per_key, 0) - per_key
+        slot = key * slots_each + (torch.arange(self.rows) - first_of_key[key])
+        self.per_rank = nodes * slots_each
+        self.slots = torch.full((node_size * self.per_rank, ),
+                                self.rows,
+                                dtype=torch.int64)
+        self.slots[slot] = order
+        self.filled = slot.sort().values
+        self.filled_rows = self.slots[self.filled]
+
+        # This rank's node sums: its per_rank slots, one block each.
+        me = groups.intra_rank
+        mine = self.slots[me * self.per_rank:(me + 1) * self.per_rank]
+        held = mine < self.rows
+        length_of = torch.cat([length, torch.zeros(1, dtype=torch.int64)])
+        where = torch.arange(self.per_rank, dtype=torch.int64)
+        self.cross = Int8BucketPlan.of_blocks(where[held] * block,
+                                              length_of[mine][held],
+                                              where[held] // slots_each, nodes,
+                                              groups.cross_rank)
+        self.sent_across = self.cross.send_bytes + self.cross.padded * (
+            nodes - 1)
+
+    def to_rows(self, x: torch.Tensor, scale: float, residual) -> torch.Tensor:
+        """``x * scale (+ residual)`` cut into rows (plus the zero row)."""
+        rows = torch.empty(
+            (self.rows + 1) * self.block, dtype=torch.float32, device=x.device)
+        for offset, numel, row in self.pieces:
+            at = row * self.block
+            into = rows[at:at + numel]
+            if residual is not None:
+                torch.add(
+                    residual[offset:offset + numel],
+                    x[offset:offset + numel],
+                    alpha=scale,
+                    out=into)
+            else:
+                torch.mul(x[offset:offset + numel], scale, out=into)
+            rows[at + numel:at +
+                 ceil_div(numel, self.block) * self.block].zero_()
+        rows[self.rows * self.block:].zero_()
+        return rows.view(-1, self.block)
+
+    def from_rows(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """Rows back into a bucket-shaped ``out`` (every parameter)."""
+        flat = rows.view(-1)
+        for offset, numel, row in self.pieces:
+            at = row * self.block
+            out[offset:offset + numel].copy_(flat[at:at + numel])
+
+
+def two_level_reduce(groups: NodeGroups, bucket: dist.GradBucket,
+                     plan: TwoLevelPlan,
+                     residual: Optional[torch.Tensor]) -> torch.futures.Future:
+    """The two-level form's work on one bucket (see the module docstring);
+    waits for all but the last all-gather, which it leaves in flight.
+    ``residual``: the bucket's error feedback (fp32, the bucket's layout),
+    None without."""
+    node_size, nodes = groups.layout.ranks_per_node, groups.layout.num_nodes
+    buffer = bucket.buffer()
+    device, block = buffer.device, plan.block
+    x = buffer if buffer.dtype is torch.float32 else buffer.float()
+
+    # 1. Inside the node: every rank's blocks to the rank that sums them.
+    rows = plan.to_rows(x, 1.0 / (node_size * nodes), residual)
+    if residual is not None:
+        residual.zero_()  # now in the node's sums; refilled below
+    send = rows.index_select(0, plan.slots)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=groups.intra)
+    del send
+    parts = recv.view(node_size, -1)
+    sums = parts[0].clone()
+    for i in range(1, node_size):
+        sums += parts[i]
+    del recv, parts
+
+    # 2. Across nodes: the flat exchange of the sums, its residual in the
+    # sums' layout.
+    cross = plan.cross
+    me = groups.cross_rank
+    dropped = torch.zeros_like(sums) if residual is not None else None
+    send8 = torch.empty(cross.send_bytes, dtype=torch.uint8, device=device)
+    out8 = torch.empty(cross.padded, dtype=torch.uint8, device=device)
+    cross.zero_padding(send8, out8, me)
+    int8_codec.quantize_blocks(sums, cross.send, send8, 1.0, dropped)
+    share = cross.splits[me]
+    recv8 = torch.empty(nodes * share, dtype=torch.uint8, device=device)
+    dist.all_to_all_single(
+        recv8,
+        send8,
+        output_split_sizes=[share] * nodes,
+        input_split_sizes=cross.splits,
+        group=groups.cross)
+    total = torch.empty(cross.own.numel, dtype=torch.float32, device=device)
+    for i in range(nodes):
+        int8_codec.dequantize_blocks(
+            recv8[i * share:(i + 1) * share],
+            cross.own,
+            total,
+            accumulate=i > 0)
+    if dropped is None:
+        int8_codec.quantize_blocks(total, cross.own, out8)
+    elif buffer.dtype is torch.float32:
+        int8_codec.quantize_blocks(total, cross.own, out8, 1.0, dropped,
+                                   'collect')
+    else:
+        # A bf16 bucket: what the cast of the result drops is kept too.
+        int8_codec.quantize_blocks(total, cross.own, out8)
+        applied = torch.empty_like(total)
+        int8_codec.dequantize_blocks(out8, cross.own, applied)
+        lost = total - applied.to(buffer.dtype).float()
+        dropped.index_add_(
+            0, cross.own.residual_index(device),
+            torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)))
+    gathered8 = torch.empty(
+        nodes * cross.padded, dtype=torch.uint8, device=device)
+    all_gather_single(gathered8, out8, group=groups.cross)
+    mine = torch.zeros_like(sums)
+    int8_codec.dequantize_blocks(gathered8, cross.gather, mine)
+
+    if residual is not None:
+        # What this rank's roundings dropped, back to the bucket's layout.
+        rows.zero_()
+        at = groups.intra_rank * plan.per_rank
+        slots = plan.slots[at:at + plan.per_rank]
+        held = slots < plan.rows
+        rows.index_copy_(0, slots[held], dropped.view(-1, block)[held])
+        plan.from_rows(rows, residual)
+
+    # 3. Inside the node: every rank's share of the average, to all.
+    share_out = mine if buffer.dtype is torch.float32 else mine.to(
+        buffer.dtype)
+    everything = torch.empty(
+        node_size * share_out.numel(), dtype=buffer.dtype, device=device)
+    fut = all_gather_single(
+        everything, share_out, group=groups.intra, async_op=True).get_future()
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        got = everything.view(-1, block)
+        rows.index_copy_(0, plan.filled_rows,
+                         got[plan.filled].to(torch.float32))
+        plan.from_rows(rows, buffer)
+        return buffer
+
+    return fut.then(decompress)
