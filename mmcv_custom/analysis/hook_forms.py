@@ -151,16 +151,17 @@ def flat_form(name: str) -> str:
 
 def resolved_form(name: str, ranks_per_node: int) -> str:
     """``'flat'`` or ``'two_level'``: the collectives hook form ``name``
-    issues with ``ranks_per_node`` ranks on each node. ``'auto'`` counts
-    as two-level with several ranks per node (flat with one, where there
-    is nothing to reduce inside a node); a hook without ``topology`` is
-    flat."""
+    issues on several nodes of ``ranks_per_node`` ranks each, as
+    ``topology='auto'`` decides (:mod:`mmcv_custom.comm.topology`): two
+    levels for a hook whose record has a two-level form
+    (``HookRecord.two_level``) with several ranks per node, else flat."""
     base, form = split_form(name)
     if form == 'flat' or ranks_per_node == 1:
         return 'flat'
-    if form == TWO_LEVEL or takes_topology(base):
-        return TWO_LEVEL
-    return 'flat'
+    hook = next((h for h in registered_hooks() if h.name == base), None)
+    if hook is None or not getattr(hook.record, 'two_level', False):
+        return 'flat'
+    return TWO_LEVEL if form == TWO_LEVEL or takes_topology(base) else 'flat'
 
 
 def form_label(name: str, labels: dict) -> str:

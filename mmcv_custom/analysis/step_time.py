@@ -119,6 +119,11 @@ def _ddp_models(model, cfg, spec, group, forms=True):
 
     from mmcv_custom.comm.builder import build_comm_hook
     from mmcv_custom.comm.telemetry import CommCounter
+    from mmcv_custom.engine.process_group import launcher_claim
+
+    # What torchrun says of this rank's node: 'auto' decides on it, as in
+    # a training run (CommHookRegistrationHook).
+    claim = launcher_claim() if forms else None
     out = {}
     for name in spec['hooks']:
         config = form_config(name if forms else flat_form(name))
@@ -136,7 +141,10 @@ def _ddp_models(model, cfg, spec, group, forms=True):
             ddp.register_comm_hook(None, clock.hook)
         else:
             built = build_comm_hook(
-                dict(config), process_group=group, counter=counter)
+                dict(config),
+                process_group=group,
+                counter=counter,
+                node_claim=claim)
             ddp.register_comm_hook(built.state, built.hook)
         optim = build_optim_wrapper(ddp.module,
                                     copy.deepcopy(cfg.optim_wrapper))

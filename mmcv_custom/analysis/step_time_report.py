@@ -91,12 +91,24 @@ def _codec(results, name):
 
 
 def _catalogue_name(name, ranks_per_node):
-    """The cost catalogue's name for hook form ``name`` where the
-    catalogue knows its collectives (the flat forms), else None."""
+    """The cost catalogue's name for hook form ``name`` where it runs its
+    flat form (the form the hooks' byte counts are checked against), else
+    None."""
     from .hook_forms import resolved_form, split_form
     if resolved_form(name, ranks_per_node) != 'flat':
         return None
     return split_form(name)[0]
+
+
+def _form_cost(costs, name, nodes, ranks_per_node):
+    """The cost catalogue's entry for hook form ``name`` as it runs on
+    ``nodes`` nodes of ``ranks_per_node`` ranks (its two-level form where
+    it runs that one), or None where the catalogue has none."""
+    from .hook_forms import resolved_form, split_form
+    flat = costs.get(split_form(name)[0])
+    if flat is None or resolved_form(name, ranks_per_node) == 'flat':
+        return flat
+    return flat.two_level(ranks_per_node, nodes)
 
 
 def _layout(buckets):
@@ -118,23 +130,27 @@ def _catalogue():
 
 
 def predicted_link_bytes(buckets, hooks, nodes, ranks_per_node):
-    """Per hook form, the bytes the cost model's catalogue predicts on
-    each node's link per step (each way), from its collectives on these
-    buckets and :func:`~mmcv_custom.comm.traffic.node_link_bytes`; None
-    where the catalogue has no prediction (``noop``, a two-level form)."""
-    from mmcv_custom.comm.traffic import node_link_bytes
+    """Per hook form, the bytes the cost model predicts on each node's
+    link per step (each way): the catalogue's collectives of the form as
+    it runs, for these buckets, each as
+    :func:`~mmcv_custom.analysis.cost.collectives.traffic` puts it on the
+    node links (a ring crosses each node once; an all-to-all carries the
+    off-node shares of all of a node's ranks; a two-level hook's
+    ``'intra'`` collectives stay off the link, its ``'cross'`` ones carry
+    those of each local rank). None where the catalogue has no entry
+    (``noop``)."""
+    from mmcv_custom.analysis.cost.collectives import Cluster, traffic
+
+    # The link rate does not change the bytes.
+    cluster = Cluster(nodes, ranks_per_node, link_bps=1.0)
     layout = _layout(buckets)
     costs = _catalogue()
-    world_size = nodes * ranks_per_node
     out = {}
     for name in hooks:
-        base = _catalogue_name(name, ranks_per_node)
-        if base not in costs:
-            out[name] = None
-            continue
-        out[name] = sum(
-            node_link_bytes(c.kind, c.nbytes, nodes, ranks_per_node)
-            for bucket in costs[base].collectives(layout, world_size)
+        cost = _form_cost(costs, name, nodes, ranks_per_node)
+        out[name] = None if cost is None else sum(
+            traffic(c, cluster).node_bytes
+            for bucket in cost.collectives(layout, cluster.world_size)
             for c in bucket)
     return out
 

@@ -14,19 +14,11 @@ whose only collective is an all-gather counts what it gathers.
 
 The communication telemetry (:mod:`.records`), the cost model
 (:mod:`mmcv_custom.analysis.cost`) and the benchmarks count with it.
-
-With several ranks on each node, what a node's link carries is another
-number: ranks of one node talk inside it, and a collective's layout
-decides how much crosses. :func:`node_link_bytes` is that rule, for the
-layouts gloo uses (and NCCL's ring): what ``benchmark_step_time.py``
-predicts beside the bytes it measures on each emulated node's link.
 Standard library only.
 """
 from typing import Iterable, Tuple
 
-__all__ = [
-    'COLLECTIVE_KINDS', 'reduced_bytes', 'sent_bytes', 'node_link_bytes'
-]
+__all__ = ['COLLECTIVE_KINDS', 'reduced_bytes', 'sent_bytes']
 
 #: The collectives the hooks issue, as the cost model and benchmarks name
 #: them.
@@ -65,45 +57,3 @@ def sent_bytes(collectives: Iterable[Tuple[str, float]],
     return sum(
         reduced_bytes(kind, nbytes, world_size)
         for kind, nbytes in collectives)
-
-
-def node_link_bytes(kind: str, nbytes: float, nodes: int,
-                    ranks_per_node: int) -> float:
-    """The bytes one collective puts on each node's link, each way, when
-    ``nodes`` nodes run ``ranks_per_node`` ranks each, numbered node by
-    node (as torchrun numbers them).
-
-    * ``all_reduce`` and ``all_gather`` go round a ring of the ranks in
-      their order (gloo's algorithms, NCCL's ring): one ring edge leaves
-      each node, and it carries what every rank sends, ``2 (P - 1) / P``
-      of the tensor for an all-reduce and ``P - 1`` parts for an
-      all-gather, whatever ``ranks_per_node``: the ring is why a flat
-      all-reduce does not pay for many ranks per node.
-    * ``all_to_all`` goes straight from each rank to each other rank (gloo
-      sends pairwise): each of the node's ``G`` ranks sends ``1 / P`` of
-      its send tensor to each of the ``P - G`` ranks elsewhere,
-      ``G (P - G) / P`` of it in all: about ``G`` times a ring's bytes.
-
-    With one rank per node this is what :func:`sent_bytes` counts, times
-    a ring's ``2 (P - 1) / P``.
-
-    Args:
-        kind (str): One of :data:`COLLECTIVE_KINDS`.
-        nbytes (float): As for :func:`reduced_bytes`.
-        nodes (int): Nodes, >= 1.
-        ranks_per_node (int): Ranks on each node, >= 1.
-
-    Returns:
-        float: Bytes each node sends (and receives) across its link.
-    """
-    size = nodes * ranks_per_node
-    if nodes < 2:
-        return 0.0
-    if kind == 'all_reduce':
-        return 2 * (size - 1) / size * nbytes
-    if kind == 'all_gather':
-        return (size - 1) * nbytes
-    if kind == 'all_to_all':
-        return ranks_per_node * (size - ranks_per_node) / size * nbytes
-    raise ValueError(f'collective kind should be one of '
-                     f'{list(COLLECTIVE_KINDS)}, but got {kind!r}')

@@ -13,7 +13,6 @@ import pytest
 from mmcv_custom.analysis import hook_forms, step_time
 from mmcv_custom.analysis import step_time_report as st
 from mmcv_custom.comm.registry import COMM_HOOKS
-from mmcv_custom.comm.traffic import node_link_bytes, reduced_bytes
 from mmcv_custom.launching import emulated_cluster
 from tests.tool_utils import (load_script, netns_names, plugin_hook,
                               usage_errors)
@@ -215,20 +214,29 @@ def test_a_plugin_hook_with_a_record_is_a_choice_with_its_label(monkeypatch):
     assert name not in step_time.hook_configs()
 
 
-def test_a_node_link_carries_one_ring_edge_or_every_all_to_all_share():
-    # One rank per node: what every rank sends, as the counting has it.
-    for kind, nbytes in (('all_reduce', 800), ('all_gather', 100),
-                         ('all_to_all', 800)):
-        assert node_link_bytes(kind, nbytes, 4, 1) == pytest.approx(
-            reduced_bytes(kind, nbytes, 4) * 2 * 3 / 4)
-    # 2 nodes x 4 ranks: a ring still crosses once each way, ...
-    assert node_link_bytes('all_reduce', 800, 2, 4) == 2 * 7 / 8 * 800
-    assert node_link_bytes('all_gather', 100, 2, 4) == 7 * 100
-    # ... an all-to-all sends each rank's 4 eighths from all 4 ranks.
-    assert node_link_bytes('all_to_all', 800, 2, 4) == 4 * 4 / 8 * 800
-    assert node_link_bytes('all_reduce', 800, 1, 8) == 0.0
-    with pytest.raises(ValueError, match="but got 'broadcast'"):
-        node_link_bytes('broadcast', 1, 2, 2)
+def test_predicted_link_bytes_follow_the_form_each_hook_runs():
+    grads = 4 * 1024 * 256
+    buckets = [
+        dict(
+            index=0,
+            bytes=grads,
+            params=[dict(shape=[1024, 256], dtype='float32', index=0)])
+    ]
+    forms = [
+        'noop', 'allreduce', 'int8_compress:flat', 'int8_compress:two_level'
+    ]
+    two_by_two = st.predicted_link_bytes(buckets, forms, 2, 2)
+    assert two_by_two['noop'] is None
+    # A ring of 4 ranks numbered node by node crosses each node once.
+    assert two_by_two['allreduce'] == pytest.approx(2 * 3 / 4 * grads)
+    # Two levels: int8 crosses only among same-local-rank peers.
+    assert two_by_two[
+        'int8_compress:two_level'] < 0.6 * two_by_two['int8_compress:flat']
+    # One rank per node: the two-level form is the flat one.
+    one_each = st.predicted_link_bytes(buckets, forms, 2, 1)
+    assert one_each['int8_compress:two_level'] == one_each[
+        'int8_compress:flat']
+    assert one_each['allreduce'] == pytest.approx(grads)
 
 
 def test_hook_forms_set_the_topology_their_suffix_names():
@@ -354,11 +362,13 @@ def test_two_nodes_of_two_ranks_measure_what_crosses_each_link(tmp_path):
     """2 nodes x 2 ranks, FCN toy: the bytes each node's link carried per
     step, read from its counters, are what a ring all-reduce of the
     model's gradients sends across (one ring edge leaves each node), and
-    what the byte counting predicts for flat int8."""
+    what the cost model predicts for int8's flat and two-level forms,
+    side by side in one run."""
     out = tmp_path / 'bench.json'
     proc, pid = _run_tool(FCN, '--ranks-per-node', '2', '--rates', 'unshaped',
-                          '--hooks', 'allreduce', 'int8_compress', '--steps',
-                          '2', '--rounds', '1', '--timeout', '300', '--json',
+                          '--hooks', 'allreduce', 'int8_compress:flat',
+                          'int8_compress:two_level', '--steps', '2',
+                          '--rounds', '1', '--timeout', '300', '--json',
                           str(out), '--work-dir', str(tmp_path / 'logs'))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert '2 emulated nodes x 2 ranks (gloo)' in proc.stdout
@@ -373,10 +383,14 @@ def test_two_nodes_of_two_ranks_measure_what_crosses_each_link(tmp_path):
                       rows['allreduce']['link_rx_bytes']):
         assert tx == pytest.approx(2 * 3 / 4 * grads, rel=0.03)
         assert rx == pytest.approx(2 * 3 / 4 * grads, rel=0.03)
-    for name in ('allreduce', 'int8_compress'):
+    for name in ('allreduce', 'int8_compress:flat', 'int8_compress:two_level'):
         for tx in rows[name]['link_tx_bytes']:
             assert tx == pytest.approx(
                 rows[name]['predicted_link_bytes'], rel=0.05)
+    # Issue 30's target: two levels put at most 0.6x the flat form's bytes
+    # on a node's link.
+    assert max(rows['int8_compress:two_level']['link_tx_bytes']) <= 0.6 * min(
+        rows['int8_compress:flat']['link_tx_bytes'])
     # The table has them, node by node.
     mb = '/'.join(f'{b / 1e6:.2f}' for b in rows['allreduce']['link_tx_bytes'])
     assert f'| {mb} |' in proc.stdout
