@@ -2,7 +2,7 @@
 nodes' measurements (see :mod:`.step_time`): the rows per rate and hook,
 the overlap bound a link allows, the noise of each row, the verdict on
 issue 18's targets, the bytes each node's link carried (measured from
-its counters) beside what the byte counting predicts, the plot, and the
+its counters) beside what the cost model predicts, the plot, and the
 JSON that ``tools/analysis_tools/comm_cost_model.py --fit`` reads.
 """
 import math
@@ -281,7 +281,7 @@ def report(summary, meta):
         'Rate: tc tbf on every node link, both directions; no propagation '
         'delay is emulated. link: what each node\'s link sent per step '
         '(node0/node1/...), from its counters, headers and TCP '
-        'acknowledgements included; predicted: by the byte counting.', '',
+        'acknowledgements included; predicted: by the cost model.', '',
         '| rate | hook | step (s) | x allreduce | exposed (s) | wire (s) '
         '| exposed / wire | bound / wire | bound+codec / wire | codec (ms) '
         '| link (MB/step) | predicted (MB) |',

@@ -36,7 +36,7 @@ Reported per rate and hook:
   backward pass; the verdict judges against this bound;
 * ``link``: the bytes each node's link sent per step, from its
   interface counters (start-up traffic left out), beside ``predicted``:
-  the byte counting's, for the flat forms.
+  the cost model's, for the form each hook runs.
 
 ``--hooks`` names each hook in a form (``NAME``, ``NAME:flat``,
 ``NAME:two_level``; see :mod:`mmcv_custom.analysis.hook_forms`), so that
