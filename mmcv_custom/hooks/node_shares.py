@@ -120,6 +120,7 @@ def gather_from_owners(groups: NodeGroups, buffer: torch.Tensor,
 
     def unpack(fut: torch.futures.Future) -> torch.Tensor:
         # Raise what a collective raised (collect_all only gathers them).
+        fut.value()
         for done in futures:
             done.value()
         for part, pieces in zip(parts, shares.pieces):

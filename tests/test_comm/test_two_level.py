@@ -96,6 +96,9 @@ PSGD = dict(
 # A rank as large as the matrices, and a rate that lets PyTorch's rule
 # compress them: PowerSGD is then exact, up to fp32 rounding.
 PSGD_EXACT = dict(PSGD, matrix_approximation_rank=16, min_compression_rate=0.1)
+PSGD_BF16 = dict(PSGD, wrapper='bf16')
+# New random Q each step, nothing carried over.
+PSGD_COLD = dict(PSGD, warm_start=False, use_error_feedback=False)
 BATCHED = dict(PSGD, type='batched_powerSGD')
 # Each node rank's half of the 676-value bucket, 338 values, as a 19 x 19
 # square whose last row is padding: rank 18 spans its columns, so PowerSGD
@@ -110,9 +113,12 @@ def _powersgd_cases(rank, world_size):
         psgd_many=_train(rank, world_size, PSGD, cap=1e-4),
         psgd_flat=_train(rank, world_size, dict(PSGD, topology='flat')),
         psgd_exact=_train(rank, world_size, PSGD_EXACT, 4),
+        psgd_cold=_train(rank, world_size, PSGD_COLD, 4),
+        psgd_bf16=_train(rank, world_size, PSGD_BF16),
         batched_one=_train(rank, world_size, BATCHED),
         batched_exact=_train(rank, world_size, BATCHED_EXACT, 4))
-    for name, cfg in (('psgd', PSGD), ('batched', BATCHED)):
+    for name, cfg in (('psgd', PSGD), ('psgd_bf16', PSGD_BF16), ('batched',
+                                                                 BATCHED)):
         first = _train(rank, world_size, cfg, 3)
         out[f'{name}_resumed'] = _train(
             rank, world_size, cfg, 3, state_in=first, start=3)
@@ -378,12 +384,24 @@ def test_two_level_powersgd_follows_the_parameters_not_the_buckets(four):
                    for a, e in zip(res['applied'][step], res['exact'][step]))
 
 
-def test_two_level_powersgd_resumes_bit_for_bit(four):
+@pytest.mark.parametrize('name', ['psgd', 'psgd_bf16'])
+def test_two_level_powersgd_resumes_bit_for_bit(four, name):
     """Error feedback, warm start, the generator and the step count, saved
     per parameter by the state keeper after 3 steps and restored into a
-    new DDP model whose first buckets are laid out afresh."""
-    for whole, resumed in zip(four['psgd_one'], four['psgd_resumed']):
+    new DDP model whose first buckets are laid out afresh; under the bf16
+    wrapper too (the state in bf16, as PowerSGD computes)."""
+    whole_runs = four['psgd_one' if name == 'psgd' else name]
+    for whole, resumed in zip(whole_runs, four[f'{name}_resumed']):
         _same_bits([dict(applied=whole['applied'][3:])], [resumed])
+
+
+def test_two_level_powersgd_without_warm_start_or_error_feedback(four):
+    """New random factors every step, drawn alike by each owner's peers:
+    in step on every rank, and no further from the mean than the mean's
+    own size (rank 2 of 16, nothing carried over)."""
+    _same_everywhere(four['psgd_cold'])
+    _close_to_exact(four['psgd_cold'][0], 1.0)
+    _same_everywhere(four['psgd_bf16'])
 
 
 def test_two_level_batched_powersgd_resumes_compressing(four):
