@@ -77,6 +77,8 @@ class PowerSGDState(powerSGD.PowerSGDState):
         self._plans: Dict[int, tuple] = {}
         # Bucket index -> the NodeShares of its last step.
         self._shares: Dict[int, NodeShares] = {}
+        # Bucket index -> (its Q memory, offsets of the usable slots).
+        self._usable: Dict[int, tuple] = {}
 
     def node_share(self, bucket: dist.GradBucket) -> int:
         """Elements of ``bucket`` this rank reduced across nodes in its
@@ -453,6 +455,39 @@ def _two_level(state: 'PowerSGDState',
     return gather_from_owners(state.node_groups, buffer, plan.shares, x)
 
 
+def _warm_starts(state: 'PowerSGDState', plan: _TwoLevelPlan, index: int,
+                 slots: List[Tuple[int, int]],
+                 like: torch.Tensor) -> Tuple[torch.Tensor, set]:
+    """The bucket's ``Q`` memory, and the offsets of the slots of this
+    rank's matrices (``slots``) that hold a warm start it can use (the
+    caller adds those it fills).
+
+    The slot of a matrix this rank does not compress stays zero (another
+    node rank's). Restored by the state keeper into a run where this rank
+    does compress it (nodes of another size, a new parameter order), it
+    must be drawn afresh, or ``P = M Q`` would stay zero for good. So each
+    time the memory is new (a new layout, a restore) the rank's slots are
+    looked at, once; the steps in between trust what the rank wrote.
+    """
+    memory = state.q_memory_dict.get(index)
+    if (not state.warm_start or index not in state.p_memory_dict
+            or memory is None or memory.numel() != plan.q_size):
+        state.p_memory_dict[index] = like.new_empty(plan.p_size)
+        memory = state.q_memory_dict[index] = like.new_zeros(plan.q_size)
+        usable = set()
+    else:
+        kept = state._usable.get(index)
+        if kept is not None and kept[0] is memory:
+            usable = kept[1]
+        else:
+            held = (
+                torch.stack([memory[at:at + n].ne(0).any()
+                             for at, n in slots]).tolist() if slots else [])
+            usable = {at for (at, _), ok in zip(slots, held) if ok}
+    state._usable[index] = (memory, usable)
+    return memory, usable
+
+
 def _compress_owned(state: 'PowerSGDState', plan: _TwoLevelPlan, index: int,
                     x: torch.Tensor, error: Optional[torch.Tensor]) -> None:
     """PowerSGD on this rank's tensors (their node sums, packed in ``x``)
@@ -504,17 +539,12 @@ def _compress_owned(state: 'PowerSGDState', plan: _TwoLevelPlan, index: int,
     ps = _views(p_buf, shaped, rows=True, state=state)
     qs = _views(q_buf, shaped, rows=False, state=state)
 
-    fresh = (not state.warm_start or index not in state.p_memory_dict
-             or state.q_memory_dict[index].numel() != plan.q_size)
-    if fresh:
-        state.p_memory_dict[index] = torch.empty(
-            plan.p_size, dtype=dtype, device=device)
-        state.q_memory_dict[index] = torch.zeros(
-            plan.q_size, dtype=dtype, device=device)
-    q_memory = state.q_memory_dict[index]
+    q_memory, usable = _warm_starts(
+        state, plan, index,
+        [slot for batch in batches for _, _, slot in batch], x)
     for batch, q in zip(batches, qs):
         for i, (_, _, (at, numel)) in enumerate(batch):
-            if fresh:
+            if at not in usable:
                 # One draw per matrix, in the order its owner meets them:
                 # the same on the owner's peers, in any bucket layout.
                 generator = torch.Generator().manual_seed(
@@ -555,6 +585,7 @@ def _compress_owned(state: 'PowerSGDState', plan: _TwoLevelPlan, index: int,
                     out=error[offset:offset + matrix.numel()].view_as(matrix))
             matrix.copy_(approx[i])
             q_memory[at:at + numel].copy_(q[i].reshape(-1))
+            usable.add(at)
     if flat_work is not None:
         flat_work.wait()
         flat.div_(world_size)

@@ -122,6 +122,18 @@ def _powersgd_cases(rank, world_size):
         first = _train(rank, world_size, cfg, 3)
         out[f'{name}_resumed'] = _train(
             rank, world_size, cfg, 3, state_in=first, start=3)
+        if name == 'psgd':
+            # Each rank restores its node peer's state: the warm starts of
+            # the matrices it compresses are the peer's zeros.
+            states = [None] * world_size
+            dist.all_gather_object(states, first['hook'])
+            out['psgd_swapped'] = _train(
+                rank,
+                world_size,
+                cfg,
+                3,
+                state_in=dict(first, hook=states[rank ^ 1]),
+                start=3)
     return out
 
 
@@ -393,6 +405,17 @@ def test_two_level_powersgd_resumes_bit_for_bit(four, name):
     whole_runs = four['psgd_one' if name == 'psgd' else name]
     for whole, resumed in zip(whole_runs, four[f'{name}_resumed']):
         _same_bits([dict(applied=whole['applied'][3:])], [resumed])
+
+
+def test_a_warm_start_the_rank_never_computed_is_drawn_afresh(four):
+    """Restored where another node rank compressed a matrix (here: each
+    rank given its peer's state), its warm start is the other rank's zero
+    slot: drawn afresh, the matrix is still compressed, not zeroed for
+    good (``P = M Q`` of a zero ``Q``)."""
+    swapped = four['psgd_swapped']
+    _same_everywhere(swapped)
+    for step in swapped[0]['applied']:
+        assert step[0].abs().max() > 0  # fc1.weight, the compressed one
 
 
 def test_two_level_powersgd_without_warm_start_or_error_feedback(four):
