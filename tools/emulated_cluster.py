@@ -5,7 +5,11 @@ each node's link shaped to ``--bandwidth`` Mbit/s in both directions with
 tc's token bucket (tbf); runs the command after ``--`` on every node at
 once with ``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``, ``PORT`` and
 ``GLOO_SOCKET_IFNAME`` set (what ``tools/dist_train.sh`` and
-``tools/dist_test.sh`` read for a multi-node torchrun job); prints each
+``tools/dist_test.sh`` read for a multi-node torchrun job), and
+``NPROC_PER_NODE`` (``--ranks-per-node``: the ranks each node's launcher
+should start; they share the node's namespace and talk to each other
+through its loopback device, so only traffic between nodes crosses the
+shaped link, as between the GPUs of a real node); prints each
 node's output prefixed with ``[node<i>]``; removes everything on exit. Only
 the rate is emulated: no propagation delay, jitter or loss, and all nodes
 share this host's CPUs (see :mod:`mmcv_custom.launching.emulated_cluster`).
@@ -22,6 +26,11 @@ Examples:
         tools/dist_train.sh \\
         configs/fcn/fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py 1 \\
         --work-dir work_dirs/fcn_2nodes_300mbit
+    # 2 nodes x 2 ranks: torchrun starts NPROC_PER_NODE ranks per node
+    python tools/emulated_cluster.py --nodes 2 --ranks-per-node 2 \
+        --bandwidth 300 -- bash -c 'tools/dist_train.sh \
+        configs/fcn/fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py \
+        $NPROC_PER_NODE --work-dir work_dirs/fcn_2x2_300mbit'
     # what a gloo all_reduce gets through 100 Mbit/s links
     python tools/emulated_cluster.py --nodes 2 --bandwidth 100 --calibrate
     # any command; a shell expands $NODE_RANK on each node
@@ -80,6 +89,15 @@ def _build_parser() -> argparse.ArgumentParser:
         default=2,
         help=f'emulated nodes, 2 to {MAX_NODES} (default: 2)')
     parser.add_argument(
+        '--ranks-per-node',
+        type=int,
+        default=1,
+        metavar='N',
+        help='ranks on each node, an int >= 1, set as NPROC_PER_NODE on '
+        'every node for its launcher (e.g. `tools/dist_train.sh CONFIG '
+        '$NPROC_PER_NODE`); ranks of a node talk inside it, only '
+        'traffic between nodes crosses the shaped link (default: 1)')
+    parser.add_argument(
         '--bandwidth',
         type=_bandwidth,
         default=None,
@@ -114,7 +132,8 @@ def _build_parser() -> argparse.ArgumentParser:
         '--calibrate',
         action='store_true',
         help='first measure a gloo all_reduce across the nodes (one rank '
-        'each) and print its bus bandwidth against --bandwidth')
+        'each, whatever --ranks-per-node: it measures the links) and '
+        'print its bus bandwidth against --bandwidth')
     parser.add_argument(
         '--calibrate-mib',
         type=float,
@@ -149,6 +168,9 @@ def parse_args(args=None) -> argparse.Namespace:
     if not 2 <= parsed.nodes <= MAX_NODES:
         parser.error(f'--nodes should be an int from 2 to {MAX_NODES} (one '
                      f'network namespace per node), but got {parsed.nodes}')
+    if parsed.ranks_per_node < 1:
+        parser.error('--ranks-per-node should be an int >= 1 (ranks on '
+                     f'each emulated node), but got {parsed.ranks_per_node}')
     if not 1 <= parsed.port <= 65535:
         parser.error(f'--port should be from 1 to 65535, but got '
                      f'{parsed.port}')
@@ -190,7 +212,8 @@ def _run(args: argparse.Namespace) -> int:
             return None
         return max(args.timeout - (time.monotonic() - start), 1e-3)
 
-    with EmulatedCluster(args.nodes, args.bandwidth) as cluster:
+    with EmulatedCluster(args.nodes, args.bandwidth,
+                         args.ranks_per_node) as cluster:
         print('\n'.join(cluster.describe(args.port)), flush=True)
         if args.calibrate:
             result = calibrate(

@@ -14,7 +14,8 @@ the hooks' records).
 What the benchmarks and the convergence comparison measure and report
 lives in modules imported on their own, not with this package (they
 import the communication core): :mod:`.step_time` and
-:mod:`.step_time_report` (``benchmark_step_time.py``),
+:mod:`.step_time_report` (``benchmark_step_time.py``, with
+:mod:`.hook_forms`, a hook named in its flat or two-level form),
 :mod:`.hook_benchmark` and :mod:`.hook_benchmark_report`
 (``benchmark_comm_hooks.py``), :mod:`.convergence` and
 :mod:`.convergence_runs` (``compare_comm_convergence.py``), all reading

@@ -131,25 +131,59 @@ def train(args, variant: str, number: str, dist_train: str) -> Optional[str]:
             flush=True)
         return None
     before = set(find_runs(work_dir))
+    per_node = getattr(args, 'ranks_per_node', None) or args.nproc
+    nodes = args.nproc // per_node
     cmd = [
         'bash', dist_train, args.config,
-        str(args.nproc), '--work-dir', work_dir, '--cfg-options',
+        str(per_node), '--work-dir', work_dir, '--cfg-options',
         *train_options(args, variant)
     ]
     port = args.port or free_port()
     log = osp.join(work_dir, 'dist_train.log')
+    envs = [dict(os.environ, PORT=port)]
+    if nodes > 1:
+        # Nodes of one machine, as torchrun starts them on a cluster: each
+        # rank's launcher says which node it is on, and topology='auto'
+        # follows that word.
+        envs = [
+            dict(
+                os.environ,
+                PORT=port,
+                NNODES=str(nodes),
+                NODE_RANK=str(node),
+                MASTER_ADDR='127.0.0.1') for node in range(nodes)
+        ]
+    shown = (f'NNODES={nodes} ' if nodes > 1 else '') + f'PORT={port}'
     print(
-        f'[{variant}] run {number} starts: PORT={port} {" ".join(cmd[1:])}',
+        f'[{variant}] run {number} starts: {shown} {" ".join(cmd[1:])}',
         file=sys.stderr,
         flush=True)
     start = time.time()
+    others, code = [], None
     with open(log, 'w') as f:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, PORT=port))
-        code = _wait(proc, log, variant)
+        try:
+            for node, env in enumerate(envs[1:], 1):
+                with open(
+                        osp.join(work_dir, f'dist_train.node{node}.log'),
+                        'w') as other_log:
+                    others.append(
+                        subprocess.Popen(
+                            cmd,
+                            stdout=other_log,
+                            stderr=subprocess.STDOUT,
+                            env=env))
+            proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=envs[0])
+            code = _wait(proc, log, variant)
+        finally:
+            # The other nodes end with the first (failed or interrupted:
+            # stopped; done: they finish too).
+            for other in others:
+                if code != 0:
+                    other.terminate()
+                other_code = other.wait()
+                if code is not None:
+                    code = code or other_code
     new = [r for r in find_runs(work_dir) if r not in before]
     if code != 0 or not new:
         print(

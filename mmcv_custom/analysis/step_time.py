@@ -7,7 +7,15 @@ The report on the results is :mod:`.step_time_report`.
 
 The hooks compared are ``noop`` (a hook that sends nothing) and every
 registered hook (:func:`hook_configs`), each with the settings its record
-asks benchmarks to use.
+asks benchmarks to use, in one of its forms (``NAME``, ``NAME:flat``,
+``NAME:two_level``: see :mod:`.hook_forms`).
+
+A node runs one rank (the node worker itself) or, with several ranks per
+node, a torchrun that starts them (:func:`node_command`). Around every
+block of timed steps the ranks read their node's link counters
+(:mod:`mmcv_custom.launching.emulated_cluster.counters`), so that the
+report gives the bytes each node's link carried per step, measured, with
+the start-up and warm-up traffic left out.
 """
 import copy
 import faulthandler
@@ -19,30 +27,13 @@ import statistics
 import time
 from datetime import timedelta
 
-from .registered import registered_hooks
+from .hook_forms import flat_form, form_config, hook_configs, hook_labels
 
 __all__ = [
     'hook_configs', 'hook_labels', 'rate_label', 'progress_steps',
-    'ProgressOnly', 'node_worker', 'log_tails', 'PROGRESS'
+    'ProgressOnly', 'node_command', 'run_on_cluster', 'node_worker',
+    'log_tails', 'PROGRESS'
 ]
-
-
-def hook_configs():
-    """Hook name -> its ``comm_hook`` config, in the tool's order:
-    ``noop`` (None: it sends nothing), then every registered hook with
-    its record's ``benchmark_options``."""
-    out = {'noop': None}
-    for hook in registered_hooks():
-        out[hook.name] = dict(type=hook.name, **hook.record.benchmark_options)
-    return out
-
-
-def hook_labels():
-    """Hook name -> its label in the plot's legend (its record's, else
-    its name), for the hooks of :func:`hook_configs`."""
-    labels = {'noop': 'noop'}
-    labels.update((h.name, h.label) for h in registered_hooks())
-    return labels
 
 
 def rate_label(mbit):
@@ -116,23 +107,32 @@ def _build(cfg):
     return model, data
 
 
-def _ddp_models(model, cfg, spec, group):
-    """One DDP model per hook (a hook is registered once per model), each
-    on its own copy of the same weights."""
+def _ddp_models(model, cfg, spec, group, forms=True):
+    """One DDP model per hook form (a hook is registered once per model),
+    each on its own copy of the same weights. ``forms=False`` builds every
+    hook in its flat form, for the codec times on one-rank groups: there
+    nothing is reduced inside a node and the forms do the same local work,
+    and a two-level form would find its one-rank group at odds with the
+    launcher's ranks per node."""
     from mmengine.optim import build_optim_wrapper
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from mmcv_custom.comm.builder import build_comm_hook
     from mmcv_custom.comm.telemetry import CommCounter
+    from mmcv_custom.engine.process_group import launcher_claim
+
+    # What torchrun says of this rank's node: 'auto' decides on it, as in
+    # a training run (CommHookRegistrationHook).
+    claim = launcher_claim() if forms else None
     out = {}
-    configs = hook_configs()
     for name in spec['hooks']:
+        config = form_config(name if forms else flat_form(name))
         module = copy.deepcopy(model)
         ddp = DDP(
             module, process_group=group, bucket_cap_mb=spec['bucket_cap_mb'])
         counter = CommCounter()
         clock = None
-        if configs[name] is None:
+        if config is None:
             clock = _Clock({
                 id(p): i
                 for i, p in enumerate(
@@ -141,7 +141,10 @@ def _ddp_models(model, cfg, spec, group):
             ddp.register_comm_hook(None, clock.hook)
         else:
             built = build_comm_hook(
-                dict(configs[name]), process_group=group, counter=counter)
+                dict(config),
+                process_group=group,
+                counter=counter,
+                node_claim=claim)
             ddp.register_comm_hook(built.state, built.hook)
         optim = build_optim_wrapper(ddp.module,
                                     copy.deepcopy(cfg.optim_wrapper))
@@ -211,7 +214,7 @@ def _codec_times(model, cfg, spec, data, rank, world_size):
     """
     import torch.distributed as dist
     solos = [dist.new_group([r]) for r in range(world_size)]
-    models = _ddp_models(model, cfg, spec, solos[rank])
+    models = _ddp_models(model, cfg, spec, solos[rank], forms=False)
     times = {name: [] for name in models}
     for name, entry in models.items():
         for _ in range(_WARMUP):
@@ -227,6 +230,80 @@ def _codec_times(model, cfg, spec, data, rank, world_size):
     }
 
 
+def node_command(script_argv, ranks_per_node):
+    """What each emulated node runs: the node worker (``script_argv``, a
+    Python file and its arguments) by this interpreter with one rank per
+    node; with several, torchrun starting that many of it
+    (``--nproc-per-node``), so that the ranks see ``GROUP_RANK``,
+    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as on a real cluster,
+    numbered node by node. A shell expands the node's own ``NODE_RANK``;
+    the rendezvous is node 0's address, as for ``tools/dist_train.sh``."""
+    import shlex
+    import sys
+    if ranks_per_node == 1:
+        return [sys.executable] + list(script_argv)
+    torchrun = shlex.join([sys.executable, '-m', 'torch.distributed.run'])
+    return [
+        'bash', '-c',
+        f'exec {torchrun} --nnodes "$NNODES" --node-rank "$NODE_RANK" '
+        f'--nproc-per-node {int(ranks_per_node)} --master-addr '
+        '"$MASTER_ADDR" --master-port "$PORT" ' + shlex.join(script_argv)
+    ]
+
+
+def run_on_cluster(cluster, spec, script, work_dir, folder):
+    """Run the node worker (``script --node-worker SPEC``) on every node
+    of the open ``cluster``, ``cluster.ranks_per_node`` ranks each, with
+    ``spec`` (plus the cluster's links, which rank 0 shapes, and where the
+    results go, both in ``folder``), its progress on stderr and each
+    node's log in ``work_dir``.
+
+    Returns:
+        tuple: The :class:`~mmcv_custom.launching.emulated_cluster.RunResult`
+        and, when every node ended well, the ranks' results (else None).
+    """
+    from mmcv_custom.launching.emulated_cluster import run_on_nodes
+    from .progress import Progress
+    spec = dict(
+        spec,
+        links=[list(link) for link in cluster.shaped_links],
+        out=osp.join(folder, 'results.json'))
+    spec_path = osp.join(folder, 'spec.json')
+    with open(spec_path, 'w') as f:
+        json.dump(spec, f)
+    steps = progress_steps(spec['hooks'], spec['rates'], spec['rounds'],
+                           spec['steps'])
+    with Progress(len(steps), weights=[w for _, w in steps]) as progress:
+        result = run_on_nodes(
+            cluster,
+            node_command([script, '--node-worker', spec_path],
+                         cluster.ranks_per_node),
+            log_dir=work_dir,
+            timeout=spec['timeout'],
+            stream=ProgressOnly(progress))
+    if result.returncode != 0:
+        return result, None
+    with open(spec['out']) as f:
+        return result, json.load(f)
+
+
+def _rank_env():
+    """``(rank, world size, node, local rank)`` of this rank, from
+    torchrun's variables where it started the rank, else from the node's
+    (one rank per node, started by the emulated cluster itself)."""
+    if 'LOCAL_WORLD_SIZE' in os.environ:
+        return (int(os.environ['RANK']), int(os.environ['WORLD_SIZE']),
+                int(os.environ['GROUP_RANK']), int(os.environ['LOCAL_RANK']))
+    rank = int(os.environ['NODE_RANK'])
+    world_size = int(os.environ['NNODES'])
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK='0',
+        MASTER_PORT=os.environ['PORT'])
+    return rank, world_size, rank, 0
+
+
 def node_worker(spec_path):
     # Stopped for a timeout (SIGTERM), a node says where it was: every
     # thread's stack goes to its log before it ends.
@@ -236,13 +313,7 @@ def node_worker(spec_path):
 
     with open(spec_path) as f:
         spec = json.load(f)
-    rank = int(os.environ['NODE_RANK'])
-    world_size = int(os.environ['NNODES'])
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK='0',
-        MASTER_PORT=os.environ['PORT'])
+    rank, world_size, node, local_rank = _rank_env()
     torch.set_num_threads(spec['threads'])
     dist.init_process_group(
         'gloo',
@@ -254,6 +325,7 @@ def node_worker(spec_path):
     # Every DDP model lives in _measure's frame and is gone when it
     # returns: see shutdown_distributed for why that must come first.
     result = _measure(spec, rank, world_size)
+    result.update(node=node, local_rank=local_rank)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, result)
     if rank == 0:
@@ -289,6 +361,7 @@ def _measure(spec, rank, world_size):
 
     labels = [rate_label(mbit) for mbit in spec['rates']]
     steps = {label: {name: [] for name in models} for label in labels}
+    link = {label: {name: [] for name in models} for label in labels}
     wire = {name: [] for name in models}
     backward = []
     for round_ in range(spec['rounds']):
@@ -298,7 +371,7 @@ def _measure(spec, rank, world_size):
                 _set_rate(spec, mbit)
             dist.barrier()
             for name, entry in models.items():
-                dist.barrier()
+                before = _link_bytes()
                 for _ in range(spec['steps']):
                     seconds, back = _step(entry, data)
                     steps[label][name].append(seconds)
@@ -307,6 +380,9 @@ def _measure(spec, rank, world_size):
                         wire[name].append(sent)
                     if name == 'noop':
                         backward.append(back)
+                after = _link_bytes()
+                link[label][name].append(
+                    [after.tx - before.tx, after.rx - before.rx])
             if rank == 0:
                 print(
                     f'{PROGRESS}round {round_ + 1}/{spec["rounds"]}, '
@@ -323,6 +399,7 @@ def _measure(spec, rank, world_size):
     result = dict(
         rank=rank,
         steps=steps,
+        link_bytes=link,
         bucket_cap_mb=spec['bucket_cap_mb'],
         wire_bytes={
             n: max(w) if w else 0
@@ -333,6 +410,20 @@ def _measure(spec, rank, world_size):
         codec_s=codec,
         grad_bytes=grad_bytes)
     return result
+
+
+def _link_bytes():
+    """This node's link counters, read between two barriers: every rank's
+    earlier steps are done, and none of the node's ranks (which share the
+    counters) sends the next step's bytes before it is read. The
+    barriers' own few hundred bytes are counted, the steps' all."""
+    import torch.distributed as dist
+
+    from mmcv_custom.launching.emulated_cluster import read_link_bytes
+    dist.barrier()
+    counters = read_link_bytes(os.environ['GLOO_SOCKET_IFNAME'])
+    dist.barrier()
+    return counters
 
 
 def _bucket_records(clock):

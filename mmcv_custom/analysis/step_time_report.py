@@ -1,8 +1,9 @@
 """What ``tools/analysis_tools/benchmark_step_time.py`` reports from its
 nodes' measurements (see :mod:`.step_time`): the rows per rate and hook,
 the overlap bound a link allows, the noise of each row, the verdict on
-issue 18's targets, the plot, and the JSON that
-``tools/analysis_tools/comm_cost_model.py --fit`` reads.
+issue 18's targets, the bytes each node's link carried (measured from
+its counters) beside what the cost model predicts, the plot, and the
+JSON that ``tools/analysis_tools/comm_cost_model.py --fit`` reads.
 """
 import math
 import statistics
@@ -10,8 +11,9 @@ import statistics
 from .step_time import hook_configs, hook_labels, rate_label
 
 __all__ = [
-    'overlap_bound', 'median_error', 'round_error', 'summarize', 'report',
-    'verdict', 'plot', 'bench_json'
+    'overlap_bound', 'median_error', 'round_error', 'link_per_step',
+    'predicted_link_bytes', 'summarize', 'report', 'verdict', 'plot',
+    'bench_json', 'report_run'
 ]
 
 
@@ -88,11 +90,100 @@ def _codec(results, name):
     return statistics.median(r['codec_s'].get(name, 0.0) for r in results)
 
 
-def summarize(results, rates, hooks, world_size, rounds=1):
+def _catalogue_name(name, ranks_per_node):
+    """The cost catalogue's name for hook form ``name`` where it runs its
+    flat form (the form the hooks' byte counts are checked against), else
+    None."""
+    from .hook_forms import resolved_form, split_form
+    if resolved_form(name, ranks_per_node) != 'flat':
+        return None
+    return split_form(name)[0]
+
+
+def _form_cost(costs, name, nodes, ranks_per_node):
+    """The cost catalogue's entry for hook form ``name`` as it runs on
+    ``nodes`` nodes of ``ranks_per_node`` ranks (its two-level form where
+    it runs that one), or None where the catalogue has none."""
+    from .hook_forms import resolved_form, split_form
+    flat = costs.get(split_form(name)[0])
+    if flat is None or resolved_form(name, ranks_per_node) == 'flat':
+        return flat
+    return flat.two_level(ranks_per_node, nodes)
+
+
+def _layout(buckets):
+    """The buckets as the cost model's :class:`~.cost.Bucket` layout."""
+    from mmcv_custom.analysis import cost
+    return [
+        cost.Bucket(
+            tuple(
+                cost.ParamSpec(tuple(p['shape']), p['dtype'])
+                for p in b['params']), tuple(p['index'] for p in b['params']))
+        for b in buckets
+    ]
+
+
+def _catalogue():
+    from mmcv_custom.analysis import cost
+    return cost.hook_costs(
+        powersgd_rank=hook_configs()['powerSGD']['matrix_approximation_rank'])
+
+
+def predicted_link_bytes(buckets, hooks, nodes, ranks_per_node):
+    """Per hook form, the bytes the cost model predicts on each node's
+    link per step (each way): the catalogue's collectives of the form as
+    it runs, for these buckets, each as
+    :func:`~mmcv_custom.analysis.cost.collectives.traffic` puts it on the
+    node links (a ring crosses each node once; an all-to-all carries the
+    off-node shares of all of a node's ranks; a two-level hook's
+    ``'intra'`` collectives stay off the link, its ``'cross'`` ones carry
+    those of each local rank). None where the catalogue has no entry
+    (``noop``)."""
+    from mmcv_custom.analysis.cost.collectives import Cluster, traffic
+
+    # The link rate does not change the bytes.
+    cluster = Cluster(nodes, ranks_per_node, link_bps=1.0)
+    layout = _layout(buckets)
+    costs = _catalogue()
+    out = {}
+    for name in hooks:
+        cost = _form_cost(costs, name, nodes, ranks_per_node)
+        out[name] = None if cost is None else sum(
+            traffic(c, cluster).node_bytes
+            for bucket in cost.collectives(layout, cluster.world_size)
+            for c in bucket)
+    return out
+
+
+def link_per_step(results, label, name):
+    """``(tx, rx)``: the bytes each node's link sent and received per
+    step at rate ``label`` with hook form ``name``, one value per node in
+    node order, from the counters its first rank read around each block
+    of steps (None without counters)."""
+    firsts = sorted((r for r in results if r.get('local_rank', 0) == 0),
+                    key=lambda r: r.get('node', r['rank']))
+    if not firsts or 'link_bytes' not in firsts[0]:
+        return None, None
+    tx, rx = [], []
+    for r in firsts:
+        blocks = r['link_bytes'][label][name]
+        steps = len(r['steps'][label][name]) or 1
+        tx.append(sum(b[0] for b in blocks) / steps)
+        rx.append(sum(b[1] for b in blocks) / steps)
+    return tx, rx
+
+
+def summarize(results, rates, hooks, world_size, rounds=1, ranks_per_node=1):
     """Merge the ranks' results into the report's rows (rank 0's times;
-    the slowest rank's bytes). ``noise_s`` is the larger of the two
-    standard errors: from the steps' spread and from the rounds'."""
+    the slowest rank's bytes; each node's link bytes, measured and
+    predicted). ``noise_s`` is the larger of the two standard errors:
+    from the steps' spread and from the rounds'."""
     rank0 = results[0]
+    predicted = {}
+    if 'link_bytes' in rank0:
+        predicted = predicted_link_bytes(rank0['buckets'], hooks,
+                                         world_size // ranks_per_node,
+                                         ranks_per_node)
     ring = 2 * (world_size - 1) / world_size
     buckets = rank0['buckets']
     total = sum(b['bytes'] for b in buckets)
@@ -124,6 +215,12 @@ def summarize(results, rates, hooks, world_size, rounds=1):
                 compute_s=median[label]['noop'],
                 codec_s=_codec(results, name),
                 sent_bytes=ring * wire_bytes)
+            tx, rx = link_per_step(results, label, name)
+            if tx is not None:
+                row.update(
+                    link_tx_bytes=tx,
+                    link_rx_bytes=rx,
+                    predicted_link_bytes=predicted.get(name))
             if mbit is not None and name in unshaped:
                 rate = mbit * 1e6 / 8
                 row['exposed_s'] = row['step_s'] - unshaped[name]
@@ -159,19 +256,36 @@ def _pct(part, whole):
     return 100.0 * part / whole
 
 
+def _mb(nbytes):
+    return None if nbytes is None else nbytes / 1e6
+
+
+def _link_mb(row):
+    """Each node's link, sent per step, in MB: ``5.58/5.58``."""
+    tx = row.get('link_tx_bytes')
+    if tx is None:
+        return '-'
+    return '/'.join(f'{b / 1e6:.2f}' for b in tx)
+
+
 def report(summary, meta):
+    per_node = meta.get('ranks_per_node', 1)
     lines = [
-        f"{meta['nodes']} emulated nodes x 1 rank (gloo), "
+        f"{meta['nodes']} emulated nodes x {per_node} "
+        f"rank{'' if per_node == 1 else 's'} (gloo), "
         f"{meta['config']}, {meta['buckets']} buckets "
         f"(bucket_cap_mb={meta['bucket_cap_mb']}), "
         f"{meta['grad_bytes'] / 2**20:.2f} MiB of gradients; backward "
         f"{meta['backward_s'] * 1e3:.1f} ms; median of "
         f"{meta['rounds']} x {meta['steps']} steps per cell.",
         'Rate: tc tbf on every node link, both directions; no propagation '
-        'delay is emulated.', '',
+        'delay is emulated. link: what each node\'s link sent per step '
+        '(node0/node1/...), from its counters, headers and TCP '
+        'acknowledgements included; predicted: by the cost model.', '',
         '| rate | hook | step (s) | x allreduce | exposed (s) | wire (s) '
-        '| exposed / wire | bound / wire | bound+codec / wire | codec (ms) |',
-        '|---|---|---|---|---|---|---|---|---|---|'
+        '| exposed / wire | bound / wire | bound+codec / wire | codec (ms) '
+        '| link (MB/step) | predicted (MB) |',
+        '|---|---|---|---|---|---|---|---|---|---|---|---|'
     ]
     for row in summary:
         wire = row.get('wire_s')
@@ -183,7 +297,9 @@ def report(summary, meta):
             f"| {row['rate']} | {row['hook']} | {_fmt(row['step_s'])} | "
             f"{_fmt(row.get('vs_allreduce'), '{:.2f}')} | "
             f"{_fmt(row.get('exposed_s'))} | {_fmt(wire)} | "
-            f"{' | '.join(share)} | {_fmt(row['codec_s'] * 1e3, '{:.1f}')} |")
+            f"{' | '.join(share)} | {_fmt(row['codec_s'] * 1e3, '{:.1f}')} | "
+            f"{_link_mb(row)} | "
+            f"{_fmt(_mb(row.get('predicted_link_bytes')), '{:.2f}')} |")
     return '\n'.join(lines)
 
 
@@ -231,6 +347,7 @@ def plot(summary, path):
     import matplotlib.pyplot as plt
     shaped = sorted({r['mbit'] for r in summary if r['mbit'] is not None})
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    from .hook_forms import form_label
     labels = hook_labels()
     for name in dict.fromkeys(r['hook'] for r in summary):
         rows = {r['mbit']: r for r in summary if r['hook'] == name}
@@ -238,7 +355,7 @@ def plot(summary, path):
         line, = ax.plot(
             xs, [rows[m]['step_s'] for m in xs],
             marker='o',
-            label=labels.get(name, name))
+            label=form_label(name, labels))
         if None in rows and name != 'noop':
             base = rows[None]['step_s']
             ax.plot(
@@ -261,31 +378,25 @@ def plot(summary, path):
     fig.savefig(path, dpi=120)
 
 
-def _collectives(buckets, hooks, world_size, counted):
-    """Each hook's collectives per bucket, as the cost model's catalogue
-    derives them from the buckets' real parameters (the step's layout as
-    DDP handed it over), checked against the bytes the hooks counted.
+def _collectives(buckets, hooks, world_size, counted, ranks_per_node=1):
+    """Each hook form's collectives per bucket, as the cost model's
+    catalogue derives them from the buckets' real parameters (the step's
+    layout as DDP handed it over), checked against the bytes the hooks
+    counted. The catalogue holds the flat forms only.
 
     Returns:
-        tuple[dict, list[str]]: Hook -> collectives (JSON form), and the
-        hooks whose counted bytes the catalogue does not match.
+        tuple[dict, list[str]]: Hook form -> collectives (JSON form), and
+        the hook forms whose counted bytes the catalogue does not match.
     """
-    from mmcv_custom.analysis import cost
     from mmcv_custom.comm.traffic import sent_bytes
-    layout = [
-        cost.Bucket(
-            tuple(
-                cost.ParamSpec(tuple(p['shape']), p['dtype'])
-                for p in b['params']), tuple(p['index'] for p in b['params']))
-        for b in buckets
-    ]
-    costs = cost.hook_costs(
-        powersgd_rank=hook_configs()['powerSGD']['matrix_approximation_rank'])
+    layout = _layout(buckets)
+    costs = _catalogue()
     out, mismatched = {}, []
     for name in hooks:
-        if name not in costs:
+        base = _catalogue_name(name, ranks_per_node)
+        if base not in costs:
             continue
-        per_bucket = costs[name].collectives(layout, world_size)
+        per_bucket = costs[base].collectives(layout, world_size)
         out[name] = [
             dict(bucket=c.bucket, kind=c.kind, bytes=c.nbytes)
             for bucket in per_bucket for c in bucket
@@ -300,19 +411,22 @@ def _collectives(buckets, hooks, world_size, counted):
 
 
 def bench_json(results, summary, meta, hooks, rates, world_size):
-    """What ``comm_cost_model.py --fit`` reads (format version 1)."""
+    """What ``comm_cost_model.py --fit`` reads (format version 1).
+    ``world_size`` is every rank: ``meta['nodes']`` times
+    ``meta['ranks_per_node']`` (1 when absent)."""
     rank0 = results[0]
+    per_node = meta.get('ranks_per_node', 1)
     counted = {
         n: max(r['wire_bytes'].get(n, 0) for r in results)
         for n in hooks
     }
     collectives, mismatched = _collectives(rank0['buckets'], hooks, world_size,
-                                           counted)
+                                           counted, per_node)
     return dict(
         version=1,
         config=meta['config'],
-        nodes=world_size,
-        ranks_per_node=1,
+        nodes=world_size // per_node,
+        ranks_per_node=per_node,
         world_size=world_size,
         backend='gloo',
         bucket_cap_mb=meta['bucket_cap_mb'],
@@ -342,3 +456,38 @@ def bench_json(results, summary, meta, hooks, rates, world_size):
         ],
         rows=summary,
         steps=rank0['steps'])
+
+
+def report_run(results, meta, hooks, rates, json_path=None, plot_path=None):
+    """The whole report of a run: the table and the verdict (returned as
+    lines), the JSON and the plot (written where asked).
+
+    Args:
+        results (list[dict]): Every rank's measurements.
+        meta (dict): ``nodes``, ``ranks_per_node``, ``config``,
+            ``rounds``, ``steps`` and ``calibrated`` (rate -> bus
+            bandwidth); rank 0's bucket facts are added here.
+    """
+    import json
+    rank0 = results[0]
+    meta = dict(
+        meta,
+        bucket_cap_mb=rank0['bucket_cap_mb'],
+        buckets=len(rank0['buckets']),
+        grad_bytes=rank0['grad_bytes'],
+        backward_s=rank0['backward_s'])
+    world_size = meta['nodes'] * meta['ranks_per_node']
+    summary = summarize(results, rates, hooks, world_size, meta['rounds'],
+                        meta['ranks_per_node'])
+    lines = [report(summary, meta), ''] + verdict(summary)
+    data = bench_json(results, summary, meta, hooks, rates, world_size)
+    lines += [
+        "warning: the cost model's collectives do not match the bytes "
+        f'counted: {line}' for line in data['collectives_mismatched']
+    ]
+    if json_path:
+        with open(json_path, 'w') as f:
+            json.dump(data, f, indent=1)
+    if plot_path:
+        plot(summary, plot_path)
+    return lines

@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 from . import cast
+from .half_two_level import two_level_compress
 from .topology import NodeGroups
-from .util import ceil_div, named_after
+from .util import named_after
 from .validation import require_bool, require_real
 from .worker import run_on_comm_worker
 
@@ -221,7 +222,7 @@ class CompressState:
             says only what applies. Defaults to None: not said.
         node_groups (NodeGroups, optional): Reduce in two levels over these
             groups: in the bucket's own precision inside the node, in half
-            precision only across nodes (see :func:`_two_level_compress`).
+            precision only across nodes (see :mod:`.half_two_level`).
             Defaults to None: one all-reduce over the whole group.
 
     Raises:
@@ -275,10 +276,8 @@ class CompressState:
         return size if size >= 1 else None
 
     def __repr__(self) -> str:
+        # The form (flat or two-level) is the log line's topology part.
         end = f'check_finite={self.check_finite})'
-        if self.node_groups is not None:
-            end = f'check_finite={self.check_finite}, ' + (
-                f'{self.node_groups.describe()})')
         if self.wire == 'bf16':
             # predivide_factor does not apply: say what bf16 does instead.
             return ('CompressState(divides by the world size before the '
@@ -375,7 +374,8 @@ def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
         # Three collectives that wait for each other: on the worker, in
         # bucket order, while the backward goes on.
         return run_on_comm_worker(
-            lambda: _two_level_compress(wire, state, bucket, before, after),
+            lambda: two_level_compress(wire, state, bucket, before, after,
+                                       _record_nonfinite),
             bucket,
             wait=False)
 
@@ -410,73 +410,6 @@ def _compress_hook(dtype: torch.dtype, state, bucket: dist.GradBucket):
         return buffer
 
     fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-    return fut.then(decompress)
-
-
-# The torch this project pins (2.13) calls it all_gather_single and warns on
-# every call of the older name; older torches only have the older one.
-_all_gather_single = (
-    getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor)
-
-
-def _two_level_compress(wire: torch.dtype, state: CompressState,
-                        bucket: dist.GradBucket, before: float,
-                        after: float) -> torch.futures.Future:
-    """The two-level form: the node's sum in the bucket's own precision,
-    half precision only across nodes.
-
-    1. An all-to-all inside the node hands each of its G ranks one G-th of
-       the bucket from every other (in the bucket's dtype: the fast link),
-       summed in fp32, in rank order;
-    2. that sum, divided and cast as the flat form casts the bucket, is
-       all-reduced in ``wire`` among the ranks of the same place on every
-       node: the node's link carries 1/G of the flat form's bytes;
-    3. an all-gather inside the node, still in ``wire`` (the values are
-       half-precision numbers already), gives every rank the whole sum,
-       which it writes back into the bucket as the flat form does.
-
-    Every element is one G-th's, so the result does not depend on how DDP
-    cut the buckets. Issues the last all-gather and returns its future.
-    """
-    groups = state.node_groups
-    node_size = groups.layout.ranks_per_node
-    buffer = bucket.buffer()
-    numel, device = buffer.numel(), buffer.device
-    share = ceil_div(numel, node_size)
-    if share * node_size == numel:
-        send = buffer
-    else:
-        send = torch.zeros(
-            share * node_size, dtype=buffer.dtype, device=device)
-        send[:numel].copy_(buffer)
-    recv = torch.empty_like(send)
-    # Bytes: no reduction happens in this collective.
-    dist.all_to_all_single(
-        recv.view(torch.uint8), send.view(torch.uint8), group=groups.intra)
-    parts = recv.view(node_size, share)
-    total = parts[0].float()
-    for i in range(1, node_size):
-        total += parts[i]
-    half = cast.compress(total, before, wire)
-    dist.all_reduce(half, group=groups.cross)
-    everything = torch.empty(share * node_size, dtype=wire, device=device)
-    fut = _all_gather_single(
-        everything.view(torch.uint8),
-        half.view(torch.uint8),
-        group=groups.intra,
-        async_op=True).get_future()
-
-    def decompress(fut: torch.futures.Future) -> torch.Tensor:
-        if buffer.dtype is wire:
-            buffer.copy_(everything[:numel])
-            if after != 1:
-                buffer.mul_(1.0 / after)
-        else:
-            cast.decompress(everything[:numel], buffer, after)
-        if state.check_finite:
-            _record_nonfinite(state, bucket, buffer)
-        return buffer
-
     return fut.then(decompress)
 
 

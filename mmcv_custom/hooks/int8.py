@@ -31,11 +31,11 @@ import torch.distributed as dist
 
 from . import int8_codec
 from .half import group_or_world
-from .int8_plan import Int8BucketPlan
+from .int8_plan import Int8BucketPlan, sum_and_requantize
 from .int8_two_level import TwoLevelPlan, two_level_reduce
 from .state import HookStateKeeper
 from .topology import NodeGroups
-from .util import ceil_div
+from .util import all_gather_single, ceil_div
 from .validation import require_bool, require_int
 from .worker import run_on_comm_worker
 
@@ -47,11 +47,6 @@ _QMAX = 127
 # 2: per-parameter blocks; the state names each parameter's first block.
 _VERSION = 2
 _READS = (1, 2)
-
-# The torch this project pins (2.13) calls it all_gather_single and warns on
-# every call of the older name; older torches only have the older one.
-_all_gather_single = (
-    getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor)
 
 
 def _layout(bucket: dist.GradBucket) -> tuple:
@@ -148,10 +143,9 @@ class Int8State:
         self._plans: Dict[int, Tuple[tuple, Int8BucketPlan]] = {}
 
     def __repr__(self) -> str:
-        form = ('' if self.node_groups is None else
-                f', {self.node_groups.describe()}')
+        # The form (flat or two-level) is the log line's topology part.
         return (f'Int8State(block_size={self.block_size}, '
-                f'error_feedback={self.error_feedback}{form})')
+                f'error_feedback={self.error_feedback})')
 
     def exchange_size(self) -> int:
         """Ranks of the int8 exchange: the group's, or in the two-level
@@ -489,32 +483,13 @@ def _int8_reduce(state: Int8State,
         input_split_sizes=plan.splits,
         group=group)
 
-    # Sum this rank's blocks over the ranks, in rank order (deterministic).
-    total = torch.empty(plan.own.numel, dtype=torch.float32, device=device)
-    for i in range(world_size):
-        int8_codec.dequantize_blocks(
-            recv[i * mine:(i + 1) * mine], plan.own, total, accumulate=i > 0)
-
-    if residual is None:
-        int8_codec.quantize_blocks(total, plan.own, out)
-    elif buffer.dtype is torch.float32:
-        # The owner feeds back what the second rounding dropped from its
-        # blocks (see Int8State), in the same pass.
-        int8_codec.quantize_blocks(total, plan.own, out, 1.0, residual,
-                                   'collect')
-    else:
-        # For a bf16 bucket, with what the cast of the result drops too.
-        int8_codec.quantize_blocks(total, plan.own, out)
-        applied = torch.empty_like(total)
-        int8_codec.dequantize_blocks(out, plan.own, applied)
-        lost = total - applied.to(buffer.dtype).float()
-        residual.index_add_(
-            0, plan.own.residual_index(device),
-            torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)))
+    # Sum this rank's blocks over the ranks and quantize the sum; the
+    # owner feeds back what this rounding drops (see Int8State).
+    sum_and_requantize(plan, recv, world_size, out, residual, buffer.dtype)
 
     gathered = torch.empty(
         world_size * plan.padded, dtype=torch.uint8, device=device)
-    fut = _all_gather_single(
+    fut = all_gather_single(
         gathered, out, group=group, async_op=True).get_future()
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:

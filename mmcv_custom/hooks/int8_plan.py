@@ -3,14 +3,15 @@ rank owns which block, and where each block's bytes go on the wire. Kept
 apart from the hook so that its flat and two-level forms share it. Imports
 only torch.
 """
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
+from . import int8_codec
 from .int8_codec import BlockTable
 from .util import align_up, ceil_div
 
-__all__ = ['Int8BucketPlan']
+__all__ = ['Int8BucketPlan', 'sum_and_requantize']
 
 
 def _align4(nbytes: int) -> int:
@@ -124,3 +125,37 @@ class Int8BucketPlan:
             send[at + end:at + split].zero_()
             at += split
         out[self._payload_ends[rank]:].zero_()
+
+
+def sum_and_requantize(plan: Int8BucketPlan, recv: torch.Tensor, ranks: int,
+                       out: torch.Tensor, residual: Optional[torch.Tensor],
+                       dtype: torch.dtype) -> None:
+    """An owner's step: sum its blocks as ``ranks`` ranks sent them (their
+    segments one after another in ``recv``), in rank order so that every
+    run sums alike, and quantize the sum into ``out``.
+
+    With a ``residual`` (fp32, at the blocks' residual offsets), the owner
+    feeds back what this second rounding drops from its blocks, and for a
+    ``dtype`` other than fp32 (a bf16 bucket) what the cast of the result
+    drops too (see :class:`~.int8.Int8State`).
+    """
+    share = recv.numel() // ranks
+    total = torch.empty(
+        plan.own.numel, dtype=torch.float32, device=recv.device)
+    for i in range(ranks):
+        int8_codec.dequantize_blocks(
+            recv[i * share:(i + 1) * share], plan.own, total, accumulate=i > 0)
+    if residual is None:
+        int8_codec.quantize_blocks(total, plan.own, out)
+    elif dtype is torch.float32:
+        # In the same pass.
+        int8_codec.quantize_blocks(total, plan.own, out, 1.0, residual,
+                                   'collect')
+    else:
+        int8_codec.quantize_blocks(total, plan.own, out)
+        applied = torch.empty_like(total)
+        int8_codec.dequantize_blocks(out, plan.own, applied)
+        lost = total - applied.to(dtype).float()
+        residual.index_add_(
+            0, plan.own.residual_index(recv.device),
+            torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)))

@@ -38,16 +38,11 @@ import torch
 import torch.distributed as dist
 
 from . import int8_codec
-from .int8_plan import Int8BucketPlan
+from .int8_plan import Int8BucketPlan, sum_and_requantize
 from .topology import NodeGroups
-from .util import ceil_div
+from .util import all_gather_single, ceil_div
 
 __all__ = ['TwoLevelPlan', 'two_level_reduce']
-
-# The torch this project pins (2.13) calls it all_gather_single and warns on
-# every call of the older name; older torches only have the older one.
-_all_gather_single = (
-    getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor)
 
 
 class TwoLevelPlan:
@@ -65,7 +60,6 @@ class TwoLevelPlan:
             rows.
         cross (Int8BucketPlan): The flat exchange of this rank's node sums
             (``per_rank`` rows) among its cross-node peers.
-        sent_across (int): Bytes this rank sends across nodes per step.
     """
 
     def __init__(self, pieces: List[Tuple[int, int, int]], groups: NodeGroups,
@@ -117,8 +111,22 @@ class TwoLevelPlan:
                                               length_of[mine][held],
                                               where[held] // slots_each, nodes,
                                               groups.cross_rank)
-        self.sent_across = self.cross.send_bytes + self.cross.padded * (
-            nodes - 1)
+        # The indices the step needs, on the device of the buckets (CPU
+        # here; a GPU's copies are made once, at the first step there).
+        self._mine_at = me * self.per_rank
+        self._on: dict = {}
+
+    def indices(self, device: torch.device) -> tuple:
+        """``(slots, filled, filled_rows, my slots' rows, which of them
+        hold a row)`` on ``device``."""
+        key = str(device)
+        if key not in self._on:
+            mine = self.slots[self._mine_at:self._mine_at + self.per_rank]
+            held = mine < self.rows
+            self._on[key] = tuple(
+                t.to(device) for t in (self.slots, self.filled,
+                                       self.filled_rows, mine[held], held))
+        return self._on[key]
 
     def to_rows(self, x: torch.Tensor, scale: float, residual) -> torch.Tensor:
         """``x * scale (+ residual)`` cut into rows (plus the zero row)."""
@@ -164,7 +172,8 @@ def two_level_reduce(groups: NodeGroups, bucket: dist.GradBucket,
     rows = plan.to_rows(x, 1.0 / (node_size * nodes), residual)
     if residual is not None:
         residual.zero_()  # now in the node's sums; refilled below
-    send = rows.index_select(0, plan.slots)
+    slots, filled, filled_rows, my_rows, held = plan.indices(device)
+    send = rows.index_select(0, slots)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=groups.intra)
     del send
@@ -191,40 +200,17 @@ def two_level_reduce(groups: NodeGroups, bucket: dist.GradBucket,
         output_split_sizes=[share] * nodes,
         input_split_sizes=cross.splits,
         group=groups.cross)
-    total = torch.empty(cross.own.numel, dtype=torch.float32, device=device)
-    for i in range(nodes):
-        int8_codec.dequantize_blocks(
-            recv8[i * share:(i + 1) * share],
-            cross.own,
-            total,
-            accumulate=i > 0)
-    if dropped is None:
-        int8_codec.quantize_blocks(total, cross.own, out8)
-    elif buffer.dtype is torch.float32:
-        int8_codec.quantize_blocks(total, cross.own, out8, 1.0, dropped,
-                                   'collect')
-    else:
-        # A bf16 bucket: what the cast of the result drops is kept too.
-        int8_codec.quantize_blocks(total, cross.own, out8)
-        applied = torch.empty_like(total)
-        int8_codec.dequantize_blocks(out8, cross.own, applied)
-        lost = total - applied.to(buffer.dtype).float()
-        dropped.index_add_(
-            0, cross.own.residual_index(device),
-            torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)))
+    sum_and_requantize(cross, recv8, nodes, out8, dropped, buffer.dtype)
     gathered8 = torch.empty(
         nodes * cross.padded, dtype=torch.uint8, device=device)
-    _all_gather_single(gathered8, out8, group=groups.cross)
+    all_gather_single(gathered8, out8, group=groups.cross)
     mine = torch.zeros_like(sums)
     int8_codec.dequantize_blocks(gathered8, cross.gather, mine)
 
     if residual is not None:
         # What this rank's roundings dropped, back to the bucket's layout.
         rows.zero_()
-        at = groups.intra_rank * plan.per_rank
-        slots = plan.slots[at:at + plan.per_rank]
-        held = slots < plan.rows
-        rows.index_copy_(0, slots[held], dropped.view(-1, block)[held])
+        rows.index_copy_(0, my_rows, dropped.view(-1, block)[held])
         plan.from_rows(rows, residual)
 
     # 3. Inside the node: every rank's share of the average, to all.
@@ -232,13 +218,12 @@ def two_level_reduce(groups: NodeGroups, bucket: dist.GradBucket,
         buffer.dtype)
     everything = torch.empty(
         node_size * share_out.numel(), dtype=buffer.dtype, device=device)
-    fut = _all_gather_single(
+    fut = all_gather_single(
         everything, share_out, group=groups.intra, async_op=True).get_future()
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         got = everything.view(-1, block)
-        rows.index_copy_(0, plan.filled_rows,
-                         got[plan.filled].to(torch.float32))
+        rows.index_copy_(0, filled_rows, got[filled].to(torch.float32))
         plan.from_rows(rows, buffer)
         return buffer
 

@@ -18,15 +18,11 @@ import torch
 import torch.distributed as dist
 
 from .topology import NodeGroups
+from .util import all_gather_single
 
 __all__ = [
     'NodeShares', 'reduce_to_owners', 'gather_from_owners', 'split_evenly'
 ]
-
-# The torch this project pins (2.13) calls it all_gather_single and warns on
-# every call of the older name; older torches only have the older one.
-_all_gather_single = (
-    getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor)
 
 
 class NodeShares:
@@ -96,7 +92,7 @@ def gather_from_owners(groups: NodeGroups, buffer: torch.Tensor,
     if len(set(shares.sizes)) == 1:
         parts = torch.empty(
             node_size * shares.mine, dtype=dtype, device=device)
-        fut = _all_gather_single(
+        fut = all_gather_single(
             parts.view(torch.uint8),
             mine.view(torch.uint8),
             group=groups.intra,

@@ -72,8 +72,10 @@ class NodeLayout(NamedTuple):
         return tuple(ranks[local] for ranks in self.nodes)
 
     def describe(self) -> str:
+        nodes = 'node' if self.num_nodes == 1 else 'nodes'
+        ranks = 'rank' if self.ranks_per_node == 1 else 'ranks'
         return (
-            f'{self.num_nodes} nodes x {self.ranks_per_node} ranks '
+            f'{self.num_nodes} {nodes} x {self.ranks_per_node} {ranks} '
             f'(ranks {self.nodes[0]} on node 0' +
             (f', {self.nodes[1]} on node 1' if self.num_nodes > 1 else '') +
             (', ...' if self.num_nodes > 2 else '') + ')')

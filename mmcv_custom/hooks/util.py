@@ -1,7 +1,16 @@
-"""Small helpers the hook modules share. Standard library only."""
+"""Small helpers the hook modules share: the standard library, and the
+one name of torch's all-gather into one tensor."""
 from typing import Callable
 
-__all__ = ['ceil_div', 'align_up', 'named_after']
+import torch.distributed as dist
+
+__all__ = ['ceil_div', 'align_up', 'named_after', 'all_gather_single']
+
+#: ``all_gather_single(output, input, group=..., async_op=...)``: the torch
+#: this project pins (2.13) calls it so and warns on every call of the
+#: older name, ``all_gather_into_tensor``, which older torches only have.
+all_gather_single = (
+    getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor)
 
 
 def ceil_div(numerator: int, denominator: int) -> int:

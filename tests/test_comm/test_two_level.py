@@ -12,19 +12,9 @@ from mmcv_custom.comm.builder import check_comm_hook_cfg
 from mmcv_custom.comm.sharded import build_sharded_comm
 from mmcv_custom.hooks.topology import NodeClaim
 from mmcv_custom.testing import run_ranks
+from tests.test_comm.test_int8_hook import Net
 
 TWO_BY_TWO = dict(ranks_per_node=2)
-
-
-class Net(nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(16, 32)
-        self.fc2 = nn.Linear(32, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def _blocks_claim(rank, per_node):

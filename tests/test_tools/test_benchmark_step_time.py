@@ -1,14 +1,16 @@
 """tools/analysis_tools/benchmark_step_time.py: its arithmetic
-(:mod:`mmcv_custom.analysis.step_time_report`), its hooks, its arguments,
-and (slow) a real run on two emulated nodes."""
+(:mod:`mmcv_custom.analysis.step_time_report`, a node link's bytes), its
+hooks and their forms, its arguments, and (slow) real runs on two
+emulated nodes, of one rank and of two ranks each."""
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 
-from mmcv_custom.analysis import step_time
+from mmcv_custom.analysis import hook_forms, step_time
 from mmcv_custom.analysis import step_time_report as st
 from mmcv_custom.comm.registry import COMM_HOOKS
 from mmcv_custom.launching import emulated_cluster
@@ -18,6 +20,8 @@ from tests.tool_utils import (load_script, netns_names, plugin_hook,
 ROOT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(ROOT, 'tools', 'analysis_tools', 'benchmark_step_time.py')
+FCN = os.path.join(ROOT, 'configs', 'fcn',
+                   'fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py')
 bench = load_script(TOOL, 'benchmark_step_time')
 
 _REASON = emulated_cluster.check_available()
@@ -210,6 +214,61 @@ def test_a_plugin_hook_with_a_record_is_a_choice_with_its_label(monkeypatch):
     assert name not in step_time.hook_configs()
 
 
+def test_predicted_link_bytes_follow_the_form_each_hook_runs():
+    grads = 4 * 1024 * 256
+    buckets = [
+        dict(
+            index=0,
+            bytes=grads,
+            params=[dict(shape=[1024, 256], dtype='float32', index=0)])
+    ]
+    forms = [
+        'noop', 'allreduce', 'int8_compress:flat', 'int8_compress:two_level'
+    ]
+    two_by_two = st.predicted_link_bytes(buckets, forms, 2, 2)
+    assert two_by_two['noop'] is None
+    # A ring of 4 ranks numbered node by node crosses each node once.
+    assert two_by_two['allreduce'] == pytest.approx(2 * 3 / 4 * grads)
+    # Two levels: int8 crosses only among same-local-rank peers.
+    assert two_by_two[
+        'int8_compress:two_level'] < 0.6 * two_by_two['int8_compress:flat']
+    # One rank per node: the two-level form is the flat one.
+    one_each = st.predicted_link_bytes(buckets, forms, 2, 1)
+    assert one_each['int8_compress:two_level'] == one_each[
+        'int8_compress:flat']
+    assert one_each['allreduce'] == pytest.approx(grads)
+
+
+def test_hook_forms_set_the_topology_their_suffix_names():
+    assert hook_forms.split_form('int8_compress:flat') == ('int8_compress',
+                                                           'flat')
+    assert hook_forms.form_config('int8_compress') == dict(
+        type='int8_compress')
+    assert hook_forms.form_config('int8_compress:flat') == dict(
+        type='int8_compress', topology='flat')
+    assert hook_forms.form_config('powerSGD:two_level') == dict(
+        step_time.hook_configs()['powerSGD'], topology='auto')
+    assert hook_forms.form_config('noop') is None
+    # A named form is what it says; a plain name is two-level only where
+    # its hook takes topology (and there are several ranks per node).
+    assert hook_forms.resolved_form('int8_compress:flat', 2) == 'flat'
+    assert hook_forms.resolved_form('int8_compress:two_level', 2) == \
+        'two_level'
+    assert hook_forms.resolved_form('int8_compress:two_level', 1) == 'flat'
+    assert hook_forms.resolved_form(
+        'int8_compress',
+        2) == ('two_level'
+               if hook_forms.takes_topology('int8_compress') else 'flat')
+    # Codec times on one-rank groups take the flat form of every form.
+    assert hook_forms.flat_form('int8_compress:two_level') == (
+        'int8_compress:flat'
+        if hook_forms.takes_topology('int8_compress') else 'int8_compress')
+    assert hook_forms.flat_form('noop') == 'noop'
+    assert hook_forms.form_label(
+        'int8_compress:two_level',
+        step_time.hook_labels()).endswith(' (two-level)')
+
+
 @pytest.mark.parametrize(
     'args, message',
     [
@@ -227,6 +286,19 @@ def test_a_plugin_hook_with_a_record_is_a_choice_with_its_label(monkeypatch):
         (['--nodes', '1025'], '--nodes should be an int from 2 to 1024'),
         (['--nodes', 'two'], "argument --nodes: invalid int value: 'two'"),
         (['--hooks', 'int4'], "invalid choice: 'int4'"),
+        (['--hooks', 'int8_compress:fast'
+          ], "invalid choice: 'int8_compress:fast' (choose from NAME or "
+         'NAME:FORM'),
+        (['--hooks', 'noop:flat'], "invalid choice: 'noop:flat'"),
+        (['--hooks', 'int8_compress:two_level'
+          ], '--hooks int8_compress:two_level: the two-level form needs '
+         'several ranks per node (with one, it is the flat form), but there '
+         'is 1'),
+        (['--ranks-per-node', '0'
+          ], '--ranks-per-node should be an int >= 1 (ranks on each emulated '
+         'node), but got 0'),
+        (['--ranks-per-node', 'two'
+          ], "argument --ranks-per-node: invalid int value: 'two'"),
         (['--steps', '0'], "'0' is not an int >= 1"),
         (['--rounds', '-1'], "'-1' is not an int >= 1"),
         (['--threads', '0'], "'0' is not an int >= 1"),
@@ -281,6 +353,47 @@ def test_real_run_on_two_emulated_nodes(tmp_path):
     assert 0.25 < ratio < 0.27
     assert [r['mbit'] for r in data['rates']] == [200.0, None]
     assert png.stat().st_size > 0
+    assert not _namespaces_of(pid)
+
+
+@pytest.mark.slow
+@needs_netns
+def test_two_nodes_of_two_ranks_measure_what_crosses_each_link(tmp_path):
+    """2 nodes x 2 ranks, FCN toy: the bytes each node's link carried per
+    step, read from its counters, are what a ring all-reduce of the
+    model's gradients sends across (one ring edge leaves each node), and
+    what the cost model predicts for int8's flat and two-level forms,
+    side by side in one run."""
+    out = tmp_path / 'bench.json'
+    proc, pid = _run_tool(FCN, '--ranks-per-node', '2', '--rates', 'unshaped',
+                          '--hooks', 'allreduce', 'int8_compress:flat',
+                          'int8_compress:two_level', '--steps', '2',
+                          '--rounds', '1', '--timeout', '300', '--json',
+                          str(out), '--work-dir', str(tmp_path / 'logs'))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert '2 emulated nodes x 2 ranks (gloo)' in proc.stdout
+    data = json.loads(out.read_text())
+    assert (data['nodes'], data['ranks_per_node'],
+            data['world_size']) == (2, 2, 4)
+    # The model's fp32 gradients, from its parameters as DDP bucketed them.
+    grads = 4 * sum(
+        math.prod(p['shape']) for b in data['buckets'] for p in b['params'])
+    rows = {row['hook']: row for row in data['rows']}
+    for tx, rx in zip(rows['allreduce']['link_tx_bytes'],
+                      rows['allreduce']['link_rx_bytes']):
+        assert tx == pytest.approx(2 * 3 / 4 * grads, rel=0.03)
+        assert rx == pytest.approx(2 * 3 / 4 * grads, rel=0.03)
+    for name in ('allreduce', 'int8_compress:flat', 'int8_compress:two_level'):
+        for tx in rows[name]['link_tx_bytes']:
+            assert tx == pytest.approx(
+                rows[name]['predicted_link_bytes'], rel=0.05)
+    # Issue 30's target: two levels put at most 0.6x the flat form's bytes
+    # on a node's link.
+    assert max(rows['int8_compress:two_level']['link_tx_bytes']) <= 0.6 * min(
+        rows['int8_compress:flat']['link_tx_bytes'])
+    # The table has them, node by node.
+    mb = '/'.join(f'{b / 1e6:.2f}' for b in rows['allreduce']['link_tx_bytes'])
+    assert f'| {mb} |' in proc.stdout
     assert not _namespaces_of(pid)
 
 

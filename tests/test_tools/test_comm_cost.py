@@ -431,8 +431,8 @@ def test_catalogue_matches_the_real_hooks_under_ddp(one_rank_group,
                         recorded('all_reduce', dist.all_reduce, 0))
     monkeypatch.setattr(dist, 'all_to_all_single',
                         recorded('all_to_all', dist.all_to_all_single, 1))
-    monkeypatch.setattr(int8, '_all_gather_single',
-                        recorded('all_gather', int8._all_gather_single, 1))
+    monkeypatch.setattr(int8, 'all_gather_single',
+                        recorded('all_gather', int8.all_gather_single, 1))
     cases = dict(
         powerSGD=(
             powerSGD.powerSGD_hook,

@@ -71,6 +71,11 @@ def test_bad_arguments_are_usage_errors(tool, tmp_path, monkeypatch, capsys):
          str(tmp_path)], 'twice')
     _refused([FCN, '--block-size', '0', '--work-dir',
               str(tmp_path)], '--block-size should be at least 1, but got 0')
+    _refused([
+        FCN, '--nproc', '4', '--ranks-per-node', '3', '--work-dir',
+        str(tmp_path)
+    ], '--ranks-per-node should divide --nproc (4) into whole nodes (a '
+             'divisor from 1 to 4), but got 3')
     # What numpy's generator takes, which every run seeds.
     _refused(
         [FCN, '--seed', str(2**32), '--work-dir',

@@ -224,15 +224,16 @@ def test_nodes_reach_each_other_and_nothing_else(tmp_path):
 @needs_netns
 def test_nodes_get_the_multi_node_environment():
     stream = io.StringIO()
-    with ec.EmulatedCluster(2) as cluster:
+    with ec.EmulatedCluster(2, ranks_per_node=3) as cluster:
         result = ec.run_on_nodes(
             cluster, 'echo $NNODES $NODE_RANK $MASTER_ADDR $PORT '
-            '$GLOO_SOCKET_IFNAME',
+            '$GLOO_SOCKET_IFNAME $NPROC_PER_NODE',
             port=2345,
             stream=stream)
     assert result.returncode == 0
     assert sorted(stream.getvalue().splitlines()) == [
-        '[node0] 2 0 198.18.0.1 2345 eth0', '[node1] 2 1 198.18.0.1 2345 eth0'
+        '[node0] 2 0 198.18.0.1 2345 eth0 3',
+        '[node1] 2 1 198.18.0.1 2345 eth0 3'
     ]
 
 
@@ -374,8 +375,16 @@ def test_a_failure_while_creating_removes_what_was_made(monkeypatch):
         (dict(nodes=2, bandwidth_mbit='100'), TypeError,
          "bandwidth_mbit should be a number of Mbit/s or None (not shaped), "
          "but got str '100'"),
+        (dict(nodes=2, ranks_per_node=0), ValueError,
+         'ranks_per_node should be an int >= 1 (ranks on each emulated '
+         'node), but got 0'),
+        (dict(nodes=2, ranks_per_node=2.0), TypeError,
+         'ranks_per_node should be an int >= 1, but got float 2.0'),
     ],
-    ids=['one-node', 'bool', 'negative-rate', 'rate-as-str'])
+    ids=[
+        'one-node', 'bool', 'negative-rate', 'rate-as-str', 'no-ranks',
+        'ranks-as-float'
+    ])
 def test_bad_cluster_arguments_are_refused_before_anything_is_made(
         kwargs, error, message):
     with pytest.raises(error) as raised:
@@ -419,11 +428,16 @@ def tool_args(monkeypatch, capsys):
         (['--log-dir', '/proc/no-such-dir', '--', 'true'
           ], '--log-dir /proc/no-such-dir: cannot create it (No such file or '
          'directory)'),
+        (['--ranks-per-node', '0', '--', 'true'
+          ], '--ranks-per-node should be an int >= 1 (ranks on each emulated '
+         'node), but got 0'),
+        (['--ranks-per-node', '1.5', '--', 'true'
+          ], "argument --ranks-per-node: invalid int value: '1.5'"),
     ],
     ids=[
         'negative-rate', 'word-rate', 'infinite-rate', 'one-node',
         'nodes-not-int', 'no-command', 'no-separator', 'timeout', 'port',
-        'log-dir'
+        'log-dir', 'no-ranks', 'ranks-not-int'
     ])
 def test_bad_arguments_are_usage_errors(tool_args, args, message):
     assert tool_args(args) == (2, f'emulated_cluster.py: error: {message}')
@@ -440,10 +454,99 @@ def test_arguments_the_tool_accepts():
         'w', '--', 'y'
     ])
     assert args.nodes == 3 and args.bandwidth is None
+    assert args.ranks_per_node == 1
+    assert tool.parse_args(['--ranks-per-node', '4', '--',
+                            'true']).ranks_per_node == 4
     assert args.command == [
         'tools/dist_train.sh', 'x.py', '1', '--work-dir', 'w', '--', 'y'
     ]
     assert tool.parse_args(['--calibrate']).command == []
+
+
+# Run by torchrun on each node: an all-reduce inside each node, then one
+# across all ranks, each 4 MiB of fp32, with what the node's link sent
+# during each (read inside the node, as the benchmark does).
+_TWO_LEVEL_PROBE = """
+import os
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+# counters.py imports only the standard library (and .namespaces, which
+# does too): loaded without mmcv_custom's __init__ (MMEngine and the rest,
+# seconds for each rank on a shared machine).
+package = types.ModuleType('emulated_cluster')
+package.__path__ = [sys.argv[1]]
+sys.modules['emulated_cluster'] = package
+from emulated_cluster.counters import read_link_bytes  # noqa: E402
+
+
+def sent():
+    # Between two barriers: no rank of the node sends meanwhile.
+    dist.barrier()
+    tx = read_link_bytes(os.environ['GLOO_SOCKET_IFNAME']).tx
+    dist.barrier()
+    return tx
+
+
+dist.init_process_group('gloo')
+local = int(os.environ['LOCAL_WORLD_SIZE'])
+node = int(os.environ['GROUP_RANK'])
+groups = [
+    dist.new_group(list(range(n * local, (n + 1) * local)))
+    for n in range(dist.get_world_size() // local)
+]
+inside, across = torch.ones(2**20), torch.ones(2**20)
+start = sent()
+dist.all_reduce(inside, group=groups[node])
+middle = sent()
+dist.all_reduce(across)
+print(f"RESULT {node} {os.environ['LOCAL_RANK']} {dist.get_rank()} "
+      f'{dist.get_world_size()} {middle - start} {sent() - middle} '
+      f'{inside[0]:g} {across[0]:g}', flush=True)
+dist.destroy_process_group()
+"""
+
+
+@needs_tool
+def test_ranks_of_a_node_talk_inside_it_and_only_the_rest_crosses(tmp_path):
+    """2 nodes x 2 ranks through the tool, torchrun on each node with
+    NPROC_PER_NODE ranks: torchrun numbers them as on a real cluster, an
+    all-reduce inside each node leaves the node's link idle (its ranks
+    talk through the node's loopback device), and one across all 4 ranks
+    puts on each node's link what a ring all-reduce sends there."""
+    probe = tmp_path / 'probe.py'
+    probe.write_text(_TWO_LEVEL_PROBE)
+    run = (f'{sys.executable} -m torch.distributed.run '
+           '--nnodes $NNODES --node-rank $NODE_RANK --nproc-per-node '
+           '$NPROC_PER_NODE --master-addr $MASTER_ADDR --master-port $PORT '
+           f'{probe} {osp.dirname(ec.counters.__file__)}')
+    proc = _tool('--nodes', '2', '--ranks-per-node', '2', '--timeout', '100',
+                 '--', 'bash', '-c', run)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert 'Emulated cluster: 2 nodes (2 ranks each' in proc.stdout
+    # Two ranks of a node share its output: one line may hold both.
+    rows = sorted(
+        list(found)
+        for found in re.findall(r'RESULT ' +
+                                ' '.join([r'(\d+)'] * 8), proc.stdout))
+    # Node, local rank, rank, world size: contiguous per node.
+    assert [r[:4] for r in rows] == [['0', '0', '0',
+                                      '4'], ['0', '1', '1', '4'],
+                                     ['1', '0', '2', '4'],
+                                     ['1', '1', '3', '4']]
+    assert all(r[6:] == ['2', '4'] for r in rows)  # the sums
+    size = 2**20 * 4
+    for _, _, _, _, inside, across, _, _ in rows:
+        # Barriers only: a few hundred bytes, no part of the 4 MiB.
+        assert int(inside) < 0.01 * size
+        # A ring over 4 ranks, numbered node by node, crosses each node's
+        # link once per direction: 2 (P - 1) / P of the tensor, plus the
+        # packets' headers and TCP's acknowledgements.
+        assert int(across) == pytest.approx(2 * 3 / 4 * size, rel=0.03)
+    assert not _tool_namespaces(proc.stdout) & netns_names()
 
 
 @needs_tool

@@ -3,13 +3,15 @@
 What a hook buys is time, and only a link slow enough for the gradients'
 bytes to matter shows it (over loopback, bytes are free). This tool starts
 ``--nodes`` emulated nodes (``mmcv_custom.launching.emulated_cluster``: network
-namespaces, one rank each, every node's link shaped in both directions by
-tc's tbf; rate yes, propagation delay no), and on them trains a real model
-(default: the tiny InternViT UperNet on the toy data) with every hook at
-every link rate, side by side in one run: rounds of (rate, hook) blocks,
-the hooks interleaved within a rate and the rates within a round, so that
-drift on a shared machine hits them all alike. A step is a whole training
-step: forward, loss, backward (with the hook) and the optimizer.
+namespaces, ``--ranks-per-node`` ranks each (by torchrun where more than
+one; they talk inside their node), every node's link shaped in both
+directions by tc's tbf; rate yes, propagation delay no), and on them trains
+a real model (default: the tiny InternViT UperNet on the toy data) with
+every hook at every link rate, side by side in one run: rounds of (rate,
+hook) blocks, the hooks interleaved within a rate and the rates within a
+round, so that drift on a shared machine hits them all alike. A step is a
+whole training step: forward, loss, backward (with the hook) and the
+optimizer.
 
 Reported per rate and hook:
 
@@ -31,7 +33,14 @@ Reported per rate and hook:
   the shaped link minus on an unshaped one: where a hook's codec already
   runs past the end of the backward pass, every byte it adds is exposed.
   On a host with a core per rank, the codec cannot hide behind the
-  backward pass; the verdict judges against this bound.
+  backward pass; the verdict judges against this bound;
+* ``link``: the bytes each node's link sent per step, from its
+  interface counters (start-up traffic left out), beside ``predicted``:
+  the cost model's, for the form each hook runs.
+
+``--hooks`` names each hook in a form (``NAME``, ``NAME:flat``,
+``NAME:two_level``; see :mod:`mmcv_custom.analysis.hook_forms`), so that
+one run compares a hook's flat and two-level forms with ``allreduce``.
 
 ``exposed / wire`` against ``bound / wire`` says how well a hook overlaps
 its communication with the backward pass; the targets of issue 18 are
@@ -43,8 +52,8 @@ by ``tools/analysis_tools/comm_cost_model.py --fit``) and ``--plot``
 The nodes rendezvous inside the emulated network, each node in a network
 namespace of its own, so their port clashes with nothing on this host:
 ``PORT`` (which ``tools/dist_train.sh`` reads) is not needed and not read.
-Every argument is checked before a node starts (a bad one is a usage
-error: one line, exit code 2).
+Every argument is checked before a node starts (a bad one is a usage error:
+one line, exit code 2).
 
 Examples:
     python tools/analysis_tools/benchmark_step_time.py \\
@@ -52,22 +61,27 @@ Examples:
     python tools/analysis_tools/benchmark_step_time.py \\
         configs/fcn/fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py \\
         --bucket-cap-mb 1 --rates 100 300 unshaped
+    # 2 nodes x 2 ranks: the flat and the two-level int8 side by side
+    python tools/analysis_tools/benchmark_step_time.py \\
+        configs/fcn/fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py \\
+        --ranks-per-node 2 --hooks allreduce int8_compress:flat \\
+        int8_compress:two_level --rates 50 unshaped
 """
 import argparse
-import json
 import math
 import os
 import os.path as osp
 import sys
 import tempfile
 
-from mmcv_custom.analysis import (Progress, cfg_options, check_output,
-                                  check_work_dir, read_config)
-from mmcv_custom.analysis.step_time import (ProgressOnly, hook_configs,
-                                            log_tails, node_worker,
-                                            progress_steps, rate_label)
-from mmcv_custom.analysis.step_time_report import (bench_json, plot, report,
-                                                   summarize, verdict)
+from mmcv_custom.analysis import (cfg_options, check_output, check_work_dir,
+                                  read_config)
+from mmcv_custom.analysis.hook_forms import (FORMS, check_form_configs,
+                                             parse_form_name)
+from mmcv_custom.analysis.step_time import (hook_configs, log_tails,
+                                            node_worker, rate_label,
+                                            run_on_cluster)
+from mmcv_custom.analysis.step_time_report import report_run
 from mmcv_custom.launching.emulated_cluster import MAX_NODES
 
 _DEFAULT_CONFIG = osp.join(
@@ -111,6 +125,13 @@ def _rate(text):
     return _mbit(text)
 
 
+def _hook_form(text):
+    try:
+        return parse_form_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
 def parse_args(argv=None):
     hooks = list(hook_configs())
     parser = argparse.ArgumentParser(
@@ -125,7 +146,14 @@ def parse_args(argv=None):
         '--nodes',
         type=int,
         default=2,
-        help=f'emulated nodes, one rank each, 2 to {MAX_NODES} (default: 2)')
+        help=f'emulated nodes, 2 to {MAX_NODES} (default: 2)')
+    parser.add_argument(
+        '--ranks-per-node',
+        type=int,
+        default=1,
+        metavar='N',
+        help='ranks on each emulated node, an int >= 1 (default: 1; torchrun '
+        'starts them where more than 1)')
     parser.add_argument(
         '--rates',
         type=_rate,
@@ -137,9 +165,12 @@ def parse_args(argv=None):
         '--hooks',
         nargs='+',
         default=hooks,
-        choices=hooks,
+        type=_hook_form,
         metavar='HOOK',
-        help=f'hooks to compare (default: all of '
+        help='hooks to compare, each as NAME (its default form) or '
+        f'NAME:FORM, FORM one of {", ".join(FORMS)} (topology=flat or '
+        'auto; two_level needs --ranks-per-node >= 2), e.g. '
+        'int8_compress:flat int8_compress:two_level (default: all of '
         f'{", ".join(hooks)})')
     parser.add_argument(
         '--bucket-cap-mb',
@@ -161,8 +192,8 @@ def parse_args(argv=None):
         '--threads',
         type=_positive_int,
         default=None,
-        help='torch threads per node (default: cores / '
-        'nodes, at least 1)')
+        help='torch threads per rank (default: cores / '
+        'ranks, at least 1)')
     parser.add_argument(
         '--timeout',
         type=_positive_float,
@@ -197,6 +228,9 @@ def parse_args(argv=None):
     if not 2 <= args.nodes <= MAX_NODES:
         parser.error(f'--nodes should be an int from 2 to {MAX_NODES} (one '
                      f'network namespace per node), but got {args.nodes}')
+    if args.ranks_per_node < 1:
+        parser.error('--ranks-per-node should be an int >= 1 (ranks on each '
+                     f'emulated node), but got {args.ranks_per_node}')
     if None not in args.rates:
         parser.error("--rates must include 'unshaped': exposed time is the "
                      'step on a shaped link minus the same step unshaped')
@@ -206,6 +240,10 @@ def parse_args(argv=None):
         if name not in args.hooks:
             args.hooks.insert(0 if name == 'noop' else 1, name)
     args.hooks = list(dict.fromkeys(args.hooks))
+    try:
+        check_form_configs(args.hooks, args.ranks_per_node)
+    except ValueError as e:
+        parser.error(f'--hooks {e}')
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -237,10 +275,11 @@ def main(argv=None):
             f'benchmark_step_time: cannot emulate nodes here: {reason}',
             file=sys.stderr)
         return 1
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)
+    threads = args.threads or max(1, (os.cpu_count() or 1) //
+                                  (args.nodes * args.ranks_per_node))
     calibrated = {}
     with tempfile.TemporaryDirectory() as folder, ec.EmulatedCluster(
-            args.nodes) as cluster:
+            args.nodes, ranks_per_node=args.ranks_per_node) as cluster:
         for line in cluster.describe():
             print(line, flush=True)
         if args.calibrate:
@@ -259,60 +298,26 @@ def main(argv=None):
             steps=args.steps,
             rounds=args.rounds,
             timeout=args.timeout,
-            threads=threads,
-            links=[list(link) for link in cluster.shaped_links],
-            out=osp.join(folder, 'results.json'))
-        spec_path = osp.join(folder, 'spec.json')
-        with open(spec_path, 'w') as f:
-            json.dump(spec, f)
-        command = [
-            sys.executable,
-            osp.abspath(__file__), '--node-worker', spec_path
-        ]
+            threads=threads)
         print(f"Nodes' logs: {args.work_dir}/node<i>.log", flush=True)
-        steps = progress_steps(args.hooks, args.rates, args.rounds, args.steps)
-        with Progress(len(steps), weights=[w for _, w in steps]) as progress:
-            result = ec.run_on_nodes(
-                cluster,
-                command,
-                log_dir=args.work_dir,
-                timeout=args.timeout,
-                stream=ProgressOnly(progress))
+        result, results = run_on_cluster(cluster, spec, osp.abspath(__file__),
+                                         args.work_dir, folder)
         if result.returncode != 0:
             print(
                 f'benchmark_step_time: {result.describe()}' +
                 log_tails(result, args.work_dir),
                 file=sys.stderr)
             return result.returncode
-        with open(spec['out']) as f:
-            results = json.load(f)
-    rank0 = results[0]
     meta = dict(
         nodes=args.nodes,
+        ranks_per_node=args.ranks_per_node,
         config=args.config,
-        bucket_cap_mb=rank0['bucket_cap_mb'],
-        buckets=len(rank0['buckets']),
-        grad_bytes=rank0['grad_bytes'],
-        backward_s=rank0['backward_s'],
         rounds=args.rounds,
         steps=args.steps,
         calibrated=calibrated)
-    summary = summarize(results, args.rates, args.hooks, args.nodes,
-                        args.rounds)
-    print(report(summary, meta))
-    print()
-    for line in verdict(summary):
+    for line in report_run(results, meta, args.hooks, args.rates, args.json,
+                           args.plot):
         print(line)
-    data = bench_json(results, summary, meta, args.hooks, args.rates,
-                      args.nodes)
-    for line in data['collectives_mismatched']:
-        print(f'warning: the cost model\'s collectives do not match the '
-              f'bytes counted: {line}')
-    if args.json:
-        with open(args.json, 'w') as f:
-            json.dump(data, f, indent=1)
-    if args.plot:
-        plot(summary, args.plot)
     return 0
 
 

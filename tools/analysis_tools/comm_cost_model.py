@@ -17,9 +17,8 @@ or both:
   constants come from ``--fit`` when given, else from defaults for NCCL
   on a GPU cluster (alpha 10 us, eta 0.9); the intra-node rate and
   latency of the two-level forms from ``--intra-gbps`` and
-  ``--intra-alpha-us``; the codec (each hook's local work) is assumed
-  from GPU memory bandwidth and FLOP/s unless ``--codec fitted``. The
-  assumptions are printed with the table.
+  ``--intra-alpha-us``; the codec (each hook's local work) from GPU
+  memory bandwidth and FLOP/s unless ``--codec fitted``; all printed.
 
 Arguments are checked before any work starts: a bad value is a usage error
 (exit code 2) naming it and the valid ones.

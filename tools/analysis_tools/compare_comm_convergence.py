@@ -123,6 +123,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help='int8 elements per fp32 scale (default: 256)')
     parser.add_argument('--nproc', type=int, default=2, help='ranks per run')
     parser.add_argument(
+        '--ranks-per-node',
+        type=int,
+        metavar='N',
+        help='start the --nproc ranks as nodes of N ranks on this machine '
+        '(a torchrun per node), so that topology=\'auto\' runs the hooks\' '
+        'two-level forms (default: --nproc, one node)')
+    parser.add_argument(
         '--work-dir',
         help='runs go to <work-dir>/<variant> (default: '
         'work_dirs/compare_comm_convergence/<config name>)')
@@ -184,6 +191,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f'{args.block_size}')
     if args.nproc < 1:
         parser.error(f'--nproc should be at least 1, but got {args.nproc}')
+    if args.ranks_per_node is None:
+        args.ranks_per_node = args.nproc
+    elif not (1 <= args.ranks_per_node <= args.nproc
+              and args.nproc % args.ranks_per_node == 0):
+        parser.error(f'--ranks-per-node should divide --nproc '
+                     f'({args.nproc}) into whole nodes (a divisor from 1 to '
+                     f'{args.nproc}), but got {args.ranks_per_node}')
     if args.log_interval is None:
         args.log_interval = 10 if args.max_iters is None else min(
             10, max(1, args.max_iters // 2))

@@ -28,9 +28,13 @@ What is emulated and what is not:
 :func:`run_on_nodes` starts one command on every node at once, with the
 environment ``tools/dist_train.sh`` and ``tools/dist_test.sh`` read for a
 multi-node torchrun job (``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``,
-``PORT``) plus ``GLOO_SOCKET_IFNAME``, and stops them all as soon as one
-fails. Nothing outlives the process that made the cluster, SIGKILL
-included: each node's command gets SIGTERM when that process ends, and a
+``PORT``) plus ``NPROC_PER_NODE`` (``ranks_per_node``: several ranks per
+node share its namespace and talk through its loopback device, so only
+traffic between nodes crosses the shaped link) and
+``GLOO_SOCKET_IFNAME``, and stops them all as soon as one fails.
+:mod:`.counters` reads what a node's link carried. Nothing outlives the
+process that made the cluster, SIGKILL included: each node's command gets
+SIGTERM when that process ends, and a
 keeper process removes the namespaces and what still runs in them (see
 :class:`EmulatedCluster`). :func:`calibrate` measures what a plain gloo
 ``all_reduce`` achieves across the emulated links.
@@ -51,7 +55,8 @@ Examples:
 
 Modules, one concern each: :mod:`.cluster` (the namespaces, the switch
 and the keeper's start), :mod:`.shaping` (the link rate), :mod:`.run`
-(a command on every node), :mod:`.calibrate`, :mod:`.availability`
+(a command on every node), :mod:`.counters` (the bytes a link
+carried), :mod:`.calibrate`, :mod:`.availability`
 (root, or a user namespace), :mod:`.leftovers` (what killed clusters
 left), and at the bottom :mod:`.namespaces` (namespaces by name, setup
 commands, the keeper). The keeper, a node's first program and a
@@ -61,7 +66,9 @@ so those files import nothing of the package.
 from .availability import (ClusterUnavailable, check_available,
                            check_user_namespace, reexec_in_user_namespace)
 from .calibrate import Calibration, calibrate
-from .cluster import MAX_NODES, SUBNET, EmulatedCluster, Interrupted, Node
+from .cluster import (MAX_NODES, SUBNET, EmulatedCluster, Interrupted, Node,
+                      check_ranks_per_node)
+from .counters import LinkBytes, namespace_link_bytes, read_link_bytes
 from .leftovers import remove_leftovers
 from .namespaces import NAME_PREFIX, ClusterError
 from .node_start import signal_exit_code
@@ -76,5 +83,7 @@ __all__ = [
     'ClusterUnavailable', 'ClusterError', 'NodesFailed', 'Interrupted', 'Node',
     'EmulatedCluster', 'RunResult', 'Calibration', 'check_available',
     'check_user_namespace', 'reexec_in_user_namespace', 'run_on_nodes',
-    'calibrate', 'signal_exit_code', 'shape_links', 'remove_leftovers'
+    'calibrate', 'signal_exit_code', 'shape_links', 'remove_leftovers',
+    'check_ranks_per_node', 'LinkBytes', 'read_link_bytes',
+    'namespace_link_bytes'
 ]

@@ -23,7 +23,10 @@ from .programs import program_argv
 from .shaping import (TBF_LATENCY_MS, check_bandwidth, format_mbit,
                       shape_links, tbf_burst_bytes)
 
-__all__ = ['SUBNET', 'MAX_NODES', 'Interrupted', 'Node', 'EmulatedCluster']
+__all__ = [
+    'SUBNET', 'MAX_NODES', 'Interrupted', 'Node', 'EmulatedCluster',
+    'check_ranks_per_node'
+]
 
 _LOG = logging.getLogger(__name__)
 _SERIAL = itertools.count()
@@ -83,6 +86,19 @@ def _check_nodes(nodes) -> int:
     return nodes
 
 
+def check_ranks_per_node(ranks_per_node) -> int:
+    """``ranks_per_node`` if it is an int >= 1; a ``TypeError`` or
+    ``ValueError`` naming the bad value and the valid range."""
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int):
+        raise TypeError(f'ranks_per_node should be an int >= 1, but got '
+                        f'{type(ranks_per_node).__name__} {ranks_per_node!r}')
+    if ranks_per_node < 1:
+        raise ValueError(
+            'ranks_per_node should be an int >= 1 (ranks on each emulated '
+            f'node), but got {ranks_per_node}')
+    return ranks_per_node
+
+
 class EmulatedCluster:
     """``nodes`` network namespaces joined by a shaped switch; a context
     manager that removes everything it made on exit.
@@ -119,19 +135,30 @@ class EmulatedCluster:
         bandwidth_mbit (float, optional): Each node's link rate in Mbit/s
             (10**6 bit/s), each direction. Defaults to None: not shaped
             (veth speed, several Gbit/s, bound by the host's CPUs).
+        ranks_per_node (int): Ranks each node's command starts, as
+            ``NPROC_PER_NODE`` in its environment (see
+            :func:`~.run.run_on_nodes`). Ranks of one node share its
+            namespace and reach each other at its address, through its
+            loopback device: only traffic between nodes crosses the
+            shaped link, as between the GPUs of a real node. Defaults
+            to 1.
 
     Raises:
-        TypeError, ValueError: At construction, for a bad ``nodes`` or
-            ``bandwidth_mbit``.
+        TypeError, ValueError: At construction, for a bad ``nodes``,
+            ``bandwidth_mbit`` or ``ranks_per_node``.
         ClusterUnavailable: On entering, when not root (see
             :func:`reexec_in_user_namespace`) or without iproute2.
         ClusterError: On entering, when a setup command fails (after
             everything made so far was removed).
     """
 
-    def __init__(self, nodes: int, bandwidth_mbit: Optional[float] = None):
+    def __init__(self,
+                 nodes: int,
+                 bandwidth_mbit: Optional[float] = None,
+                 ranks_per_node: int = 1):
         self.num_nodes = _check_nodes(nodes)
         self.bandwidth_mbit = check_bandwidth(bandwidth_mbit)
+        self.ranks_per_node = check_ranks_per_node(ranks_per_node)
         # Unique among live processes (pid), among this process's
         # clusters (counter), and unlikely to meet a leftover of a dead
         # process with the same pid (random).
@@ -170,9 +197,12 @@ class EmulatedCluster:
     def describe(self, port: Optional[int] = None) -> List[str]:
         """The tool's header: the nodes, their addresses, the link rate,
         and what is not emulated. One string per line."""
+        ranks = ('' if self.ranks_per_node == 1 else
+                 f' ({self.ranks_per_node} ranks each, '
+                 'NPROC_PER_NODE; they talk inside the node)')
         lines = [
-            f'Emulated cluster: {self.num_nodes} nodes on this host, '
-            'one network namespace each, joined by a bridge in '
+            f'Emulated cluster: {self.num_nodes} nodes{ranks} on this '
+            'host, one network namespace each, joined by a bridge in '
             f'{self.switch}'
         ]
         if os.environ.get(USERNS_ENV):

@@ -93,6 +93,7 @@ def _node_env(cluster: EmulatedCluster, node: Node, port: int,
         MASTER_ADDR=cluster.master_addr,
         PORT=str(port),
         MASTER_PORT=str(port),
+        NPROC_PER_NODE=str(cluster.ranks_per_node),
         GLOO_SOCKET_IFNAME=node.interface)
     return merged
 
@@ -228,10 +229,15 @@ def run_on_nodes(cluster: EmulatedCluster,
     of its own, with stdin closed and the environment ``env`` (default:
     this process's) plus ``NNODES``, ``NODE_RANK``, ``MASTER_ADDR`` (node
     0's address), ``PORT`` and ``MASTER_PORT`` (``port``),
+    ``NPROC_PER_NODE`` (the cluster's ``ranks_per_node``: what to give
+    ``dist_train.sh`` or torchrun's ``--nproc-per-node``),
     ``GLOO_SOCKET_IFNAME`` (the node's interface; gloo would otherwise
     resolve the hostname, which all nodes share) and, unless set,
     ``PYTHONUNBUFFERED=1``. These are what ``tools/dist_train.sh`` and
-    ``tools/dist_test.sh`` read for a multi-node torchrun job.
+    ``tools/dist_test.sh`` read for a multi-node torchrun job. The ranks
+    torchrun starts on a node bind that interface's address; between
+    themselves they talk through the node's loopback device, so only
+    traffic between nodes crosses the shaped link.
 
     As soon as one node exits non-zero, or ``timeout`` passes, or this
     process is interrupted (Ctrl-C, or :class:`Interrupted` inside an
