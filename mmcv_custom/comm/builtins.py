@@ -56,9 +56,15 @@ def _powersgd_bytes_sent(hook, state, bucket):
     # Compressing, both add up what they send, in the bucket's dtype: P and
     # Q ((n + m) * r numbers for an n x m matrix at rank r) plus the numel
     # of every tensor left uncompressed (all-reduced as is). That may be 0.
+    # In the two-level form they add up only this rank's share, which is
+    # what it sends across nodes (its all-reduces among its peers there);
+    # its warm-up all-reduces there its share of the node's sums.
+    two_level = getattr(state, 'node_groups', None) is not None
     if compressing:
         size = ((state.total_numel_after_compression - before) *
                 buffer.element_size())
+    elif two_level:
+        size = state.node_share(bucket) * buffer.element_size()
     else:
         size = buffer.numel() * buffer.element_size()
     return fut, int(sent_bytes([('all_reduce', size)], 1))
@@ -221,7 +227,8 @@ BUILTIN_HOOKS = (
             cost=POWERSGD_COST,
             label='PowerSGD',
             colour='tab:orange',
-            benchmark_options=_POWERSGD_BENCHMARK)),
+            benchmark_options=_POWERSGD_BENCHMARK,
+            two_level=True)),
     BuiltinHook(
         'batched_powerSGD', batched_powersgd_hook,
         HookRecord(
@@ -234,7 +241,8 @@ BUILTIN_HOOKS = (
             cost=BATCHED_POWERSGD_COST,
             label='batched PowerSGD',
             colour='tab:brown',
-            benchmark_options=_POWERSGD_BENCHMARK)),
+            benchmark_options=_POWERSGD_BENCHMARK,
+            two_level=True)),
     BuiltinHook(
         'int8_compress', int8_compress_hook,
         HookRecord(

@@ -412,10 +412,15 @@ def _powersgd_codec_bytes(bucket, world_size, settings):
 
 
 def _two_level_powersgd_bucket(bucket, ranks_per_node, num_nodes, settings):
-    # Reduced inside the node in the bucket's dtype; then each local rank
-    # runs PowerSGD on its 1 / G of the matrices among its M peers (its
-    # uncompressed tensors, P and Q all-reduced: 1 / G of the flat form's
-    # each); then the decompressed share all-gathered inside the node.
+    # Reduced inside the node in the bucket's dtype (each tensor to its
+    # owner); then each local rank runs PowerSGD on its tensors among its M
+    # peers (its uncompressed tensors, P and Q all-reduced). The hook gives
+    # whole tensors to owners, balanced over the model: a rank's share of a
+    # bucket varies, the node's G ranks' together are the flat form's, so
+    # 1 / G of each is what a rank sends on average. Then the decompressed
+    # shares spread inside the node: an all-gather where the owners' shares
+    # are equal, else a broadcast from each owner, the same (G - 1) n e
+    # bytes on the node's links as an all-gather of n / G each.
     plain, ps, qs, _ = _powersgd_split(bucket, settings)
     g, e = ranks_per_node, bucket.itemsize
     return [
@@ -429,7 +434,9 @@ def _two_level_powersgd_bucket(bucket, ranks_per_node, num_nodes, settings):
 def _two_level_powersgd_codec_bytes(bucket, ranks_per_node, num_nodes,
                                     settings):
     # The G received segments read to sum them (n e), then the flat form's
-    # work on the rank's 1 / G of the matrices.
+    # work on the rank's 1 / G of the matrices: on average, since the hook
+    # gives whole tensors to owners (a bucket of one large matrix is one
+    # rank's work; spread over the model, the work is even).
     return (bucket.numel * bucket.itemsize +
             _powersgd_codec_bytes(bucket, 1, settings) / ranks_per_node)
 
@@ -472,9 +479,11 @@ def _batched_flops(bucket, world_size, settings):
 
 
 def _two_level_batched_bucket(bucket, ranks_per_node, num_nodes, settings):
-    # Reduced inside the node; each local rank's 1 / G share of the bucket
+    # Reduced inside the node; each local rank's 1 / G slice of the bucket
     # as one square matrix (side about side / sqrt(G)), its two factors
-    # all-reduced among its M peers; the share all-gathered inside the node.
+    # all-reduced among its M peers; the slices all-gathered inside the node
+    # (broadcast from each owner where the last slice is shorter: the same
+    # bytes).
     share = ceil_div(bucket.numel, ranks_per_node)
     side = square_side(share)
     rank = min(side, settings['matrix_approximation_rank'])

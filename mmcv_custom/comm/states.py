@@ -13,6 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
 
 from ..hooks.half import CompressState, check_compress_args
 from ..hooks.int8 import Int8State
+from ..hooks.powersgd import PowerSGDState
 from ..hooks.validation import (require_bool, require_int, require_real,
                                 with_args_check)
 from .registry import COMM_HOOK_STATES
@@ -105,9 +106,11 @@ def _check_powersgd_args(args: dict) -> None:
 @COMM_HOOK_STATES.register_module(name='powerSGD')
 @with_args_check(_check_powersgd_args)
 def _powersgd_state(process_group: Optional[dist.ProcessGroup],
-                    **kwargs) -> powerSGD.PowerSGDState:
-    """Build PyTorch's ``PowerSGDState`` from the config keys."""
-    return powerSGD.PowerSGDState(process_group=process_group, **kwargs)
+                    **kwargs) -> PowerSGDState:
+    """Build PyTorch's ``PowerSGDState`` from the config keys (as
+    :class:`~mmcv_custom.hooks.powersgd.PowerSGDState`, which can take the
+    node groups of the two-level form)."""
+    return PowerSGDState(process_group=process_group, **kwargs)
 
 
 # Only so that config keys (and, with their defaults, values) can be checked

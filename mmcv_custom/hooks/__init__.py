@@ -22,8 +22,9 @@ Modules, each with one concern:
 * :mod:`.int8` and :mod:`.int8_codec`: the blockwise int8 hook and its
   quantization rule;
 * :mod:`.powersgd`, :mod:`.batched_powersgd`: PowerSGD on aligned copies
-  and on whole buckets; :mod:`.powersgd_state`: their state across bucket
-  layouts and checkpoints;
+  and on whole buckets, flat or two-level; :mod:`.node_shares`: the
+  two-level forms' steps inside the node; :mod:`.powersgd_state`: their
+  state across bucket layouts and checkpoints;
 * :mod:`.state`: ``HookStateKeeper``, what a stateful hook saves;
 * :mod:`.worker`: the thread that issues CPU buckets' collectives in order;
 * :mod:`.sharded`: the FSDP2 reduce-scatters;

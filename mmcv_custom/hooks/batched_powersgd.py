@@ -22,6 +22,10 @@ matrix mixes all parameters of the bucket. The two all-reduces run one
 after the other, for CPU buckets on :mod:`mmcv_custom.hooks.worker`'s thread
 (one bucket after another in DDP's order): every backend (gloo included)
 stays in step, and the backward pass goes on while a bucket travels.
+
+The two-level (node-aware) form, where the state's ``node_groups`` is set,
+is :func:`_two_level_batched`: each of a node's G ranks takes a 1/G slice
+of the bucket, summed over the node, as its square matrix.
 """
 import math
 
@@ -31,7 +35,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
 from .half import group_or_world
-from .powersgd import add_error_feedback, warm_up
+from .node_shares import (NodeShares, gather_from_owners, reduce_to_owners,
+                          split_evenly)
+from .powersgd import add_error_feedback, two_level_warm_up, warm_up
 from .worker import run_on_comm_worker
 
 __all__ = ['batched_powersgd_hook']
@@ -57,7 +63,9 @@ def batched_powersgd_hook(
 
     Args:
         state (PowerSGDState): PyTorch's PowerSGD state (rank, warm-up,
-            error feedback, warm start, epsilon, seed).
+            error feedback, warm start, epsilon, seed), or
+            :class:`~.powersgd.PowerSGDState`, whose ``node_groups``
+            chooses the two-level form.
         bucket (GradBucket): The flattened gradients DDP hands to the hook.
 
     Returns:
@@ -66,6 +74,9 @@ def batched_powersgd_hook(
     """
     # Every all-reduce is issued before _batched_powersgd returns (the
     # warm-up's is left in flight).
+    if getattr(state, 'node_groups', None) is not None:
+        return run_on_comm_worker(
+            lambda: _two_level_batched(state, bucket), bucket, wait=False)
     return run_on_comm_worker(
         lambda: _batched_powersgd(state, bucket), bucket, wait=False)
 
@@ -121,3 +132,83 @@ def _batched_powersgd(state: powerSGD.PowerSGDState,
     fut = torch.futures.Future()
     fut.set_result(buffer)
     return fut
+
+
+def _fresh_q(state: powerSGD.PowerSGDState, side: int, rank: int,
+             like: torch.Tensor) -> torch.Tensor:
+    """A new orthonormal warm-start ``Q``, the same on every rank that
+    draws it at the same point of the state's generator."""
+    generator = torch.Generator().manual_seed(
+        int(state.rng.randint(1_000_000_000)))
+    q = torch.randn(
+        side, rank, generator=generator).to(like.device, like.dtype)
+    _orthonormal_columns(q, state.orthogonalization_epsilon)
+    return q
+
+
+def _two_level_batched(state: powerSGD.PowerSGDState,
+                       bucket: dist.GradBucket) -> torch.futures.Future:
+    """The two-level form's work on one bucket; leaves the last step,
+    inside the node, in flight.
+
+    Node rank ``l`` owns the bucket's ``l``-th slice of ``ceil(N / G)``
+    elements: every rank adds its residual and sends each slice to its
+    owner, who sums the node's copies; each owner compresses the node's
+    sum of its slice as one square matrix (side about ``side / sqrt(G)``)
+    among its peers of the same place on every node, ``P`` and ``Q``
+    all-reduced among M ranks, and keeps what the approximation misses as
+    its residual (in the bucket's layout, zero elsewhere); every slice then
+    goes to every rank of the node. The warm-start ``Q`` is the slice's,
+    per bucket as in the flat form.
+    """
+    groups = state.node_groups
+    node_size = groups.layout.ranks_per_node
+    world_size = node_size * groups.layout.num_nodes
+    buffer = bucket.buffer()
+    index = bucket.index()
+    shares = NodeShares(
+        split_evenly(buffer.numel(), node_size), groups.intra_rank)
+    state._shares[index] = shares
+    if state.iter < state.start_powerSGD_iter:
+        return two_level_warm_up(state, bucket, shares)
+
+    error = None
+    if state.use_error_feedback:
+        error = state.error_dict.get(index)
+        if error is None:
+            error = state.error_dict[index] = torch.zeros_like(buffer)
+        buffer.add_(error)
+    sums = reduce_to_owners(groups, buffer, shares)
+    x = sums if buffer.dtype is torch.float32 else sums.to(buffer.dtype)
+    if error is not None:
+        error.zero_()  # now in the owners' sums; theirs refilled below
+
+    numel = shares.mine
+    if numel:
+        side = math.ceil(math.sqrt(numel))
+        rank = min(side, state.matrix_approximation_rank)
+        square = torch.zeros(side * side, dtype=x.dtype, device=x.device)
+        square[:numel].copy_(x)
+        square = square.view(side, side)
+        q = state.q_memory_dict.get(index)
+        if (not state.warm_start or q is None or q.shape != (side, rank)):
+            q = state.q_memory_dict[index] = _fresh_q(state, side, rank, x)
+        p = square @ q
+        dist.all_reduce(p, group=groups.cross)
+        _orthonormal_columns(p, state.orthogonalization_epsilon)
+        torch.matmul(square.t(), p, out=q)
+        dist.all_reduce(q, group=groups.cross)
+        q.div_(world_size)
+        state.p_memory_dict[index] = p
+        approx = (p @ q.t()).view(-1)[:numel]
+        if error is not None:
+            start = shares.pieces[shares.me][0][0]
+            # The node's sum (with its residual) less the node's part of
+            # the average.
+            torch.sub(
+                x, approx, alpha=node_size, out=error[start:start + numel])
+        x.copy_(approx)
+        state.total_numel_before_compression += numel
+        state.total_numel_after_compression += 2 * side * rank
+    state.maybe_increase_iter(bucket)
+    return gather_from_owners(groups, buffer, shares, x)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
-from .powersgd import compression
+from .powersgd import factor_layout
 from .state import HookStateKeeper
 from .util import named_after
 
@@ -48,25 +48,15 @@ class _Layout:
         self.ids = tuple(id(p) for p in params)
         self.error = {}  # id -> (offset, numel)
         self.q = {}  # id -> (offset, numel)
-        self.p_size = 0
+        slots, self.p_size, self.q_size = factor_layout(
+            [p.shape for p in params], state.matrix_approximation_rank,
+            state.min_compression_rate)
         offset = 0
-        groups: Dict[tuple, list] = {}
-        for p in params:
+        for p, slot in zip(params, slots):
             self.error[id(p)] = (offset, p.numel())
             offset += p.numel()
-            if compression(p.shape, state.matrix_approximation_rank,
-                           state.min_compression_rate)[0]:
-                n = p.shape[0]
-                m = p.numel() // n
-                rank = min(n, m, state.matrix_approximation_rank)
-                groups.setdefault((n, m), []).append((id(p), m * rank))
-                self.p_size += n * rank
-        offset = 0
-        for members in groups.values():
-            for pid, numel in members:
-                self.q[pid] = (offset, numel)
-                offset += numel
-        self.q_size = offset
+            if slot is not None:
+                self.q[id(p)] = slot
 
 
 class PowerSGDRelayout(HookStateKeeper):

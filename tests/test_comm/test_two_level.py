@@ -1,6 +1,6 @@
-"""The two-level (node-aware) forms of int8, fp16 and bf16 (issue 30), on
-real gloo ranks: 2 nodes x 2 ranks and 3 x 2, as a config's ``topology``
-builds them."""
+"""The two-level (node-aware) forms of int8, fp16, bf16 and both PowerSGDs
+(issue 30), on real gloo ranks: 2 nodes x 2 ranks and 3 x 2, as a config's
+``topology`` builds them."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -77,6 +77,54 @@ def _train(rank,
 
 
 INT8 = dict(type='int8_compress', block_size=32)
+# Rank 2 compresses fc1.weight (32 x 16) only; the rest goes as it is.
+PSGD = dict(
+    type='powerSGD',
+    matrix_approximation_rank=2,
+    start_powerSGD_iter=2,
+    topology=TWO_BY_TWO)
+# A rank as large as the matrices, and a rate that lets PyTorch's rule
+# compress them: PowerSGD is then exact, up to fp32 rounding.
+PSGD_EXACT = dict(PSGD, matrix_approximation_rank=16, min_compression_rate=0.1)
+PSGD_BF16 = dict(PSGD, wrapper='bf16')
+# New random Q each step, nothing carried over.
+PSGD_COLD = dict(PSGD, warm_start=False, use_error_feedback=False)
+BATCHED = dict(PSGD, type='batched_powerSGD')
+# Each node rank's half of the 676-value bucket, 338 values, as a 19 x 19
+# square whose last row is padding: rank 18 spans its columns, so PowerSGD
+# is exact up to the rounding of Gram-Schmidt on 18 columns.
+BATCHED_EXACT = dict(BATCHED, matrix_approximation_rank=18)
+
+
+def _powersgd_cases(rank, world_size):
+    """The PowerSGD cases of :func:`_four_ranks`."""
+    out = dict(
+        psgd_one=_train(rank, world_size, PSGD),
+        psgd_many=_train(rank, world_size, PSGD, cap=1e-4),
+        psgd_flat=_train(rank, world_size, dict(PSGD, topology='flat')),
+        psgd_exact=_train(rank, world_size, PSGD_EXACT, 4),
+        psgd_cold=_train(rank, world_size, PSGD_COLD, 4),
+        psgd_bf16=_train(rank, world_size, PSGD_BF16),
+        batched_one=_train(rank, world_size, BATCHED),
+        batched_exact=_train(rank, world_size, BATCHED_EXACT, 4))
+    for name, cfg in (('psgd', PSGD), ('psgd_bf16', PSGD_BF16), ('batched',
+                                                                 BATCHED)):
+        first = _train(rank, world_size, cfg, 3)
+        out[f'{name}_resumed'] = _train(
+            rank, world_size, cfg, 3, state_in=first, start=3)
+        if name == 'psgd':
+            # Each rank restores its node peer's state: the warm starts of
+            # the matrices it compresses are the peer's zeros.
+            states = [None] * world_size
+            dist.all_gather_object(states, first['hook'])
+            out['psgd_swapped'] = _train(
+                rank,
+                world_size,
+                cfg,
+                3,
+                state_in=dict(first, hook=states[rank ^ 1]),
+                start=3)
+    return out
 
 
 def _four_ranks(rank, world_size):
@@ -123,6 +171,7 @@ def _four_ranks(rank, world_size):
     except ValueError as e:
         describe['contradicted'] = str(e)
     out['describe'] = describe
+    out.update(_powersgd_cases(rank, world_size))
     return out
 
 
@@ -167,14 +216,21 @@ def test_two_level_int8_averages_within_its_rounding_and_layouts_agree(four):
 
 
 def _three_nodes(rank, world_size):
-    return _train(rank, world_size, dict(INT8, topology=TWO_BY_TWO), 3)
+    return dict(
+        int8=_train(rank, world_size, dict(INT8, topology=TWO_BY_TWO), 3),
+        psgd=_train(rank, world_size, PSGD_EXACT, 3),
+        batched=_train(rank, world_size, BATCHED_EXACT, 3))
 
 
 def test_three_nodes_of_two_ranks():
+    """Every form among 3 peers across nodes: the same on every rank, and
+    as near the mean as on 2 nodes."""
     results = run_ranks(_three_nodes, world_size=6)
-    _same_everywhere(results)
-    _close_to_exact(results[0], 0.02)
-    assert 'two-level, 3 nodes x 2 ranks' in results[0]['describe']
+    for name, tolerance in (('int8', 0.02), ('psgd', 1e-5), ('batched', 1e-3)):
+        runs = [res[name] for res in results]
+        _same_everywhere(runs)
+        _close_to_exact(runs[0], tolerance)
+        assert 'two-level, 3 nodes x 2 ranks' in runs[0]['describe']
 
 
 def test_two_level_int8_sends_a_node_share_across_and_keeps_the_sum(four):
@@ -251,14 +307,14 @@ def test_bad_topologies_are_refused_before_anything_is_built(
 
 def test_a_hook_without_a_two_level_form_refuses_a_stated_topology():
     with pytest.raises(ValueError) as raised:
-        check_comm_hook_cfg(dict(type='powerSGD', topology=TWO_BY_TWO))
+        check_comm_hook_cfg(dict(type='allreduce', topology=TWO_BY_TWO))
     assert str(raised.value) == (
-        "comm_hook type 'powerSGD' has no two-level form, so "
+        "comm_hook type 'allreduce' has no two-level form, so "
         "topology={'ranks_per_node': 2} cannot apply. Two-level forms: "
-        "bf16_compress, fp16_compress, int8_compress; leave topology out "
-        "(or 'flat') for this hook.")
+        "batched_powerSGD, bf16_compress, fp16_compress, int8_compress, "
+        "powerSGD; leave topology out (or 'flat') for this hook.")
     for fine in ('auto', 'flat'):
-        check_comm_hook_cfg(dict(type='powerSGD', topology=fine))
+        check_comm_hook_cfg(dict(type='allreduce', topology=fine))
     with pytest.raises(ValueError, match='no two-level form yet'):
         build_sharded_comm(dict(type='bf16_compress', topology=TWO_BY_TWO))
 
@@ -298,3 +354,103 @@ def test_a_hook_failing_on_one_rank_raises_on_every_rank():
     assert 'injected on rank 1' in results[1]
     for rank in (0, 2, 3):
         assert 'no error' not in results[rank], results
+
+
+def test_two_level_powersgd_is_exact_where_its_rank_is_full(four):
+    """At a rank as large as each matrix, both forms' approximations are
+    the matrices themselves: the two-level average is the exact mean to
+    fp32 rounding, the same on every rank, through the warm-up and the
+    compressed steps."""
+    for name, tolerance in (('psgd_exact', 1e-5), ('batched_exact', 1e-3)):
+        _same_everywhere(four[name])
+        _close_to_exact(four[name][0], tolerance)
+    assert ('topology: two-level, 2 nodes x 2 ranks'
+            in four['psgd_one'][0]['describe'])
+
+
+def test_two_level_powersgd_follows_the_parameters_not_the_buckets(four):
+    """One bucket or one per parameter (and DDP's rebuilt layout): every
+    tensor has the same owner, sums in the same order and the same warm
+    start, so the run is the same to the bit. At rank 2 it is lossy, but
+    stays near the mean."""
+    _same_everywhere(four['psgd_one'])
+    _same_everywhere(four['batched_one'])
+    _same_bits(four['psgd_one'], four['psgd_many'])
+    for name in ('psgd_one', 'batched_one'):
+        res = four[name][0]
+        # The warm-up steps are plain means (two-level, in fp32).
+        _close_to_exact(
+            dict(applied=res['applied'][:2], exact=res['exact'][:2]), 1e-5)
+        assert any(not torch.allclose(a, e, rtol=0, atol=1e-4)
+                   for step in range(2, 6)
+                   for a, e in zip(res['applied'][step], res['exact'][step]))
+
+
+@pytest.mark.parametrize('name', ['psgd', 'psgd_bf16'])
+def test_two_level_powersgd_resumes_bit_for_bit(four, name):
+    """Error feedback, warm start, the generator and the step count, saved
+    per parameter by the state keeper after 3 steps and restored into a
+    new DDP model whose first buckets are laid out afresh; under the bf16
+    wrapper too (the state in bf16, as PowerSGD computes)."""
+    whole_runs = four['psgd_one' if name == 'psgd' else name]
+    for whole, resumed in zip(whole_runs, four[f'{name}_resumed']):
+        _same_bits([dict(applied=whole['applied'][3:])], [resumed])
+
+
+def test_a_warm_start_the_rank_never_computed_is_drawn_afresh(four):
+    """Restored where another node rank compressed a matrix (here: each
+    rank given its peer's state), its warm start is the other rank's zero
+    slot: drawn afresh, the matrix is still compressed, not zeroed for
+    good (``P = M Q`` of a zero ``Q``)."""
+    swapped = four['psgd_swapped']
+    _same_everywhere(swapped)
+    for step in swapped[0]['applied']:
+        assert step[0].abs().max() > 0  # fc1.weight, the compressed one
+
+
+def test_two_level_powersgd_without_warm_start_or_error_feedback(four):
+    """New random factors every step, drawn alike by each owner's peers:
+    in step on every rank, and no further from the mean than the mean's
+    own size (rank 2 of 16, nothing carried over)."""
+    _same_everywhere(four['psgd_cold'])
+    _close_to_exact(four['psgd_cold'][0], 1.0)
+    _same_everywhere(four['psgd_bf16'])
+
+
+def test_two_level_batched_powersgd_resumes_compressing(four):
+    """Batched PowerSGD's warm start belongs to a bucket's composition,
+    which a resumed DDP's first layout changes (as in the flat form): not
+    bit for bit, but it goes on compressing at once, in step on every
+    rank, with what it sends across nodes unchanged."""
+    _same_everywhere(four['batched_resumed'])
+    for whole, resumed in zip(four['batched_one'], four['batched_resumed']):
+        assert resumed['counts'][0] == whole['counts'][3]
+
+
+@pytest.mark.parametrize('name', ['psgd_one', 'batched_one'])
+def test_two_level_powersgd_error_feedback_keeps_the_sum(four, name):
+    """Each owner keeps what its approximation missed of its node's sum:
+    the applied gradients plus every rank's residual over the world size
+    add up to the true means (nothing lost, only delayed)."""
+    two = four[name]
+    names = [n for n, _ in Net().named_parameters()]
+    for i, param in enumerate(names):
+        applied = sum(step[i] for step in two[0]['applied'])
+        true = sum(step[i] for step in two[0]['exact'])
+        kept = sum(res['hook']['params'][param]['error'] for res in two)
+        torch.testing.assert_close(
+            applied + kept.view_as(applied) / 4, true, rtol=0, atol=1e-5)
+
+
+def test_two_level_powersgd_counts_what_crosses_nodes(four):
+    """Each rank counts the all-reduces among its peers on the other
+    nodes: during the warm-up its share of the node's sums, compressing
+    its own tensors' factors and uncompressed tensors. A node's ranks
+    together send what one rank of the flat form sends."""
+    two, flat = four['psgd_one'], four['psgd_flat']
+    numel = 16 * 32 + 32 + 32 * 4 + 4
+    for step in (0, 5):
+        node = sum(res['counts'][step][1] for res in two[:2])
+        assert node == (4 * numel if step == 0 else flat[0]['counts'][step][1])
+        # Each rank sends a part of it.
+        assert all(0 < res['counts'][step][1] < node for res in two)

@@ -638,8 +638,9 @@ def test_two_level_int8_crosses_nodes_with_about_one_gth_of_the_bytes():
 def test_a_record_without_a_two_level_form_has_none_to_cost():
     with pytest.raises(
             ValueError,
-            match='allreduce: its CostRecord states no two_level form, so it '
-            'has none to cost'):
+            match=r'allreduce: its record states no two-level form it runs '
+            r'\(HookRecord.two_level and CostRecord.two_level\), so it has '
+            'none to cost'):
         cc.TwoLevelRecordCost(cc.AllReduceCost(), 2, 2)
 
 
@@ -664,7 +665,8 @@ def test_a_plugins_two_level_form_is_weighed(monkeypatch):
             codec_bytes=lambda b, world_size, settings: 0.0,
             two_level=TwoLevelCost(
                 sends=two_level_sends,
-                codec_bytes=lambda b, g, m, settings: 0.0)))
+                codec_bytes=lambda b, g, m, settings: 0.0)),
+        two_level=True)
     monkeypatch.setitem(COMM_HOOKS.module_dict, 'test_node_aware',
                         node_aware_hook)
     monkeypatch.setitem(HOOK_RECORDS, node_aware_hook, record)
