@@ -45,7 +45,8 @@ LAUNCH_ENV = {
               'SLURM_NODEID', 'SLURM_TASKS_PER_NODE'),
     'mpi':
     LaunchEnv('OMPI_COMM_WORLD_RANK', 'OMPI_COMM_WORLD_SIZE',
-              'OMPI_COMM_WORLD_LOCAL_RANK', ()),
+              'OMPI_COMM_WORLD_LOCAL_RANK', (), '',
+              'OMPI_COMM_WORLD_LOCAL_SIZE'),
 }
 
 
@@ -125,8 +126,9 @@ def launcher_claim(
     ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (which only
     torchrun sets, so a torchrun inside a Slurm job speaks for its ranks),
     else Slurm's ``SLURM_NODEID``, ``SLURM_LOCALID`` and
-    ``SLURM_TASKS_PER_NODE``; None where neither says (``mpirun`` names
-    no node index, a single process names nothing).
+    ``SLURM_TASKS_PER_NODE``, else Open MPI's local rank and size (see
+    :func:`_mpi_claim`); None where none says (a single process names
+    nothing).
 
     Not the host name: emulated nodes share one host. What every rank
     claims is judged together by
@@ -144,4 +146,26 @@ def launcher_claim(
             tasks = int(size) if size.isdigit() else None
         if tasks is not None:
             return NodeClaim(int(node), int(local), tasks)
-    return None
+    return _mpi_claim(env)
+
+
+def _mpi_claim(env: Mapping[str, str]) -> Optional[NodeClaim]:
+    """Open MPI names a rank's place on its node and the node's size, not
+    the node's index: read as consecutive ranks sharing a node (its
+    default ``--map-by slot``), the index of the node is
+    ``(rank - local rank) / local size``. A rank where that is no whole
+    number (``--map-by node``) says nothing; one whose neighbours were
+    placed otherwise makes the agreed layout not add up (see
+    :func:`~mmcv_custom.hooks.topology.layout_of_claims`): flat, either
+    way, with the reason."""
+    launch = LAUNCH_ENV['mpi']
+    values = [
+        env.get(name, '')
+        for name in (launch.rank, launch.local, launch.local_world)
+    ]
+    if not all(v.isdigit() for v in values):
+        return None
+    rank, local, size = (int(v) for v in values)
+    if size < 1 or local >= size or (rank - local) % size:
+        return None
+    return NodeClaim((rank - local) // size, local, size)

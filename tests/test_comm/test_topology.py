@@ -158,14 +158,25 @@ def test_one_rank_without_a_word_leaves_every_rank_flat_for_one_reason():
             SLURM_TASKS_PER_NODE='2(x3),1'), None),
         (dict(SLURM_NODEID='0', SLURM_LOCALID='0',
               SLURM_TASKS_PER_NODE='two'), None),
-        # mpirun names no node index; a single process names nothing.
+        # mpirun names no node index: consecutive ranks share a node (its
+        # default placement), so rank 5, second on its node of 2, is on
+        # node 2; rank 2 as second of 2 cannot be (placed round robin).
+        (dict(
+            OMPI_COMM_WORLD_RANK='5',
+            OMPI_COMM_WORLD_LOCAL_RANK='1',
+            OMPI_COMM_WORLD_LOCAL_SIZE='2'), NodeClaim(2, 1, 2)),
+        (dict(
+            OMPI_COMM_WORLD_RANK='2',
+            OMPI_COMM_WORLD_LOCAL_RANK='1',
+            OMPI_COMM_WORLD_LOCAL_SIZE='2'), None),
         (dict(OMPI_COMM_WORLD_LOCAL_RANK='0',
               OMPI_COMM_WORLD_LOCAL_SIZE='2'), None),
         ({}, None),
     ],
     ids=[
         'torchrun', 'torchrun-in-slurm', 'slurm', 'slurm-last-node',
-        'slurm-past-the-list', 'slurm-unreadable', 'mpirun', 'none'
+        'slurm-past-the-list', 'slurm-unreadable', 'mpirun',
+        'mpirun-round-robin', 'mpirun-without-rank', 'none'
     ])
 def test_what_each_launcher_says_of_a_ranks_node(environ, claim):
     assert launcher_claim(environ) == claim
