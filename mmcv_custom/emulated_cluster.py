@@ -10,7 +10,10 @@ from .launching.emulated_cluster.availability import (ClusterUnavailable,
 from .launching.emulated_cluster.calibrate import Calibration, calibrate
 from .launching.emulated_cluster.cluster import (MAX_NODES, SUBNET,
                                                  EmulatedCluster, Interrupted,
-                                                 Node)
+                                                 Node, check_ranks_per_node)
+from .launching.emulated_cluster.counters import (LinkBytes,
+                                                  namespace_link_bytes,
+                                                  read_link_bytes)
 from .launching.emulated_cluster.leftovers import remove_leftovers
 from .launching.emulated_cluster.namespaces import NAME_PREFIX, ClusterError
 from .launching.emulated_cluster.node_start import signal_exit_code
@@ -27,5 +30,7 @@ __all__ = [
     'ClusterUnavailable', 'ClusterError', 'NodesFailed', 'Interrupted', 'Node',
     'EmulatedCluster', 'RunResult', 'Calibration', 'check_available',
     'check_user_namespace', 'reexec_in_user_namespace', 'run_on_nodes',
-    'calibrate', 'signal_exit_code', 'shape_links', 'remove_leftovers'
+    'calibrate', 'signal_exit_code', 'shape_links', 'remove_leftovers',
+    'check_ranks_per_node', 'LinkBytes', 'read_link_bytes',
+    'namespace_link_bytes'
 ]
