@@ -316,8 +316,9 @@ def _two_level_int8_bucket(bucket, ranks_per_node, num_nodes, settings):
     ``1 / G`` of the blocks and summing them; (2) that share quantized
     (int8 and an fp32 scale a block) and all-to-all'd among the rank's
     ``M`` peers on the other nodes; (3) each peer's ``1 / M`` of it, summed
-    and quantized again, all-gathered among the peers; (4) the decoded
-    share all-gathered inside the node in the bucket's dtype. Only (2) and
+    and quantized again, all-gathered among the peers; (4) that int8
+    result all-gathered inside the node, each rank decoding every part.
+    Only (2) and
     (3) cross nodes: about ``2 (M - 1) / M`` of the quantized bucket per
     node link, against about ``G`` times that for the flat all-to-all. The
     largest share sets the pace, so shares are counted rounded up."""
@@ -328,21 +329,21 @@ def _two_level_int8_bucket(bucket, ranks_per_node, num_nodes, settings):
     return [('all_to_all', 4 * block * blocks, 'intra'),
             ('all_to_all', share * (block + 4), 'cross'),
             ('all_gather', piece * (block + 4), 'cross'),
-            ('all_gather', share * block * bucket.itemsize, 'intra')]
+            ('all_gather', num_nodes * piece * (block + 4), 'intra')]
 
 
 def _two_level_int8_codec_bytes(bucket, ranks_per_node, num_nodes, settings):
     # Per element of the bucket: copied into fp32 blocks (read e, write 4),
     # the received segments read to sum them (4), the gathered bucket
-    # copied out of its blocks (2 e). Per element of the 1 / G share:
-    # writing the sum (4), quantizing it (read 4, write 1, and the fp32
-    # residual read and written, 8, with error feedback), summing the
-    # received pieces and quantizing again (about 2) and decoding the
-    # gathered share (read 1, write e).
+    # copied out of its blocks (2 e) after every part is decoded (read 1,
+    # write 4). Per element of the 1 / G share: writing the sum (4),
+    # quantizing it (read 4, write 1, and the fp32 residual read and
+    # written, 8, with error feedback) and summing the received pieces and
+    # quantizing again (about 2).
     n, e = bucket.numel, bucket.itemsize
     share = ceil_div(n, ranks_per_node)
     ef = 8 if settings['error_feedback'] else 0
-    return float((e + 4 + 4 + 2 * e) * n + (4 + 5 + ef + 2 + 1 + e) * share)
+    return float((e + 4 + 4 + 2 * e + 5) * n + (4 + 5 + ef + 2) * share)
 
 
 #: ``int8_compress``: blockwise int8, an all-to-all then an all-gather.

@@ -12,8 +12,10 @@ node's sums cross nodes, in int8:
 2. the flat int8 exchange runs on those sums among the ranks of the same
    place on every node (``NodeGroups.cross``): quantize, all-to-all, sum,
    quantize again, all-gather;
-3. an all-gather inside the node, in the bucket's dtype, gives every rank
-   the whole average.
+3. an all-gather inside the node of every rank's int8 result (as the
+   exchange across nodes returned it) gives every rank the whole average,
+   each part decoded with its rank's plan: the same values on every rank,
+   at a quarter of fp32's bytes on the fast link too.
 
 So a node's link carries about 1/G of the flat form's int8 bytes.
 
@@ -101,16 +103,27 @@ class TwoLevelPlan:
         self.filled = slot.sort().values
         self.filled_rows = self.slots[self.filled]
 
-        # This rank's node sums: its per_rank slots, one block each.
+        # Each node rank's sums: its per_rank slots, one block each. This
+        # rank exchanges its own across nodes (``cross``); every rank's
+        # int8 result comes back inside the node, decoded with its plan.
         me = groups.intra_rank
-        mine = self.slots[me * self.per_rank:(me + 1) * self.per_rank]
-        held = mine < self.rows
         length_of = torch.cat([length, torch.zeros(1, dtype=torch.int64)])
         where = torch.arange(self.per_rank, dtype=torch.int64)
-        self.cross = Int8BucketPlan.of_blocks(where[held] * block,
-                                              length_of[mine][held],
-                                              where[held] // slots_each, nodes,
-                                              groups.cross_rank)
+        self.node_plans = []
+        for rank in range(node_size):
+            theirs = self.slots[rank * self.per_rank:(rank + 1) *
+                                self.per_rank]
+            held = theirs < self.rows
+            self.node_plans.append(
+                Int8BucketPlan.of_blocks(where[held] * block,
+                                         length_of[theirs][held],
+                                         where[held] // slots_each, nodes,
+                                         groups.cross_rank))
+        self.cross = self.node_plans[me]
+        #: Bytes each node rank gives the all-gather inside the node: its
+        #: all-gathered int8 result, padded to the largest.
+        self.spread_bytes = max(nodes * plan.padded
+                                for plan in self.node_plans)
         # The indices the step needs, on the device of the buckets (CPU
         # here; a GPU's copies are made once, at the first step there).
         self._mine_at = me * self.per_rank
@@ -201,11 +214,12 @@ def two_level_reduce(groups: NodeGroups, bucket: dist.GradBucket,
         input_split_sizes=cross.splits,
         group=groups.cross)
     sum_and_requantize(cross, recv8, nodes, out8, dropped, buffer.dtype)
-    gathered8 = torch.empty(
-        nodes * cross.padded, dtype=torch.uint8, device=device)
-    all_gather_single(gathered8, out8, group=groups.cross)
-    mine = torch.zeros_like(sums)
-    int8_codec.dequantize_blocks(gathered8, cross.gather, mine)
+    # The int8 result of this rank's sums from every node, padded for the
+    # all-gather inside the node.
+    gathered8 = torch.zeros(
+        plan.spread_bytes, dtype=torch.uint8, device=device)
+    all_gather_single(
+        gathered8[:nodes * cross.padded], out8, group=groups.cross)
 
     if residual is not None:
         # What this rank's roundings dropped, back to the bucket's layout.
@@ -213,17 +227,26 @@ def two_level_reduce(groups: NodeGroups, bucket: dist.GradBucket,
         rows.index_copy_(0, my_rows, dropped.view(-1, block)[held])
         plan.from_rows(rows, residual)
 
-    # 3. Inside the node: every rank's share of the average, to all.
-    share_out = mine if buffer.dtype is torch.float32 else mine.to(
-        buffer.dtype)
+    # 3. Inside the node: every rank's int8 result, to all, each decoded
+    # with its rank's plan.
     everything = torch.empty(
-        node_size * share_out.numel(), dtype=buffer.dtype, device=device)
+        node_size * plan.spread_bytes, dtype=torch.uint8, device=device)
     fut = all_gather_single(
-        everything, share_out, group=groups.intra, async_op=True).get_future()
+        everything, gathered8, group=groups.intra, async_op=True).get_future()
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
-        got = everything.view(-1, block)
-        rows.index_copy_(0, filled_rows, got[filled].to(torch.float32))
+        values = torch.empty(
+            node_size * plan.per_rank * block,
+            dtype=torch.float32,
+            device=device)
+        at, size = 0, plan.per_rank * block
+        for rank, theirs in enumerate(plan.node_plans):
+            start = rank * plan.spread_bytes
+            int8_codec.dequantize_blocks(
+                everything[start:start + nodes * theirs.padded],
+                theirs.gather, values[at:at + size])
+            at += size
+        rows.index_copy_(0, filled_rows, values.view(-1, block)[filled])
         plan.from_rows(rows, buffer)
         return buffer
 

@@ -541,15 +541,15 @@ def test_two_level_bytes_by_hand():
     # 3 nodes of 2 ranks. int8 in blocks of 2: p0 (5) 3 blocks, p1 (3) 2,
     # each padded: 5 blocks. Local rank l reduces 3 of them (rounded up),
     # sends them quantized (3 * (2 + 4) bytes) to its 3 peers, which each
-    # gather 1 block back; then 3 blocks of fp32 values gathered in the
-    # node.
+    # gather 1 block back; then those 3 pieces (int8 and scales, as
+    # gathered across nodes) gathered in the node.
     buckets = _one_bucket((5, ), (3, ))
     int8 = cc.Int8Cost(block_size=2).two_level(2, 3)
     assert _levels(int8.collectives(buckets, 6)) == [[
         ('all_to_all', 4 * 2 * 5, 'intra'),
         ('all_to_all', 3 * 6, 'cross'),
         ('all_gather', 1 * 6, 'cross'),
-        ('all_gather', 3 * 2 * 4, 'intra'),
+        ('all_gather', 3 * 1 * 6, 'intra'),
     ]]
     # Half precision: fp32 inside the node, 2 bytes across.
     half = cc.HalfPrecisionCost('bf16').two_level(2, 3)
