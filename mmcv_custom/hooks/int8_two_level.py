@@ -243,8 +243,8 @@ def two_level_reduce(groups: NodeGroups, bucket: dist.GradBucket,
         for rank, theirs in enumerate(plan.node_plans):
             start = rank * plan.spread_bytes
             int8_codec.dequantize_blocks(
-                everything[start:start + nodes * theirs.padded],
-                theirs.gather, values[at:at + size])
+                everything[start:start + nodes * theirs.padded], theirs.gather,
+                values[at:at + size])
             at += size
         rows.index_copy_(0, filled_rows, values.view(-1, block)[filled])
         plan.from_rows(rows, buffer)

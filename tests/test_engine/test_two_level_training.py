@@ -70,5 +70,6 @@ def test_two_nodes_of_two_ranks_train_two_level_and_resume(tmp_path):
     assert ('Restored the int8_compress state (error feedback) of all 4 '
             'ranks from the files beside') in log
     weights = _weights(tmp_path / 'iter_4.pth')
-    assert all(torch.isfinite(w).all() for w in weights.values()
-               if w.is_floating_point())
+    assert all(
+        torch.isfinite(w).all() for w in weights.values()
+        if w.is_floating_point())
