@@ -134,7 +134,9 @@ def resolve_topology(value: Any,
     if layout is None:
         return Topology(None, f'flat ({why})')
     if not layout.two_level:
-        what = ('one node' if layout.num_nodes == 1 else 'one rank a node')
-        return Topology(None, f'flat ({what}: {layout.describe()})')
+        what = (f'one node of {layout.ranks_per_node} ranks'
+                if layout.num_nodes == 1 else
+                f'one rank a node, {layout.num_nodes} nodes')
+        return Topology(None, f'flat ({what})')
     groups = make_node_groups(layout, process_group)
     return Topology(groups, groups.describe())

@@ -270,9 +270,9 @@ def test_two_level_half_precision_is_the_average_to_its_rounding(four, hook):
 
 
 def test_one_rank_a_node_or_one_node_is_the_flat_hook_bit_for_bit(four):
-    for name, said in (('per_node_1', 'one rank a node'), ('per_node_4',
-                                                           'one node')):
-        assert f'topology: flat ({said}' in four[name][0]['describe']
+    for name, said in (('per_node_1', 'one rank a node, 4 nodes'),
+                       ('per_node_4', 'one node of 4 ranks')):
+        assert f'topology: flat ({said})' in four[name][0]['describe']
         _same_bits(four['flat'], four[name])
 
 

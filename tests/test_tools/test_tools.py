@@ -53,8 +53,8 @@ def test_demo_trains_evaluates_and_summarizes(tmp_path):
     summary = out.stdout[out.stdout.index('Demo summary'):]
     assert ("type='bf16_compress' (bf16_compress_hook), wrapper=None, "
             'state: CompressState(divides by the world size before the bf16 '
-            'cast, check_finite=False); process group: 2 ranks, backend gloo'
-            ) in summary
+            'cast, check_finite=False), topology: flat (one node of 2 '
+            'ranks); process group: 2 ranks, backend gloo') in summary
     # Both evaluations of the last checkpoint, each named.
     # (Labels padded to the longest, 'validation (iter 20)'.)
     metrics = r"\{'aAcc': [\d.]+, 'mIoU': [\d.]+, 'mAcc': [\d.]+\}"
