@@ -74,15 +74,20 @@ def namespace_pids(ns: str) -> List[int]:
     return [int(p) for p in done.stdout.split() if p.isdigit()]
 
 
-def kill_namespace_pids(ns: str, signum: int) -> List[int]:
+def kill_namespace_pids(
+    ns: str, signum: int, spare_groups: Sequence[int] = ()) -> List[int]:
     """Send ``signum`` to every process in ``ns`` (one of ours: whatever
-    runs there was started by :func:`~.run.run_on_nodes`). Returns their
-    pids."""
+    runs there was started by :func:`~.run.run_on_nodes`), but those in
+    the process groups ``spare_groups`` (already sent it: a second SIGTERM
+    arriving while a rank writes its stacks, faulthandler's chained
+    handler, ends it mid-line). Returns their pids."""
     if not namespace_exists(ns):
         return []
     pids = namespace_pids(ns)
     for pid in pids:
         try:
+            if spare_groups and os.getpgid(pid) in spare_groups:
+                continue
             os.kill(pid, signum)
         except ProcessLookupError:
             pass

@@ -138,8 +138,9 @@ def _stop(procs: List[subprocess.Popen], cluster: EmulatedCluster,
     for proc in procs:
         if proc.poll() is None:
             _killpg(proc, signal.SIGTERM)
+    groups = [proc.pid for proc in procs]
     for ns in namespaces:
-        kill_namespace_pids(ns, signal.SIGTERM)
+        kill_namespace_pids(ns, signal.SIGTERM, spare_groups=groups)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         if all(p.poll() is not None for p in procs) and not any(
