@@ -35,9 +35,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 
 from .half import group_or_world
-from .node_shares import (NodeShares, gather_from_owners, reduce_to_owners,
-                          split_evenly)
-from .powersgd import add_error_feedback, two_level_warm_up, warm_up
+from .node_shares import NodeShares, gather_from_owners, split_evenly
+from .powersgd import (add_error_feedback, owners_sums, two_level_warm_up,
+                       warm_up)
 from .worker import run_on_comm_worker
 
 __all__ = ['batched_powersgd_hook']
@@ -172,16 +172,7 @@ def _two_level_batched(state: powerSGD.PowerSGDState,
     if state.iter < state.start_powerSGD_iter:
         return two_level_warm_up(state, bucket, shares)
 
-    error = None
-    if state.use_error_feedback:
-        error = state.error_dict.get(index)
-        if error is None:
-            error = state.error_dict[index] = torch.zeros_like(buffer)
-        buffer.add_(error)
-    sums = reduce_to_owners(groups, buffer, shares)
-    x = sums if buffer.dtype is torch.float32 else sums.to(buffer.dtype)
-    if error is not None:
-        error.zero_()  # now in the owners' sums; theirs refilled below
+    x, error = owners_sums(state, bucket, shares)
 
     numel = shares.mine
     if numel:

@@ -42,7 +42,7 @@ from .worker import run_on_comm_worker
 
 __all__ = [
     'PowerSGDState', 'powersgd_hook', 'compression', 'factor_layout',
-    'warm_up', 'two_level_warm_up', 'add_error_feedback'
+    'warm_up', 'two_level_warm_up', 'add_error_feedback', 'owners_sums'
 ]
 
 # Fresh allocations start at 64 bytes (CPU) or more (CUDA): the largest
@@ -396,6 +396,28 @@ def _two_level_plan(state: 'PowerSGDState',
     return kept[1]
 
 
+def owners_sums(
+        state: powerSGD.PowerSGDState, bucket: dist.GradBucket,
+        shares: NodeShares) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The two-level forms' first step (shared by both PowerSGD hooks): the
+    bucket plus its residual, summed over the node into this rank's pieces,
+    in the bucket's dtype; and the residual, now zero (it is in the
+    owners' sums; each owner refills its own), or None without error
+    feedback."""
+    buffer = bucket.buffer()
+    error = None
+    if state.use_error_feedback:
+        error = state.error_dict.get(bucket.index())
+        if error is None:
+            error = state.error_dict[bucket.index()] = torch.zeros_like(buffer)
+        buffer.add_(error)
+    sums = reduce_to_owners(state.node_groups, buffer, shares)
+    x = sums if buffer.dtype is torch.float32 else sums.to(buffer.dtype)
+    if error is not None:
+        error.zero_()
+    return x, error
+
+
 def two_level_warm_up(state: powerSGD.PowerSGDState, bucket: dist.GradBucket,
                       shares: NodeShares) -> torch.futures.Future:
     """A step before ``start_powerSGD_iter`` in the two-level form: the
@@ -434,25 +456,15 @@ def _two_level(state: 'PowerSGDState',
     state._shares[bucket.index()] = plan.shares
     if state.iter < state.start_powerSGD_iter:
         return two_level_warm_up(state, bucket, plan.shares)
-    buffer = bucket.buffer()
     index = bucket.index()
-
-    error = None
-    if state.use_error_feedback:
-        error = state.error_dict.get(index)
-        if error is None:
-            error = state.error_dict[index] = torch.zeros_like(buffer)
-        buffer.add_(error)
-    sums = reduce_to_owners(state.node_groups, buffer, plan.shares)
-    x = sums if buffer.dtype is torch.float32 else sums.to(buffer.dtype)
-    if error is not None:
-        error.zero_()  # now in the owners' sums; theirs refilled below
+    x, error = owners_sums(state, bucket, plan.shares)
     _compress_owned(state, plan, index, x, error)
     if not state.warm_start:
         state.p_memory_dict.clear()
         state.q_memory_dict.clear()
     state.maybe_increase_iter(bucket)
-    return gather_from_owners(state.node_groups, buffer, plan.shares, x)
+    return gather_from_owners(state.node_groups, bucket.buffer(), plan.shares,
+                              x)
 
 
 def _warm_starts(state: 'PowerSGDState', plan: _TwoLevelPlan, index: int,
