@@ -4,6 +4,7 @@ A bad value fails in a second as a usage error (``parser.error``: one
 line, exit code 2), not as a traceback after minutes of measuring.
 """
 import argparse
+import math
 import os
 import os.path as osp
 import sys
@@ -16,11 +17,34 @@ from mmcv_custom.launching.preflight import PreflightError, checked_config
 
 __all__ = [
     'check_output', 'check_work_dir', 'read_config', 'cfg_options',
-    'rendezvous_port', 'WORK_DIRS', 'tool_error', 'write_failure_reason'
+    'rendezvous_port', 'WORK_DIRS', 'tool_error', 'write_failure_reason',
+    'checked_type', 'positive_int', 'positive_float'
 ]
 
 #: The folder runs and outputs go to, as with MMSegmentation's tools.
 WORK_DIRS = 'work_dirs'
+
+
+def checked_type(convert, ok, rule: str):
+    """An argparse ``type``: ``convert(text)``, refused unless ``ok`` of
+    it, with ``'TEXT' is not RULE`` (argparse adds the option's name)."""
+
+    def parse(text):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f'{text!r} is not {rule}')
+        return value
+
+    return parse
+
+
+#: argparse types: an int >= 1, a finite number > 0.
+positive_int = checked_type(int, lambda v: v >= 1, 'an int >= 1')
+positive_float = checked_type(float, lambda v: math.isfinite(v) and v > 0,
+                              'a number > 0')
 
 
 def _under_work_dirs(path: str) -> bool:

@@ -107,6 +107,44 @@ def _build(cfg):
     return model, data
 
 
+#: The optimizer of a ``comm_only`` run: the config's may name the
+#: model's parameters (a layer-decay constructor), which are not there.
+_COMM_ONLY_OPTIM = dict(
+    type='OptimWrapper', optimizer=dict(type='SGD', lr=0.0))
+
+
+def _comm_only(model):
+    """A stand-in for ``model`` that times the hooks' communication alone:
+    its trainable parameters (same shapes, dtypes and order), and a loss
+    whose backward only fills their gradients. DDP lays out the same
+    buckets, every hook issues the same collectives, and all the buckets
+    are ready at once: a step is the hooks' work and their links, not the
+    compute that more ranks than cores would starve."""
+    import torch
+    from torch import nn
+
+    class CommOnly(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.weights = nn.ParameterList(
+                nn.Parameter(p.detach().clone()) for p in model.parameters()
+                if p.requires_grad)
+
+        def forward(self, *args, mode='loss', **kwargs):
+            # Each parameter's own term: its gradient is ready when its
+            # term's is, in reverse order (DDP's first layout).
+            return dict(
+                loss=torch.stack([p.float().sum()
+                                  for p in self.weights]).sum())
+
+        @staticmethod
+        def parse_losses(losses):
+            return losses['loss'], {}
+
+    return CommOnly()
+
+
 def _ddp_models(model, cfg, spec, group, forms=True):
     """One DDP model per hook form (a hook is registered once per model),
     each on its own copy of the same weights. ``forms=False`` builds every
@@ -343,6 +381,9 @@ def _measure(spec, rank, world_size):
     from mmcv_custom.launching.running import load_config
     cfg = load_config(spec['config'], spec.get('cfg_options'))
     model, data = _build(cfg)
+    if spec.get('comm_only'):
+        model = _comm_only(model)
+        cfg.optim_wrapper = _COMM_ONLY_OPTIM
     grad_bytes = _grad_bytes(model)
     if spec['bucket_cap_mb'] is None:
         # A sixth of the gradients, for at least 4 buckets.
@@ -380,9 +421,8 @@ def _measure(spec, rank, world_size):
                         wire[name].append(sent)
                     if name == 'noop':
                         backward.append(back)
-                after = _link_bytes()
-                link[label][name].append(
-                    [after.tx - before.tx, after.rx - before.rx])
+                moved = _link_bytes() - before
+                link[label][name].append([moved.tx, moved.rx, moved.payload()])
             if rank == 0:
                 print(
                     f'{PROGRESS}round {round_ + 1}/{spec["rounds"]}, '

@@ -8,6 +8,7 @@ JSON that ``tools/analysis_tools/comm_cost_model.py --fit`` reads.
 import math
 import statistics
 
+from ..launching.emulated_cluster.counters import HEADER_BYTES
 from .step_time import hook_configs, hook_labels, rate_label
 
 __all__ = [
@@ -90,16 +91,6 @@ def _codec(results, name):
     return statistics.median(r['codec_s'].get(name, 0.0) for r in results)
 
 
-def _catalogue_name(name, ranks_per_node):
-    """The cost catalogue's name for hook form ``name`` where it runs its
-    flat form (the form the hooks' byte counts are checked against), else
-    None."""
-    from .hook_forms import resolved_form, split_form
-    if resolved_form(name, ranks_per_node) != 'flat':
-        return None
-    return split_form(name)[0]
-
-
 def _form_cost(costs, name, nodes, ranks_per_node):
     """The cost catalogue's entry for hook form ``name`` as it runs on
     ``nodes`` nodes of ``ranks_per_node`` ranks (its two-level form where
@@ -156,21 +147,28 @@ def predicted_link_bytes(buckets, hooks, nodes, ranks_per_node):
 
 
 def link_per_step(results, label, name):
-    """``(tx, rx)``: the bytes each node's link sent and received per
-    step at rate ``label`` with hook form ``name``, one value per node in
-    node order, from the counters its first rank read around each block
-    of steps (None without counters)."""
+    """``(tx, rx, payload)``: the bytes each node's link sent and received
+    per step at rate ``label`` with hook form ``name``, and of those sent
+    what TCP carried (headers left out; None from a benchmark that did
+    not count packets), one value per node in node order, from the
+    counters its first rank read around each block of steps (all None
+    without counters)."""
     firsts = sorted((r for r in results if r.get('local_rank', 0) == 0),
                     key=lambda r: r.get('node', r['rank']))
     if not firsts or 'link_bytes' not in firsts[0]:
-        return None, None
-    tx, rx = [], []
+        return None, None, None
+    per_node = []
     for r in firsts:
         blocks = r['link_bytes'][label][name]
         steps = len(r['steps'][label][name]) or 1
-        tx.append(sum(b[0] for b in blocks) / steps)
-        rx.append(sum(b[1] for b in blocks) / steps)
-    return tx, rx
+        per_node.append([
+            sum(b[i]
+                for b in blocks) / steps if all(len(b) > i
+                                                for b in blocks) else None
+            for i in range(3)
+        ])
+    tx, rx, payload = (list(values) for values in zip(*per_node))
+    return tx, rx, None if None in payload else payload
 
 
 def summarize(results, rates, hooks, world_size, rounds=1, ranks_per_node=1):
@@ -215,12 +213,14 @@ def summarize(results, rates, hooks, world_size, rounds=1, ranks_per_node=1):
                 compute_s=median[label]['noop'],
                 codec_s=_codec(results, name),
                 sent_bytes=ring * wire_bytes)
-            tx, rx = link_per_step(results, label, name)
+            tx, rx, payload = link_per_step(results, label, name)
             if tx is not None:
                 row.update(
                     link_tx_bytes=tx,
                     link_rx_bytes=rx,
                     predicted_link_bytes=predicted.get(name))
+            if payload is not None:
+                row['link_payload_bytes'] = payload
             if mbit is not None and name in unshaped:
                 rate = mbit * 1e6 / 8
                 row['exposed_s'] = row['step_s'] - unshaped[name]
@@ -260,12 +260,12 @@ def _mb(nbytes):
     return None if nbytes is None else nbytes / 1e6
 
 
-def _link_mb(row):
+def _link_mb(row, key='link_tx_bytes'):
     """Each node's link, sent per step, in MB: ``5.58/5.58``."""
-    tx = row.get('link_tx_bytes')
-    if tx is None:
+    sent = row.get(key)
+    if sent is None:
         return '-'
-    return '/'.join(f'{b / 1e6:.2f}' for b in tx)
+    return '/'.join(f'{b / 1e6:.2f}' for b in sent)
 
 
 def report(summary, meta):
@@ -277,15 +277,19 @@ def report(summary, meta):
         f"(bucket_cap_mb={meta['bucket_cap_mb']}), "
         f"{meta['grad_bytes'] / 2**20:.2f} MiB of gradients; backward "
         f"{meta['backward_s'] * 1e3:.1f} ms; median of "
-        f"{meta['rounds']} x {meta['steps']} steps per cell.",
+        f"{meta['rounds']} x {meta['steps']} steps per cell." +
+        (" Communication only: the model's gradients without its compute, "
+         'all ready at once.' if meta.get('comm_only') else ''),
         'Rate: tc tbf on every node link, both directions; no propagation '
         'delay is emulated. link: what each node\'s link sent per step '
         '(node0/node1/...), from its counters, headers and TCP '
-        'acknowledgements included; predicted: by the cost model.', '',
+        'acknowledgements included; payload: the same less '
+        f'{HEADER_BYTES} bytes of headers a packet (what TCP carried); '
+        'predicted: by the cost model.', '',
         '| rate | hook | step (s) | x allreduce | exposed (s) | wire (s) '
         '| exposed / wire | bound / wire | bound+codec / wire | codec (ms) '
-        '| link (MB/step) | predicted (MB) |',
-        '|---|---|---|---|---|---|---|---|---|---|---|---|'
+        '| link (MB/step) | payload (MB/step) | predicted (MB) |',
+        '|---|---|---|---|---|---|---|---|---|---|---|---|---|'
     ]
     for row in summary:
         wire = row.get('wire_s')
@@ -298,7 +302,7 @@ def report(summary, meta):
             f"{_fmt(row.get('vs_allreduce'), '{:.2f}')} | "
             f"{_fmt(row.get('exposed_s'))} | {_fmt(wire)} | "
             f"{' | '.join(share)} | {_fmt(row['codec_s'] * 1e3, '{:.1f}')} | "
-            f"{_link_mb(row)} | "
+            f"{_link_mb(row)} | {_link_mb(row, 'link_payload_bytes')} | "
             f"{_fmt(_mb(row.get('predicted_link_bytes')), '{:.2f}')} |")
     return '\n'.join(lines)
 
@@ -381,33 +385,55 @@ def plot(summary, path):
 def _collectives(buckets, hooks, world_size, counted, ranks_per_node=1):
     """Each hook form's collectives per bucket, as the cost model's
     catalogue derives them from the buckets' real parameters (the step's
-    layout as DDP handed it over), checked against the bytes the hooks
-    counted. The catalogue holds the flat forms only.
+    layout as DDP handed it over) for the form the hook ran (flat, or
+    two-level where it ran that one: each collective then names its
+    level), checked against the bytes the hooks counted. A two-level
+    form counts what crosses nodes, its ``'cross'`` collectives among
+    one rank of each node. ``counted``: hook -> the bytes each rank
+    counted.
 
     Returns:
-        tuple[dict, list[str]]: Hook form -> collectives (JSON form), and
-        the hook forms whose counted bytes the catalogue does not match.
+        tuple[dict, dict, list[str]]: Hook form -> collectives (JSON
+        form), hook form -> the form it ran (``'flat'`` or
+        ``'two-level'``), and the hook forms whose counted bytes the
+        catalogue does not match.
     """
     from mmcv_custom.comm.traffic import sent_bytes
     layout = _layout(buckets)
     costs = _catalogue()
-    out, mismatched = {}, []
+    nodes = world_size // ranks_per_node
+    out, forms, mismatched = {}, {}, []
     for name in hooks:
-        base = _catalogue_name(name, ranks_per_node)
-        if base not in costs:
+        cost = _form_cost(costs, name, nodes, ranks_per_node)
+        if cost is None:
             continue
-        per_bucket = costs[base].collectives(layout, world_size)
-        out[name] = [
-            dict(bucket=c.bucket, kind=c.kind, bytes=c.nbytes)
-            for bucket in per_bucket for c in bucket
+        forms[name] = cost.form
+        every = [
+            c for bucket in cost.collectives(layout, world_size)
+            for c in bucket
         ]
-        # CommCounter and the catalogue count by the same rule.
-        sent = sent_bytes(((c.kind, c.nbytes) for bucket in per_bucket
-                           for c in bucket), world_size)
-        if abs(sent - counted[name]) > 0.01 * max(counted[name], 1):
-            mismatched.append(f'{name}: counted {counted[name]} bytes, the '
+        out[name] = [
+            dict(
+                bucket=c.bucket,
+                kind=c.kind,
+                bytes=c.nbytes,
+                **({} if c.level is None else dict(level=c.level)))
+            for c in every
+        ]
+        # CommCounter and the catalogue count by the same rule. A
+        # two-level form's ranks share their node's link, each sending a
+        # part that may differ (whole tensors to owners): the catalogue
+        # states the mean part, a flat form's the most any rank sends.
+        crossing = [(c.kind, c.nbytes) for c in every if c.level != 'intra']
+        if cost.form == 'flat':
+            sent, mine = sent_bytes(crossing, world_size), max(counted[name])
+        else:
+            sent = sent_bytes(crossing, nodes)
+            mine = statistics.mean(counted[name])
+        if abs(sent - mine) > 0.01 * max(mine, 1):
+            mismatched.append(f'{name}: counted {mine:.0f} bytes, the '
                               f'catalogue {sent:.0f}')
-    return out, mismatched
+    return out, forms, mismatched
 
 
 def bench_json(results, summary, meta, hooks, rates, world_size):
@@ -416,15 +442,14 @@ def bench_json(results, summary, meta, hooks, rates, world_size):
     ``meta['ranks_per_node']`` (1 when absent)."""
     rank0 = results[0]
     per_node = meta.get('ranks_per_node', 1)
-    counted = {
-        n: max(r['wire_bytes'].get(n, 0) for r in results)
-        for n in hooks
-    }
-    collectives, mismatched = _collectives(rank0['buckets'], hooks, world_size,
-                                           counted, per_node)
+    each = {n: [r['wire_bytes'].get(n, 0) for r in results] for n in hooks}
+    counted = {n: max(each[n]) for n in hooks}
+    collectives, forms, mismatched = _collectives(rank0['buckets'], hooks,
+                                                  world_size, each, per_node)
     return dict(
         version=1,
         config=meta['config'],
+        comm_only=bool(meta.get('comm_only')),
         nodes=world_size // per_node,
         ranks_per_node=per_node,
         world_size=world_size,
@@ -441,6 +466,7 @@ def bench_json(results, summary, meta, hooks, rates, world_size):
             dict(
                 wire_bytes=counted[name],
                 codec_s=_codec(results, name),
+                form=forms.get(name),
                 collectives=collectives.get(name))
             for name in hooks
         },

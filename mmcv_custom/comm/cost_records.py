@@ -309,27 +309,68 @@ def _int8_codec_bytes(bucket, world_size, settings):
     return float(per * bucket.numel)
 
 
-def _two_level_int8_bucket(bucket, ranks_per_node, num_nodes, settings):
-    """The two-level ``int8_compress``: (1) the bucket, cut into blocks of
-    ``block_size`` per parameter (each padded to a whole block) in fp32,
-    all-to-all'd inside the node, local rank ``l`` getting the ``l``-th
-    ``1 / G`` of the blocks and summing them; (2) that share quantized
-    (int8 and an fp32 scale a block) and all-to-all'd among the rank's
-    ``M`` peers on the other nodes; (3) each peer's ``1 / M`` of it, summed
-    and quantized again, all-gathered among the peers; (4) that int8
-    result all-gathered inside the node, each rank decoding every part.
-    Only (2) and
-    (3) cross nodes: about ``2 (M - 1) / M`` of the quantized bucket per
-    node link, against about ``G`` times that for the flat all-to-all. The
-    largest share sets the pace, so shares are counted rounded up."""
+def _two_level_int8_slots(bucket, firsts: Dict[int, int], ranks_per_node: int,
+                          num_nodes: int, block: int):
+    """Blocks and elements of ``bucket`` per (local rank ``l``, node
+    ``j``) slot group, as :class:`~mmcv_custom.hooks.int8_two_level.
+    TwoLevelPlan` assigns them: block number ``k`` goes to local rank ``k
+    % G`` and, among its peers, to node ``(k // G) % M`` (a period of ``G
+    * M`` blocks)."""
+    g, m = ranks_per_node, num_nodes
+    period = g * m
+    counts, numels = [0] * period, [0] * period
+
+    def key(k):
+        return (k % g) * m + (k // g) % m
+
+    for index, param in zip(bucket.indices, bucket.params):
+        blocks = ceil_div(param.numel, block)
+        if not blocks:
+            continue
+        first = firsts[index]
+        q, rem = divmod(blocks, period)
+        for i in range(min(blocks, period)):
+            c = q + (1 if i < rem else 0)
+            counts[key(first + i)] += c
+            numels[key(first + i)] += block * c
+        numels[key(first + blocks - 1)] -= blocks * block - param.numel
+    return counts, numels
+
+
+def _two_level_int8_sends(buckets, ranks_per_node, num_nodes, settings):
+    """The two-level ``int8_compress``, laid out exactly as the hook does:
+    (1) the bucket cut into blocks of ``block_size`` per parameter, in
+    fp32, all-to-all'd inside the node (every local rank gets ``M * Q``
+    block slots, ``Q`` the most blocks any (local rank, node) pair holds),
+    each summing its ``G`` received copies; (2) those sums quantized (int8
+    and an fp32 scale a block, each node's segment padded to 4 bytes) and
+    all-to-all'd among the rank's ``M`` peers on the other nodes; (3) each
+    peer's segment, summed and quantized again, all-gathered among the
+    peers (padded to the largest); (4) that int8 result all-gathered inside
+    the node, each rank decoding every part. Only (2) and (3) cross nodes:
+    about ``2 (M - 1) / M`` of the quantized bucket per node link, against
+    about ``G`` times that for the flat all-to-all. Local ranks' shares
+    differ by a block or so; the largest sets the pace, and is counted."""
+    if any(len(b.indices) != len(b.params) for b in buckets):
+        raise ValueError('int8_compress\'s cost needs buckets with parameter '
+                         'indices (from ddp_buckets)')
+    g, m = ranks_per_node, num_nodes
     block = settings['block_size']
-    blocks = sum(ceil_div(p.numel, block) for p in bucket.params)
-    share = ceil_div(blocks, ranks_per_node)
-    piece = ceil_div(share, num_nodes)
-    return [('all_to_all', 4 * block * blocks, 'intra'),
-            ('all_to_all', share * (block + 4), 'cross'),
-            ('all_gather', piece * (block + 4), 'cross'),
-            ('all_gather', num_nodes * piece * (block + 4), 'intra')]
+    firsts = _int8_firsts(buckets, block)
+    out = []
+    for bucket in buckets:
+        counts, numels = _two_level_int8_slots(bucket, firsts, g, m, block)
+        slots = max(max(counts), 1)
+        segments = [[
+            align_up(4 * counts[i * m + j] + numels[i * m + j], 4)
+            for j in range(m)
+        ] for i in range(g)]
+        padded = max(max(s) for s in segments)
+        out.append([('all_to_all', 4 * block * g * m * slots, 'intra'),
+                    ('all_to_all', max(sum(s) for s in segments), 'cross'),
+                    ('all_gather', padded, 'cross'),
+                    ('all_gather', m * padded, 'intra')])
+    return out
 
 
 def _two_level_int8_codec_bytes(bucket, ranks_per_node, num_nodes, settings):
@@ -351,8 +392,7 @@ INT8_COST = CostRecord(
     sends=_int8_sends,
     codec_bytes=_int8_codec_bytes,
     two_level=TwoLevelCost(
-        sends=_each_bucket_two_level(_two_level_int8_bucket),
-        codec_bytes=_two_level_int8_codec_bytes),
+        sends=_two_level_int8_sends, codec_bytes=_two_level_int8_codec_bytes),
     settings=dict(block_size=256, error_feedback=True),
     detail='(block {block_size})',
     lossless=False,

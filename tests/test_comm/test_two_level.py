@@ -7,9 +7,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mmcv_custom.analysis import cost as cc
 from mmcv_custom.comm import CommCounter, build_comm_hook
 from mmcv_custom.comm.builder import check_comm_hook_cfg
 from mmcv_custom.comm.sharded import build_sharded_comm
+from mmcv_custom.comm.traffic import sent_bytes
 from mmcv_custom.hooks.topology import NodeClaim
 from mmcv_custom.testing import run_ranks
 from tests.test_comm.test_int8_hook import Net
@@ -252,6 +254,22 @@ def test_two_level_int8_sends_a_node_share_across_and_keeps_the_sum(four):
         kept = sum(res['hook']['params'][name] for res in two)
         torch.testing.assert_close(
             applied + kept.view_as(applied), true, rtol=0, atol=1e-5)
+
+
+def test_two_level_int8_counts_what_the_cost_model_derives(four):
+    """The cost model lays the two-level exchange out as the hook does
+    (block k to local rank k % G and node (k // G) % M, segments padded
+    to 4 bytes): what crosses nodes is the same to the byte, on every
+    step after the first."""
+    specs = [
+        cc.ParamSpec(tuple(p.shape), 'float32') for p in Net().parameters()
+    ]
+    buckets = cc.ddp_buckets(specs, 25)
+    form = cc.Int8Cost(block_size=32).two_level(2, 2)
+    crossing = [(c.kind, c.nbytes) for bucket in form.collectives(buckets, 4)
+                for c in bucket if c.level == 'cross']
+    counted = [res['counts'][-1][1] for res in four['one']]
+    assert max(counted) == sent_bytes(crossing, 2)
 
 
 def test_two_level_int8_resumes_bit_for_bit(four):

@@ -538,18 +538,21 @@ def _levels(collectives):
 
 
 def test_two_level_bytes_by_hand():
-    # 3 nodes of 2 ranks. int8 in blocks of 2: p0 (5) 3 blocks, p1 (3) 2,
-    # each padded: 5 blocks. Local rank l reduces 3 of them (rounded up),
-    # sends them quantized (3 * (2 + 4) bytes) to its 3 peers, which each
-    # gather 1 block back; then those 3 pieces (int8 and scales, as
-    # gathered across nodes) gathered in the node.
+    # 3 nodes of 2 ranks. int8 in blocks of 2: p0 (5) blocks 0-2 (2, 2, 1
+    # elements), p1 (3) blocks 3-4 (2, 1). Block k goes to local rank k % 2,
+    # node (k // 2) % 3: local rank 0 sums blocks 0, 2, 4 (one per node),
+    # local rank 1 blocks 1, 3 (nodes 0, 1). So one slot per (local rank,
+    # node): 2 x 3 slots of 2 fp32 go round the node; rank 0's three
+    # segments (a scale and 2 or 1 int8, padded to 4: 8 bytes each) cross
+    # nodes (rank 1's 8 + 8 + 0 less), 8 come back gathered; the 3 x 8
+    # gathered go round the node.
     buckets = _one_bucket((5, ), (3, ))
     int8 = cc.Int8Cost(block_size=2).two_level(2, 3)
     assert _levels(int8.collectives(buckets, 6)) == [[
-        ('all_to_all', 4 * 2 * 5, 'intra'),
-        ('all_to_all', 3 * 6, 'cross'),
-        ('all_gather', 1 * 6, 'cross'),
-        ('all_gather', 3 * 1 * 6, 'intra'),
+        ('all_to_all', 4 * 2 * 2 * 3, 'intra'),
+        ('all_to_all', 3 * 8, 'cross'),
+        ('all_gather', 8, 'cross'),
+        ('all_gather', 3 * 8, 'intra'),
     ]]
     # Half precision: fp32 inside the node, 2 bytes across.
     half = cc.HalfPrecisionCost('bf16').two_level(2, 3)
@@ -940,6 +943,74 @@ def test_load_benchmark_tolerates_what_it_cannot_model():
 ])
 def test_load_benchmark_names_the_bad_key(change, error):
     data = dict(_synthetic(1e-4, 0.9), **change)
+    with pytest.raises(ValueError, match=error):
+        cc.load_benchmark(data)
+
+
+def _two_level_benchmark():
+    """A 2 x 2 benchmark of int8's two-level form, as the catalogue
+    states it, measured without the model's compute."""
+    data = dict(
+        _synthetic(1e-4, 0.9),
+        nodes=2,
+        ranks_per_node=2,
+        world_size=4,
+        comm_only=True)
+    buckets = cc.ddp_buckets(_synthetic_params(), data['bucket_cap_mb'])
+    form = cc.Int8Cost(block_size=256).two_level(2, 2)
+    data['hooks'] = {
+        'int8_compress:two_level':
+        dict(
+            codec_s=0.001,
+            form='two-level',
+            collectives=[
+                dict(
+                    bucket=c.bucket,
+                    kind=c.kind,
+                    bytes=c.nbytes,
+                    level=c.level) for b in form.collectives(buckets, 4)
+                for c in b
+            ])
+    }
+    return data
+
+
+def test_a_two_level_benchmark_is_read_and_checked_as_its_form():
+    data = _two_level_benchmark()
+    bench = cc.load_benchmark(data)
+    assert bench.comm_only and bench.world_size == 4
+    entry = bench.hooks['int8_compress:two_level']
+    assert entry['form'] == 'two-level'
+    assert {c.level for c in entry['collectives']} == {'intra', 'cross'}
+    lines = cc.check_benchmark(bench, _synthetic_params(),
+                               cc.hook_costs(powersgd_rank=2))
+    assert lines[1:] == ['  int8_compress:two_level: agrees']
+    # The flat form's collectives are not the two-level form's.
+    data['hooks']['int8_compress:two_level']['form'] = 'flat'
+    lines = cc.check_benchmark(
+        cc.load_benchmark(data), _synthetic_params(),
+        cc.hook_costs(powersgd_rank=2))
+    assert 'buckets differ' in lines[1]
+    # Without its form, the levels say it.
+    del data['hooks']['int8_compress:two_level']['form']
+    bench = cc.load_benchmark(dict(data, comm_only=None))
+    assert bench.hooks['int8_compress:two_level']['form'] == 'two-level'
+    assert not bench.comm_only
+
+
+@pytest.mark.parametrize('change,error', [
+    (dict(form='hierarchical'), r"hooks.int8_compress:two_level.form should "
+     r"be one of \['flat', 'two-level'\], but got 'hierarchical'"),
+    (dict(level='node'), r"collectives\[0\]: level should be absent \(all "
+     r"ranks\) or one of \['intra', 'cross'\], but got 'node'"),
+])
+def test_a_bad_form_or_level_is_named(change, error):
+    data = _two_level_benchmark()
+    entry = data['hooks']['int8_compress:two_level']
+    if 'level' in change:
+        entry['collectives'][0]['level'] = change['level']
+    else:
+        entry.update(change)
     with pytest.raises(ValueError, match=error):
         cc.load_benchmark(data)
 

@@ -122,8 +122,7 @@ def test_max_iters_must_be_a_positive_int(tool, value, tmp_path, monkeypatch,
     assert parse([FCN, '--max-iters', value, '--work-dir',
                   str(tmp_path)
                   ]) == (2, 'compare_comm_convergence.py: error: argument '
-                         f"--max-iters: should be an int >= 1, but got "
-                         f"'{value}'")
+                         f"--max-iters: '{value}' is not an int >= 1")
 
 
 @pytest.mark.parametrize('extra,message', [

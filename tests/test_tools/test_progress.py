@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from mmcv_custom.analysis import Progress, check_output, format_eta
+from mmcv_custom.analysis import Progress, check_output, cli, format_eta
 from mmcv_custom.analysis import progress as progress_module
 from mmcv_custom.analysis import read_config
 
@@ -196,3 +196,26 @@ def test_read_config_errors_name_the_file(tmp_path):
     good.write_text('model = dict(depth=18)\n')
     cfg = read_config(_Parser(), 'config', str(good), {'model.depth': 50})
     assert cfg.model.depth == 50
+
+
+@pytest.mark.parametrize('text,error', [
+    ('0', "--n: '0' is not an int >= 1"),
+    ('2.5', "--n: '2.5' is not an int >= 1"),
+    ('two', "--n: 'two' is not an int >= 1"),
+])
+def test_positive_int_names_the_option_and_the_rule(text, error, capsys):
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--n', type=cli.positive_int)
+    assert parser.parse_args(['--n', '3']).n == 3
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(['--n', text])
+    assert exc.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('text', ['0', '-1', 'nan', 'inf', 'x'])
+def test_positive_float_refuses_what_is_not_a_finite_positive(text):
+    with pytest.raises(
+            argparse.ArgumentTypeError, match='is not a number > 0'):
+        cli.positive_float(text)
+    assert cli.positive_float('0.5') == 0.5

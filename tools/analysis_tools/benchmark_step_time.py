@@ -74,8 +74,10 @@ import os.path as osp
 import sys
 import tempfile
 
-from mmcv_custom.analysis import (cfg_options, check_output, check_work_dir,
-                                  read_config)
+from mmcv_custom.analysis.cli import (cfg_options, check_output,
+                                      check_work_dir, checked_type,
+                                      positive_float, positive_int,
+                                      read_config)
 from mmcv_custom.analysis.hook_forms import (FORMS, check_form_configs,
                                              parse_form_name)
 from mmcv_custom.analysis.step_time import (hook_configs, log_tails,
@@ -88,33 +90,11 @@ _DEFAULT_CONFIG = osp.join(
     'configs', 'intern_vit',
     'upernet_intern-vit-tiny_2xb8-200iter_toy-shapes-56x56.py')
 
-
 # -- the command line --------------------------------------------------------
-def _checked(convert, ok, rule):
-    """An argparse type: ``convert(text)``, refused unless ``ok``."""
-
-    def parse(text):
-        try:
-            value = convert(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f'{text!r} is not {rule}')
-        return value
-
-    return parse
-
-
-def _positive(value):
-    return math.isfinite(value) and value > 0
-
-
-_positive_int = _checked(int, lambda v: v >= 1, 'an int >= 1')
-_positive_float = _checked(float, _positive, 'a number > 0')
 # 0 is refused, not read as 'unshaped': a link of 0 Mbit/s carries nothing,
 # and a user who typed it did not ask for the unshaped link.
-_mbit = _checked(
-    float, _positive,
+_mbit = checked_type(
+    float, lambda v: math.isfinite(v) and v > 0,
     "a rate: give Mbit/s > 0, or 'unshaped' for a link that is "
     'not shaped')
 
@@ -174,34 +154,39 @@ def parse_args(argv=None):
         f'{", ".join(hooks)})')
     parser.add_argument(
         '--bucket-cap-mb',
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="DDP's bucket_cap_mb (default: a sixth of the "
         'gradients, so at least 4 buckets)')
     parser.add_argument(
         '--steps',
-        type=_positive_int,
+        type=positive_int,
         default=4,
         help='timed steps per (round, rate, hook)')
     parser.add_argument(
         '--rounds',
-        type=_positive_int,
+        type=positive_int,
         default=3,
         help='rounds over every (rate, hook)')
     parser.add_argument(
         '--threads',
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help='torch threads per rank (default: cores / '
         'ranks, at least 1)')
     parser.add_argument(
         '--timeout',
-        type=_positive_float,
+        type=positive_float,
         default=None,
         metavar='SEC',
         help='stop every node and exit 124 after SEC seconds, with the '
         "end of each node's log (where each one was); also the nodes' "
         'collective timeout (default: no limit)')
+    parser.add_argument(
+        '--comm-only',
+        action='store_true',
+        help="the hooks' communication alone: the model's gradients, "
+        'without its compute (the same buckets, all ready at once)')
     parser.add_argument(
         '--calibrate',
         action='store_true',
@@ -298,6 +283,7 @@ def main(argv=None):
             steps=args.steps,
             rounds=args.rounds,
             timeout=args.timeout,
+            comm_only=args.comm_only,
             threads=threads)
         print(f"Nodes' logs: {args.work_dir}/node<i>.log", flush=True)
         result, results = run_on_cluster(cluster, spec, osp.abspath(__file__),
@@ -314,6 +300,7 @@ def main(argv=None):
         config=args.config,
         rounds=args.rounds,
         steps=args.steps,
+        comm_only=args.comm_only,
         calibrated=calibrated)
     for line in report_run(results, meta, args.hooks, args.rates, args.json,
                            args.plot):

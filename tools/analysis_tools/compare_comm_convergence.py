@@ -74,6 +74,7 @@ import sys
 
 from mmcv_custom.analysis import (check_output, check_work_dir, read_config,
                                   rendezvous_port)
+from mmcv_custom.analysis.cli import positive_int
 from mmcv_custom.analysis.convergence import (auto_smooth, format_table,
                                               max_iters_options, plot,
                                               summarize, variants, verdict)
@@ -87,18 +88,6 @@ DIST_TRAIN = osp.join(ROOT, 'tools', 'dist_train.sh')
 DEFAULT_VARIANTS = ['allreduce', 'int8_ef', 'int8_noef']
 
 __all__ = ['parse_args', 'train_options', 'main']
-
-
-def _positive_int(text: str) -> int:
-    """An argparse type: an int >= 1 (a usage error otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f'should be an int >= 1, but got {text!r}')
-    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -139,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help='randomness.seed for every run (default: the config\'s)')
     parser.add_argument(
         '--max-iters',
-        type=_positive_int,
+        type=positive_int,
         metavar='N',
         help='train N iterations a run instead of the config\'s '
         'train_cfg.max_iters, for a quick look; validation and checkpoint '

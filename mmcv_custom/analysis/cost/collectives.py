@@ -11,10 +11,16 @@ from mmcv_custom.comm.traffic import COLLECTIVE_KINDS
 from .checks import require_count, require_positive
 
 __all__ = [
-    'COLLECTIVE_KINDS', 'LEVELS', 'Collective', 'Cluster', 'LinkConstants',
-    'GPU_CLUSTER_CONSTANTS', 'Traffic', 'traffic', 'group_size',
-    'collective_time', 'all_reduce_time', 'all_gather_time', 'all_to_all_time'
+    'COLLECTIVE_KINDS', 'LEVELS', 'FORMS', 'Collective', 'Cluster',
+    'LinkConstants', 'GPU_CLUSTER_CONSTANTS', 'Traffic', 'traffic',
+    'group_size', 'collective_time', 'all_reduce_time', 'all_gather_time',
+    'all_to_all_time'
 ]
+
+#: A hook's forms: ``'flat'`` (every rank with every rank, what
+#: ``topology='flat'`` runs) and ``'two-level'`` (node-aware, what
+#: ``topology='auto'`` runs on several nodes of several ranks each).
+FORMS = ('flat', 'two-level')
 
 # NVLink 4 (HGX H100/H200): 18 links of 25 GB/s per direction, 450 GB/s
 # per GPU per direction (NVIDIA quotes 900 GB/s, both directions

@@ -16,7 +16,7 @@ A hook whose cost record states a two-level form
 (a :class:`TwoLevelRecordCost`), whose collectives carry their level.
 """
 from abc import ABC, abstractmethod
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from mmcv_custom.comm.cost_records import powersgd_compresses, square_side
 from mmcv_custom.comm.records import HookRecord, record_of
@@ -25,7 +25,7 @@ from mmcv_custom.comm.traffic import COLLECTIVE_KINDS
 from ..registered import registered_hooks
 from .buckets import Bucket, ParamSpec, ddp_buckets
 from .checks import require_count, require_positive
-from .collectives import Collective
+from .collectives import FORMS, Collective
 from .measurements import Benchmark
 
 __all__ = [
@@ -34,11 +34,6 @@ __all__ = [
     'powersgd_compresses', 'hook_costs', 'HOOK_COSTS', 'uncosted_hooks',
     'compare_collectives', 'check_benchmark'
 ]
-
-#: A hook's forms: ``'flat'`` (every rank with every rank, what
-#: ``topology='flat'`` runs) and ``'two-level'`` (node-aware, what
-#: ``topology='auto'`` runs on several nodes of several ranks each).
-FORMS = ('flat', 'two-level')
 
 
 class HookCost(ABC):
@@ -380,6 +375,23 @@ def uncosted_hooks() -> List[str]:
 HOOK_COSTS: Mapping[str, HookCost] = hook_costs()
 
 
+def _described(kind: str, nbytes: float, level: Optional[str]) -> tuple:
+    """A collective as :func:`compare_collectives` shows it: its kind and
+    bytes, and its level where it has one."""
+    return (kind, nbytes) if level is None else (kind, nbytes, level)
+
+
+def _benchmark_form(hooks: Mapping[str, HookCost], name: str, entry: Mapping,
+                    bench: Benchmark) -> Optional[HookCost]:
+    """The catalogue's cost of the form a benchmark's hook ran: its
+    ``form`` (``'two-level'`` or ``'flat'``), the hook's name without a
+    form suffix (``'int8_compress:two_level'``); None if not there."""
+    flat = hooks.get(name.partition(':')[0])
+    if flat is None or entry.get('form', 'flat') == 'flat':
+        return flat
+    return flat.two_level(bench.ranks_per_node, bench.nodes)
+
+
 def compare_collectives(predicted: Sequence[Sequence[Collective]],
                         measured: Sequence[Mapping]) -> List[str]:
     """Differences between a hook's predicted collectives and a benchmark's.
@@ -388,19 +400,20 @@ def compare_collectives(predicted: Sequence[Sequence[Collective]],
         predicted (Sequence[Sequence[Collective]]): Per bucket, as
             :meth:`HookCost.collectives` returns them.
         measured (Sequence[Mapping]): The benchmark's ``collectives`` list
-            of one hook (``bucket``, ``kind``, ``bytes``). Entries of 0
+            of one hook (``bucket``, ``kind``, ``bytes``, and ``level``
+            where a two-level form ran it). Entries of 0
             bytes are ignored, as the model leaves empty collectives out.
 
     Returns:
         list[str]: One line per bucket that differs; empty if they agree.
     """
-    got: Dict[int, List[Tuple[str, float]]] = {}
+    got: Dict[int, List[tuple]] = {}
     for entry in measured:
         if entry['bytes']:
             got.setdefault(int(entry['bucket']), []).append(
-                (entry['kind'], entry['bytes']))
+                _described(entry['kind'], entry['bytes'], entry.get('level')))
     want = {
-        i: [(c.kind, c.nbytes) for c in cs]
+        i: [_described(c.kind, c.nbytes, c.level) for c in cs]
         for i, cs in enumerate(predicted) if cs
     }
     problems = []
@@ -446,15 +459,19 @@ def check_benchmark(
          f'{len(bench.bucket_bytes)}); bytes per step compared')
     ]
     for name, entry in bench.hooks.items():
-        if name not in hooks:
+        cost = _benchmark_form(hooks, name, entry, bench)
+        if cost is None:
             lines.append(f'  {name}: not in the catalogue')
             continue
-        predicted = hooks[name].collectives(buckets, bench.world_size)
+        predicted = cost.collectives(buckets, bench.world_size)
         measured = entry['collectives']
         if same:
             problems = compare_collectives(predicted, [
-                dict(bucket=c.bucket, kind=c.kind, bytes=c.nbytes)
-                for c in measured
+                dict(
+                    bucket=c.bucket,
+                    kind=c.kind,
+                    bytes=c.nbytes,
+                    level=c.level) for c in measured
             ])
             lines.append(f'  {name}: ' + (
                 'agrees' if not problems else f'{len(problems)} buckets '

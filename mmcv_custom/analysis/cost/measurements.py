@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
-from .collectives import COLLECTIVE_KINDS, Collective
+from .collectives import COLLECTIVE_KINDS, FORMS, LEVELS, Collective
 
 __all__ = ['Benchmark', 'load_benchmark']
 
@@ -25,13 +25,16 @@ class Benchmark:
         backward_s (float): Backward time with a hook that sends nothing.
         compute_step_s (float): The whole step with that hook, unshaped.
         hooks (dict): Name -> ``dict(collectives=[Collective...],
-            codec_s=float)``.
+            codec_s=float, form=str)``: the form it ran, ``'flat'`` or
+            ``'two-level'`` (whose collectives name their level).
         rates (tuple[dict]): ``mbit`` (None: unshaped),
             ``calibrated_mbit`` and ``median_step_s`` (hook -> seconds).
         config (str, optional): The config measured.
         bucket_cap_mb (float, optional): DDP's setting in the run.
         notes (tuple[str]): What was read but cannot be modelled (a hook
             without its ``collectives``).
+        comm_only (bool): Measured without the model's compute (the
+            benchmark's ``--comm-only``): every bucket ready at once.
     """
     source: str
     nodes: int
@@ -46,6 +49,7 @@ class Benchmark:
     config: Optional[str] = None
     bucket_cap_mb: Optional[float] = None
     notes: Tuple[str, ...] = ()
+    comm_only: bool = False
 
     @property
     def world_size(self) -> int:
@@ -123,7 +127,8 @@ def load_benchmark(source: Union[str, Mapping]) -> Benchmark:
         notes=tuple(notes),
         config=data.get('config')
         if isinstance(data.get('config'), str) else None,
-        bucket_cap_mb=data.get('bucket_cap_mb'))
+        bucket_cap_mb=data.get('bucket_cap_mb'),
+        comm_only=data.get('comm_only') is True)
 
 
 def _read_hooks(data: Mapping, name: str, num_buckets: int):
@@ -150,10 +155,22 @@ def _read_hooks(data: Mapping, name: str, num_buckets: int):
                 raise ValueError(f'{at}: kind should be one of '
                                  f'{list(COLLECTIVE_KINDS)}, but got '
                                  f'{kind!r}')
+            level = c.get('level')
+            if level is not None and level not in LEVELS:
+                raise ValueError(f'{at}: level should be absent (all ranks) '
+                                 f'or one of {list(LEVELS)}, but got '
+                                 f'{level!r}')
             collectives.append(
-                Collective(kind, _field(c, 'bytes', at), bucket))
+                Collective(kind, _field(c, 'bytes', at), bucket, level))
+        form = entry.get('form') or ('two-level' if any(
+            c.level for c in collectives) else 'flat')
+        if form not in FORMS:
+            raise ValueError(f'{where}.form should be one of {list(FORMS)}, '
+                             f'but got {form!r}')
         hooks[hook] = dict(
-            collectives=collectives, codec_s=_field(entry, 'codec_s', where))
+            collectives=collectives,
+            codec_s=_field(entry, 'codec_s', where),
+            form=form)
     return hooks, notes
 
 
