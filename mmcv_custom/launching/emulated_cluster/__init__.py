@@ -68,8 +68,7 @@ from .availability import (ClusterUnavailable, check_available,
 from .calibrate import Calibration, calibrate
 from .cluster import (MAX_NODES, SUBNET, EmulatedCluster, Interrupted, Node,
                       check_ranks_per_node)
-from .counters import (HEADER_BYTES, LinkBytes, namespace_link_bytes,
-                       read_link_bytes)
+from .counters import LinkBytes, namespace_link_bytes, read_link_bytes
 from .leftovers import remove_leftovers
 from .namespaces import NAME_PREFIX, ClusterError
 from .node_start import signal_exit_code
@@ -86,5 +85,5 @@ __all__ = [
     'check_user_namespace', 'reexec_in_user_namespace', 'run_on_nodes',
     'calibrate', 'signal_exit_code', 'shape_links', 'remove_leftovers',
     'check_ranks_per_node', 'LinkBytes', 'read_link_bytes',
-    'namespace_link_bytes', 'HEADER_BYTES'
+    'namespace_link_bytes'
 ]
