@@ -149,26 +149,23 @@ def predicted_link_bytes(buckets, hooks, nodes, ranks_per_node):
 def link_per_step(results, label, name):
     """``(tx, rx, payload)``: the bytes each node's link sent and received
     per step at rate ``label`` with hook form ``name``, and of those sent
-    what TCP carried (headers left out; None from a benchmark that did
-    not count packets), one value per node in node order, from the
-    counters its first rank read around each block of steps (all None
-    without counters)."""
+    what TCP carried (headers left out), one value per node in node
+    order, from the counters its first rank read around each block of
+    steps (all None without counters)."""
     firsts = sorted((r for r in results if r.get('local_rank', 0) == 0),
                     key=lambda r: r.get('node', r['rank']))
     if not firsts or 'link_bytes' not in firsts[0]:
         return None, None, None
     per_node = []
     for r in firsts:
-        blocks = r['link_bytes'][label][name]
         steps = len(r['steps'][label][name]) or 1
+        # Each block: [tx, rx, payload], summed over the blocks.
         per_node.append([
-            sum(b[i]
-                for b in blocks) / steps if all(len(b) > i
-                                                for b in blocks) else None
-            for i in range(3)
+            sum(column) / steps
+            for column in zip(*r['link_bytes'][label][name])
         ])
     tx, rx, payload = (list(values) for values in zip(*per_node))
-    return tx, rx, None if None in payload else payload
+    return tx, rx, payload
 
 
 def summarize(results, rates, hooks, world_size, rounds=1, ranks_per_node=1):
@@ -218,9 +215,8 @@ def summarize(results, rates, hooks, world_size, rounds=1, ranks_per_node=1):
                 row.update(
                     link_tx_bytes=tx,
                     link_rx_bytes=rx,
+                    link_payload_bytes=payload,
                     predicted_link_bytes=predicted.get(name))
-            if payload is not None:
-                row['link_payload_bytes'] = payload
             if mbit is not None and name in unshaped:
                 rate = mbit * 1e6 / 8
                 row['exposed_s'] = row['step_s'] - unshaped[name]

@@ -239,7 +239,11 @@ HALF_PRECISION_COSTS = {
 
 # -- int8_compress ------------------------------------------------------------
 def _int8_firsts(buckets, block: int) -> Dict[int, int]:
-    """Parameter index -> number of its first block."""
+    """Parameter index -> number of its first block (both forms of the
+    int8 hook number blocks so)."""
+    if any(len(b.indices) != len(b.params) for b in buckets):
+        raise ValueError('int8_compress\'s cost needs buckets with parameter '
+                         'indices (from ddp_buckets)')
     params = {i: p for b in buckets for i, p in zip(b.indices, b.params)}
     groups: Dict[str, List[int]] = {}
     for i in sorted(params):
@@ -286,9 +290,6 @@ def _int8_sends(buckets, world_size, settings):
     padded to 4 bytes; the all-to-all sends every segment (about ``numel
     * (1 + 4 / block_size)``), the all-gather each rank's own, padded to
     the largest."""
-    if any(len(b.indices) != len(b.params) for b in buckets):
-        raise ValueError('int8_compress\'s cost needs buckets with parameter '
-                         'indices (from ddp_buckets)')
     block = settings['block_size']
     firsts = _int8_firsts(buckets, block)
     out = []
@@ -351,9 +352,6 @@ def _two_level_int8_sends(buckets, ranks_per_node, num_nodes, settings):
     about ``2 (M - 1) / M`` of the quantized bucket per node link, against
     about ``G`` times that for the flat all-to-all. Local ranks' shares
     differ by a block or so; the largest sets the pace, and is counted."""
-    if any(len(b.indices) != len(b.params) for b in buckets):
-        raise ValueError('int8_compress\'s cost needs buckets with parameter '
-                         'indices (from ddp_buckets)')
     g, m = ranks_per_node, num_nodes
     block = settings['block_size']
     firsts = _int8_firsts(buckets, block)
