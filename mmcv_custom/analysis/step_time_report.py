@@ -274,8 +274,8 @@ def report(summary, meta):
         f"{meta['grad_bytes'] / 2**20:.2f} MiB of gradients; backward "
         f"{meta['backward_s'] * 1e3:.1f} ms; median of "
         f"{meta['rounds']} x {meta['steps']} steps per cell." +
-        (" Communication only: the model's gradients without its compute, "
-         'all ready at once.' if meta.get('comm_only') else ''),
+        (" Communication only: the model's parameters' buckets without "
+         'its compute, all ready at once.' if meta.get('comm_only') else ''),
         'Rate: tc tbf on every node link, both directions; no propagation '
         'delay is emulated. link: what each node\'s link sent per step '
         '(node0/node1/...), from its counters, headers and TCP '

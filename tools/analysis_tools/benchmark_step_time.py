@@ -185,8 +185,9 @@ def parse_args(argv=None):
     parser.add_argument(
         '--comm-only',
         action='store_true',
-        help="the hooks' communication alone: the model's gradients, "
-        'without its compute (the same buckets, all ready at once)')
+        help="the hooks' communication alone: the model's parameters' "
+        'buckets, without its compute (a plain-sum loss: every bucket '
+        'ready at once)')
     parser.add_argument(
         '--calibrate',
         action='store_true',

@@ -43,7 +43,7 @@ def fit_report(result: FitResult, benchmarks: Sequence[Benchmark]) -> list:
                      f'in {len(b.bucket_bytes)} buckets, backward '
                      f'{b.backward_s * 1e3:.1f} ms, step '
                      f'{b.compute_step_s * 1e3:.1f} ms unshaped' +
-                     ('; communication only (the gradients without the '
+                     ('; communication only (the buckets without the '
                       'compute)' if b.comm_only else ''))
         for r in b.rates:
             if r['mbit'] and r.get('calibrated_mbit'):
