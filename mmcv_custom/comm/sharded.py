@@ -2,20 +2,24 @@
 
 FSDP2 has no DDP communication hooks; the config types whose record has an
 FSDP2 form (:attr:`~.records.HookRecord.fsdp2_form`) are carried out by
-FSDP2's reduce-scatter
-(:mod:`mmcv_custom.hooks.sharded`).
+FSDP2's reduce-scatter (:mod:`mmcv_custom.hooks.sharded`), in two levels
+where the record has a two-level form and ``topology`` calls for it
+(:class:`~mmcv_custom.hooks.sharded.TwoLevelReduceScatter`; decided as for
+DDP, by :func:`~.topology.resolve_topology`).
 """
 import dataclasses
 from typing import Any, Optional
 
 import torch
 
+from ..hooks.topology import NodeClaim
 from .builder import (check_comm_hook_cfg, describe_sent_as_they_are,
                       hook_record, lookup_hook)
 from .records import record_of
 from .registry import COMM_HOOKS
+from .topology import Topology, resolve_topology
 
-__all__ = ['ShardedCommSpec', 'build_sharded_comm']
+__all__ = ['ShardedCommSpec', 'build_sharded_comm', 'sharded_topology']
 
 
 @dataclasses.dataclass
@@ -36,23 +40,31 @@ class ShardedCommSpec:
         notes (tuple[str]): Log warnings, as :class:`CommHookSpec`'s.
         int8_block_size (int, optional): Set for ``int8_compress``: values
             per fp32 scale. Defaults to None.
+        topology: The config's ``topology`` (checked), decided at
+            registration (:func:`sharded_topology`). Defaults to 'auto'.
+        topology_used (str): Flat or two-level, and why, once decided (for
+            :meth:`describe`); empty before.
     """
     type: str
     sent_dtype: Optional[torch.dtype]
     notes: tuple = ()
     state: Any = None  # no DDP-style state (no non-finite records)
     int8_block_size: Optional[int] = None
+    topology: Any = 'auto'
+    topology_used: str = ''
 
     def describe(self) -> str:
         """One line saying what is installed, for the training log."""
+        where = f', topology: {self.topology_used}' if self.topology_used \
+            else ''
         if self.int8_block_size is not None:
             return (f"type='{self.type}' (FSDP2 reduce-scatter in int8, one "
                     f'fp32 scale per {self.int8_block_size} values, no error '
-                    'feedback, averaged before the rounding)')
+                    f'feedback, averaged before the rounding{where})')
         sent = ('the gradients\' own dtype' if self.sent_dtype is None else
                 str(self.sent_dtype).replace('torch.', ''))
         return (f"type='{self.type}' (FSDP2 reduce-scatter in {sent}, "
-                'averaged before the cast)')
+                f'averaged before the cast{where})')
 
 
 def build_sharded_comm(cfg: dict,
@@ -67,8 +79,7 @@ def build_sharded_comm(cfg: dict,
 
     Raises:
         ValueError: A type without a sharded form (PowerSGD, user hooks,
-            ``int8_compress`` with error feedback), a ``wrapper``, a
-            stated two-level ``topology``, or
+            ``int8_compress`` with error feedback), a ``wrapper``, or
             CompressState keys that change nothing under FSDP2
             (``predivide_factor``: the whole division is done before the
             cast; ``check_finite``). Besides the errors of
@@ -78,12 +89,6 @@ def build_sharded_comm(cfg: dict,
     hook_type = checked['type']
     what = f'comm_hook type={hook_type!r}'
     record = hook_record(hook_type)
-    if isinstance(checked['topology'], dict):
-        # 'auto' is flat here, as for any hook without a two-level form.
-        raise ValueError(
-            f"{what}, topology={checked['topology']!r}: FSDP2's "
-            'reduce-scatter has no two-level form yet; leave topology out '
-            "(or 'flat') under FSDP2Strategy, or train with DDP.")
     if record.fsdp2_form == 'int8_reduce_scatter':
         return _sharded_int8(checked, what)
     if record.fsdp2_form != 'averaging_reduce_scatter':
@@ -120,7 +125,22 @@ def build_sharded_comm(cfg: dict,
                                          param_names)
         notes = (note, ) if note else ()
     return ShardedCommSpec(
-        type=hook_type, sent_dtype=record.sent_dtype, notes=notes)
+        type=hook_type,
+        sent_dtype=record.sent_dtype,
+        notes=notes,
+        topology=checked['topology'])
+
+
+def sharded_topology(spec: ShardedCommSpec,
+                     claim: Optional[NodeClaim] = None) -> Topology:
+    """Flat or two-level for ``spec``, decided on every rank together, as
+    for DDP (:func:`~.topology.resolve_topology`, over the whole world:
+    FSDP2Strategy shards over every rank), and recorded in
+    ``spec.topology_used``. Collective."""
+    topology = resolve_topology(spec.topology, hook_record(spec.type), None,
+                                claim)
+    spec.topology_used = topology.describe
+    return topology
 
 
 def _sharded_int8(checked: dict, what: str) -> ShardedCommSpec:
@@ -146,4 +166,5 @@ def _sharded_int8(checked: dict, what: str) -> ShardedCommSpec:
     return ShardedCommSpec(
         type='int8_compress',
         sent_dtype=None,
-        int8_block_size=kwargs.get('block_size', 256))
+        int8_block_size=kwargs.get('block_size', 256),
+        topology=checked['topology'])

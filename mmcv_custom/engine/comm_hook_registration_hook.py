@@ -12,7 +12,7 @@ from mmengine.runner import find_latest_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.builder import build_comm_hook, check_comm_hook_cfg
-from ..comm.sharded import build_sharded_comm
+from ..comm.sharded import build_sharded_comm, sharded_topology
 from ..comm.telemetry import CommCounter
 from ..hooks.cast import cpu_codec
 from ..hooks.half import CompressState
@@ -333,9 +333,10 @@ class CommHookRegistrationHook(Hook):
         model = runner.model
         names = {p: n for n, p in model.named_parameters()}
         spec = build_sharded_comm(self._cfg, param_names=names)
+        topology = sharded_topology(spec, launcher_claim())
         counter = CommCounter() if self._telemetry else None
         units = install_reduce_scatter(model, spec.sent_dtype, counter,
-                                       spec.int8_block_size)
+                                       spec.int8_block_size, topology.groups)
         self._installed.append(('', spec, counter, {
             id(p): n
             for p, n in names.items()

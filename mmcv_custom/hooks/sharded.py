@@ -29,9 +29,20 @@ only the first rounding happens (the shard stays in full precision).
 Error feedback would have to keep, on every rank, what rounding dropped
 from the whole unsharded gradient: the memory FSDP2 is there to save.
 
+Both are the flat forms. :class:`TwoLevelReduceScatter` is the two-level
+(node-aware) form of either: the flat int8 form's all-to-all makes every one
+of a node's G ranks push its chunks for the other nodes through the node's
+one link, about G times the bytes of a reduce-scatter that crosses it once.
+It sums inside the node first (one all-to-all in the gradients' own dtype,
+nothing rounded on the way, summed in fp32 in the node's rank order), then
+runs the flat form across nodes among the ranks of the same place, on the
+node's sums: a node's link carries 1/G of the flat int8 bytes, and the shard
+is rounded once, as in the flat form. Like the flat forms it keeps no state,
+so a resumed run is the uninterrupted one bit for bit.
+
 Like the rest of :mod:`mmcv_custom.hooks`, this module imports only torch.
 """
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -39,6 +50,7 @@ from torch import nn
 
 from . import cast, int8_codec
 from .half import require_dtype_support, wire_dtype_for
+from .topology import NodeGroups
 from .util import align_up
 from .validation import require_int
 
@@ -48,8 +60,8 @@ except ImportError:  # pragma: no cover - older torch
     ReduceScatter = object
 
 __all__ = [
-    'AveragingReduceScatter', 'Int8ReduceScatter', 'install_reduce_scatter',
-    'fsdp_modules'
+    'AveragingReduceScatter', 'Int8ReduceScatter', 'TwoLevelReduceScatter',
+    'install_reduce_scatter', 'fsdp_modules'
 ]
 
 
@@ -104,26 +116,56 @@ class AveragingReduceScatter(_SummingReduceScatter):
                  op=None,
                  async_op: bool = False):
         self._check_op(op)
-        world = group.size()
-        wire = (
-            input_tensor.dtype if self.wire_dtype is None else wire_dtype_for(
-                self.wire_dtype, input_tensor))
-        require_dtype_support(wire, group, input_tensor.device)
         if self.counter is not None:
-            numel = input_tensor.numel()
-            self.counter.baseline_bytes += numel * input_tensor.element_size()
-            self.counter.bytes_sent += numel * torch.finfo(wire).bits // 8
-        if wire is input_tensor.dtype:
-            input_tensor.mul_(1.0 / world)
-            return dist.reduce_scatter_single(
-                output_tensor, input_tensor, group=group, async_op=async_op)
+            self.counter.baseline_bytes += (
+                input_tensor.numel() * input_tensor.element_size())
+        sent, work = self.scatter(output_tensor, input_tensor, group,
+                                  group.size(), self.wire_for(input_tensor),
+                                  async_op)
+        if self.counter is not None:
+            self.counter.bytes_sent += sent
+        return work
+
+    def wire_for(self, grads: torch.Tensor) -> torch.dtype:
+        """What gradients like ``grads`` are sent as."""
+        if self.wire_dtype is None:
+            return grads.dtype
+        return wire_dtype_for(self.wire_dtype, grads)
+
+    def scatter(self,
+                output: torch.Tensor,
+                x: torch.Tensor,
+                group: dist.ProcessGroup,
+                divisor: float,
+                wire: torch.dtype,
+                async_op: bool = False) -> tuple:
+        """``x / divisor`` reduce-scattered over ``group`` in ``wire`` into
+        ``output``; ``(bytes sent, work or None)``. ``x`` may be a widened
+        copy of the gradients (the two-level form's fp32 sums), so the
+        caller names the wire (:meth:`wire_for` the gradients)."""
+        require_dtype_support(wire, group, x.device)
+        sent = x.numel() * torch.finfo(wire).bits // 8
+        if wire is x.dtype:
+            x.mul_(1.0 / divisor)
+            if output.dtype is wire:
+                return sent, dist.reduce_scatter_single(
+                    output, x, group=group, async_op=async_op)
+            received = torch.empty(
+                output.numel(), dtype=wire, device=output.device)
+            dist.reduce_scatter_single(received, x, group=group)
+            output.view(-1).copy_(received)
+            return sent, None
         # Divide in the gradients' precision, then round once to the wire.
-        sent = cast.compress(input_tensor, world, wire)
+        compressed = cast.compress(x, divisor, wire)
+        if output.dtype is wire:
+            dist.reduce_scatter_single(
+                output.view(-1), compressed, group=group)
+            return sent, None
         received = torch.empty(
-            output_tensor.numel(), dtype=wire, device=output_tensor.device)
-        dist.reduce_scatter_single(received, sent, group=group)
-        cast.decompress(received, output_tensor.view(-1))
-        return None
+            output.numel(), dtype=wire, device=output.device)
+        dist.reduce_scatter_single(received, compressed, group=group)
+        cast.decompress(received, output.view(-1))
+        return sent, None
 
 
 class Int8ReduceScatter(_SummingReduceScatter):
@@ -168,7 +210,20 @@ class Int8ReduceScatter(_SummingReduceScatter):
             raise ValueError(
                 f'Int8ReduceScatter needs an input of world_size ({world}) '
                 f'times the output ({chunk} values), but got {numel}')
-        x = input_tensor.reshape(-1)
+        sent = self.scatter(output_tensor, input_tensor, group, world)
+        if self.counter is not None:
+            self.counter.baseline_bytes += numel * input_tensor.element_size()
+            self.counter.bytes_sent += sent
+        return None
+
+    def scatter(self, output: torch.Tensor, x: torch.Tensor,
+                group: dist.ProcessGroup, divisor: float) -> int:
+        """``x / divisor`` reduce-scattered over ``group`` in int8 into
+        ``output`` (``x``: a chunk per rank of ``group``); the bytes
+        sent."""
+        world = group.size()
+        chunk = output.numel()
+        x = x.reshape(-1)
         x = x.float() if x.dtype is not torch.float32 else x.contiguous()
         blocks, size = self._segment(chunk)
         device = x.device
@@ -179,7 +234,7 @@ class Int8ReduceScatter(_SummingReduceScatter):
             int8_codec.quantize(
                 x[j * chunk:(j + 1) * chunk],
                 self.block_size,
-                1.0 / world,
+                1.0 / divisor,
                 out=send[at + 4 * blocks:at + 4 * blocks + chunk].view(
                     torch.int8),
                 scales=send[at:at + 4 * blocks].view(torch.float32))
@@ -194,10 +249,101 @@ class Int8ReduceScatter(_SummingReduceScatter):
                 self.block_size,
                 total,
                 accumulate=i > 0)
-        output_tensor.view(-1).copy_(total)
+        output.view(-1).copy_(total)
+        return world * size
+
+
+class TwoLevelReduceScatter(_SummingReduceScatter):
+    """Reduce inside the node in full precision, then reduce-scatter the
+    node's sums across nodes with ``across`` (see the module docstring).
+
+    Args:
+        groups (NodeGroups): This rank's node and cross-node groups, made
+            from the layout of the ranks FSDP2 shards over (the whole
+            world: FSDP2Strategy shards over every rank).
+        across (AveragingReduceScatter | Int8ReduceScatter): The flat form
+            that carries the node's sums across nodes; its ``counter``
+            (if any) counts the input's bytes as FSDP would send them, and
+            as sent the bytes this rank sends across nodes.
+    """
+
+    def __init__(
+            self, groups: NodeGroups,
+            across: Union[AveragingReduceScatter, Int8ReduceScatter]) -> None:
+        self.groups = groups
+        self.across = across
+        self.counter = across.counter
+        # members[p][j]: the global rank at place p of its node and place
+        # j among its peers (the order of ``new_group``: ascending global
+        # ranks, see NodeGroups).
+        nodes = [sorted(ranks) for ranks in groups.layout.nodes]
+        self.members: List[List[int]] = [
+            sorted(node[place] for node in nodes)
+            for place in range(groups.layout.ranks_per_node)
+        ]
+        self.world_size = sum(len(node) for node in nodes)
+        self._orders: dict = {}
+
+    def _order(self, group: dist.ProcessGroup) -> torch.Tensor:
+        """The chunks of FSDP's input, in the order they go to the node's
+        ranks: place by place, each place's peers node by node."""
+        key = id(group)
+        if key not in self._orders:
+            size = group.size()
+            if size != self.world_size:
+                raise ValueError(
+                    f'the two-level reduce-scatter was made for '
+                    f'{self.world_size} ranks ({self.groups.describe()}), '
+                    f'but FSDP2 reduce-scatters over a group of {size}: '
+                    "use topology='flat' for this sharding")
+            self._orders[key] = torch.tensor([
+                dist.get_group_rank(group, rank) for place in self.members
+                for rank in place
+            ],
+                                             dtype=torch.int64)
+        return self._orders[key]
+
+    def __call__(self,
+                 output_tensor: torch.Tensor,
+                 input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup,
+                 op=None,
+                 async_op: bool = False):
+        self._check_op(op)
+        order = self._order(group)
+        chunk = output_tensor.numel()
+        numel = input_tensor.numel()
+        if numel != chunk * self.world_size:
+            raise ValueError(
+                f'{type(self).__name__} needs an input of world_size '
+                f'({self.world_size}) times the output ({chunk} values), '
+                f'but got {numel}')
+        node_size = self.groups.layout.ranks_per_node
+        nodes = self.groups.layout.num_nodes
+        chunks = input_tensor.reshape(self.world_size, chunk)
+        send = chunks.index_select(0, order.to(chunks.device))
+        recv = torch.empty_like(send)
+        # As bytes: gloo's all-to-all does not take every dtype (bf16).
+        dist.all_to_all_single(
+            recv.view(-1).view(torch.uint8),
+            send.view(-1).view(torch.uint8),
+            group=self.groups.intra)
+        del send
+        parts = recv.view(node_size, nodes * chunk)
+        sums = parts[0].float()
+        for i in range(1, node_size):
+            sums += parts[i]
+        del recv, parts
+        if isinstance(self.across, Int8ReduceScatter):
+            sent = self.across.scatter(output_tensor, sums, self.groups.cross,
+                                       self.world_size)
+        else:
+            sent, _ = self.across.scatter(output_tensor, sums,
+                                          self.groups.cross, self.world_size,
+                                          self.across.wire_for(input_tensor))
         if self.counter is not None:
             self.counter.baseline_bytes += numel * input_tensor.element_size()
-            self.counter.bytes_sent += world * size
+            self.counter.bytes_sent += sent
         return None
 
 
@@ -214,10 +360,14 @@ def fsdp_modules(model: nn.Module) -> list:
 def install_reduce_scatter(model: nn.Module,
                            wire_dtype: Optional[torch.dtype] = None,
                            counter=None,
-                           int8_block_size: Optional[int] = None) -> int:
+                           int8_block_size: Optional[int] = None,
+                           node_groups=None) -> int:
     """Make every sharded module of ``model`` reduce its gradients with one
     :class:`AveragingReduceScatter`, or with an :class:`Int8ReduceScatter`
-    when ``int8_block_size`` is given (``wire_dtype`` is then unused).
+    when ``int8_block_size`` is given (``wire_dtype`` is then unused); in
+    two levels with ``node_groups`` (a
+    :class:`~mmcv_custom.hooks.topology.NodeGroups`, see
+    :class:`TwoLevelReduceScatter`).
 
     Returns:
         int: How many sharded modules were set (0: ``model`` is not
@@ -226,6 +376,8 @@ def install_reduce_scatter(model: nn.Module,
     comm = (
         AveragingReduceScatter(wire_dtype, counter) if int8_block_size is None
         else Int8ReduceScatter(int8_block_size, counter))
+    if node_groups is not None:
+        comm = TwoLevelReduceScatter(node_groups, comm)
     modules = fsdp_modules(model)
     for module in modules:
         module.set_custom_reduce_scatter(comm)

@@ -174,7 +174,63 @@ def _four_ranks(rank, world_size):
         describe['contradicted'] = str(e)
     out['describe'] = describe
     out.update(_powersgd_cases(rank, world_size))
+    out.update(_sharded_cases(rank, world_size))
     return out
+
+
+def _sharded(rank, world_size, cfg, claim=None, steps=2):
+    """FSDP2 (fully_shard on fc1 and the root) reducing as ``cfg`` says,
+    set up as the runner hook does: each step's full gradients, the exact
+    mean of the raw ones, and what the counter saw."""
+    from torch.distributed.fsdp import fully_shard
+
+    from mmcv_custom.comm.sharded import sharded_topology
+    from mmcv_custom.hooks.sharded import install_reduce_scatter
+    torch.manual_seed(0)
+    net, plain = Net(), Net()
+    plain.load_state_dict(net.state_dict())
+    fully_shard(net.fc1)
+    fully_shard(net)
+    spec = build_sharded_comm(cfg)
+    topology = sharded_topology(spec, claim)
+    counter = CommCounter()
+    install_reduce_scatter(net, spec.sent_dtype, counter, spec.int8_block_size,
+                           topology.groups)
+    applied, exact, counts = [], [], []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(32, 16, generator=gen) * 10
+        y = x[:, :4] * 2 - x[:, 4:8]
+        raw = torch.autograd.grad(
+            nn.functional.mse_loss(plain(x), y), list(plain.parameters()))
+        for g in raw:
+            dist.all_reduce(g)
+            g /= world_size
+        exact.append(list(raw))
+        net.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        applied.append([p.grad.full_tensor() for p in net.parameters()])
+        counts.append(counter.pop())
+    return dict(
+        applied=applied, exact=exact, counts=counts, describe=spec.describe())
+
+
+SHARDED_INT8 = dict(INT8, error_feedback=False)
+
+
+def _sharded_cases(rank, world_size):
+    """The FSDP2 cases of :func:`_four_ranks`."""
+    claim = _blocks_claim(rank, 2)
+    return dict(
+        sharded_two=_sharded(rank, world_size, SHARDED_INT8, claim),
+        sharded_flat=_sharded(rank, world_size,
+                              dict(SHARDED_INT8, topology='flat'), claim),
+        sharded_bf16=_sharded(rank, world_size,
+                              dict(type='bf16_compress', topology=TWO_BY_TWO)),
+        sharded_fp16=_sharded(rank, world_size, dict(type='fp16_compress'),
+                              claim),
+        sharded_plain=_sharded(rank, world_size, dict(type='allreduce'),
+                               claim))
 
 
 @pytest.fixture(scope='module')
@@ -333,8 +389,46 @@ def test_a_hook_without_a_two_level_form_refuses_a_stated_topology():
         "powerSGD; leave topology out (or 'flat') for this hook.")
     for fine in ('auto', 'flat'):
         check_comm_hook_cfg(dict(type='allreduce', topology=fine))
-    with pytest.raises(ValueError, match='no two-level form yet'):
-        build_sharded_comm(dict(type='bf16_compress', topology=TWO_BY_TWO))
+        build_sharded_comm(dict(type='allreduce', topology=fine))
+    with pytest.raises(ValueError, match="'allreduce' has no two-level"):
+        build_sharded_comm(dict(type='allreduce', topology=TWO_BY_TWO))
+
+
+def test_fsdp2_two_level_int8_is_the_mean_and_crosses_a_node_share(four):
+    """FSDP2's reduce-scatter in two levels: the same on every rank, one
+    int8 rounding off the mean (as the flat form), and across nodes
+    exactly 1/G of the flat form's bytes (each chunk's segment goes to
+    M peers instead of all W ranks)."""
+    two, flat = four['sharded_two'], four['sharded_flat']
+    _same_everywhere(two)
+    _close_to_exact(two[0], 0.01)
+    assert not all(
+        torch.equal(a, b)
+        for a, b in zip(two[0]['applied'][0], flat[0]['applied'][0]))
+    assert ('in int8, one fp32 scale per 32 values, no error feedback, '
+            'averaged before the rounding, topology: two-level, 2 nodes x '
+            '2 ranks') in two[0]['describe']
+    assert 'topology: flat (as set)' in flat[0]['describe']
+    for a, b in zip(two, flat):
+        (base_two, sent_two), (base_flat, sent_flat) = (a['counts'][-1],
+                                                        b['counts'][-1])
+        assert base_two == base_flat
+        assert sent_two * 2 == sent_flat
+
+
+def test_fsdp2_two_level_half_precision_and_the_exact_type(four):
+    """bf16 (stated) and fp16 (auto, from the launcher) in two levels:
+    the mean to the wire's rounding; allreduce has no two-level form, so
+    auto leaves it flat, and exact."""
+    for name in ('sharded_bf16', 'sharded_fp16'):
+        _same_everywhere(four[name])
+        _close_to_exact(four[name][0], 0.01)
+        assert 'topology: two-level, 2 nodes x 2 ranks' in (
+            four[name][0]['describe'])
+    plain = four['sharded_plain']
+    assert 'topology: flat (this hook has no two-level form)' in (
+        plain[0]['describe'])
+    _close_to_exact(plain[0], 1e-6)
 
 
 def _fail_on_rank_1(rank, world_size):

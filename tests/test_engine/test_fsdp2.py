@@ -486,8 +486,8 @@ def test_dist_train_then_evaluate_the_sharded_checkpoint(tmp_path):
         '1 InternViT, and the whole EncoderDecoder over 2 ranks (gloo)') in log
     assert ("Registered the gradient reduction on the FSDP2 model (8 "
             "sharded modules): type='bf16_compress' (FSDP2 reduce-scatter "
-            'in bfloat16, averaged before the cast); process group: 2 '
-            'ranks, backend gloo.') in log
+            'in bfloat16, averaged before the cast, topology: flat (one '
+            'node of 2 ranks)); process group: 2 ranks, backend gloo.') in log
     assert 'comm_ratio: 0.5000' in log
     trained = re.findall(r'mIoU: (\d+\.\d+)', log)[-1]
     ckpt = osp.join(work, 'iter_4.pth')
