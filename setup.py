@@ -59,6 +59,9 @@ setup(
         'seg':
         ['mmcv>=2.0.0rc4,<2.2.0', 'mmsegmentation>=1.0.0', 'ftfy', 'regex'],
         'tests': ['pytest'],
+        # MMEngine's TensorboardVisBackend writes through torch's
+        # SummaryWriter, which needs it.
+        'vis': ['tensorboard'],
     },
     license='Apache-2.0',
     zip_safe=False,

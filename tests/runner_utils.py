@@ -33,7 +33,8 @@ def build_runner(work_dir,
                  resume=False,
                  dataset=None,
                  batch_size=8,
-                 load_from=None):
+                 load_from=None,
+                 visualizer=None):
     """A Runner training ``MLPRegressor`` (or ``model``) with the comm-hook
     runner hook; ``wrapper`` is the ``model_wrapper_cfg`` (CPU DDP by
     default). Returns the runner and a :class:`Records` of its log."""
@@ -69,6 +70,7 @@ def build_runner(work_dir,
             checkpoint=checkpoint or dict(type='CheckpointHook', interval=-1)),
         resume=resume,
         load_from=load_from,
+        visualizer=visualizer,
         custom_hooks=[
             dict(type='CommHookRegistrationHook', **(hook_args or {}))
         ],

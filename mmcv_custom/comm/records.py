@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..hooks.state import HookStateKeeper
+from .accuracy import ACCURACY_CLASSES
 from .cost_records import CostRecord
 from .traffic import sent_bytes
 
@@ -127,6 +128,13 @@ class HookRecord:
             comparison trains it under, each a variant of its own; empty:
             one, named as registered, with :attr:`label` and
             :attr:`colour`.
+        accuracy (str, optional): Its accuracy class, one of
+            :data:`~.accuracy.ACCURACY_CLASSES` (a variant may state its
+            own, see :func:`~.accuracy.accuracy_of`); None: unknown, so
+            the recommendation weighs it only where any loss is accepted.
+        evidence (str): What shows it trains as its class says (the
+            convergence runs, their figures and where they are
+            published); empty: none recorded.
     """
     sent_format: Optional[str] = None
     quantizes: bool = False
@@ -148,6 +156,8 @@ class HookRecord:
         dataclasses.field(default_factory=dict)
     variants: Tuple['HookVariant', ...] = ()
     two_level: bool = False
+    accuracy: Optional[str] = None
+    evidence: str = ''
 
     @property
     def half_precision(self) -> Optional[str]:
@@ -180,6 +190,11 @@ class HookRecord:
             raise ValueError(f'HookRecord fsdp2_form should be one of '
                              f'{FSDP2_FORMS} or None, but got '
                              f'{self.fsdp2_form!r}')
+        for klass in [self.accuracy] + [v.accuracy for v in self.variants]:
+            if klass is not None and klass not in ACCURACY_CLASSES:
+                raise ValueError(
+                    f'HookRecord accuracy should be one of {ACCURACY_CLASSES}'
+                    f' or None, but got {klass!r}')
         for name in ('notes', 'count_bytes_sent', 'model_bytes'):
             value = getattr(self, name)
             if value is not None and not callable(value):
@@ -193,11 +208,15 @@ _HALF_DTYPES = {'fp16': torch.float16, 'bf16': torch.bfloat16}
 class HookVariant(NamedTuple):
     """One setting of a hook that the convergence comparison trains
     (:attr:`HookRecord.variants`): its name there, the state keys it sets,
-    its label and its plot colour."""
+    its label and its plot colour; and, where the setting changes them, its
+    accuracy class and evidence (None: the record's, see
+    :func:`~.accuracy.accuracy_of`)."""
     name: str
     options: Mapping[str, Any]
     label: str
     colour: Optional[str] = None
+    accuracy: Optional[str] = None
+    evidence: str = ''
 
 
 def sends_bucket(element_bytes: Optional[int] = None) -> BytesSentCounter:

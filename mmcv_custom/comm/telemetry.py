@@ -1,11 +1,19 @@
-"""Counting the bytes a rank hands to its hooks and the bytes they send.
+"""Counting the bytes a rank hands to its hooks and the bytes they send,
+and how long its step waited for them.
 
 The builder wraps a hook chain in :func:`add_baseline_count` (outermost)
 and :func:`add_sent_count` (around the named hook, inside any wrapper); how
 a hook counts the bytes it sends is its record's
 :attr:`~.records.HookRecord.count_bytes_sent`.
+
+What a hook buys is time, not bytes: the outermost wrapper also notes when
+each bucket is handed over and when its reduction completes, so that
+:meth:`CommCounter.pop_wait` gives the communication the step waited for
+(from the last bucket's hand-over, when the backward has no more gradients
+to compute, to the last completion), measured on the run itself.
 """
-from typing import Callable
+import time
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -40,6 +48,35 @@ class CommCounter:
         self.baseline_bytes = 0
         self.bytes_sent = 0
         self.bytes_sent_known = True
+        # perf_counter() when the latest bucket was handed over, and when
+        # the latest reduction completed (on whichever thread ran it).
+        self._ready: Optional[float] = None
+        self._done: Optional[float] = None
+
+    def bucket_ready(self) -> None:
+        """Note that a bucket was handed to the hook now."""
+        self._ready = time.perf_counter()
+
+    def bucket_done(self) -> None:
+        """Note that a bucket's reduction completed now."""
+        now = time.perf_counter()
+        self._done = now if self._done is None else max(self._done, now)
+
+    def pop_wait(self) -> Optional[float]:
+        """Seconds from the last bucket handed over to the last reduction
+        completed, since the last call (0 where the reductions were done
+        before the last bucket came); None where no bucket came.
+
+        The last bucket comes when the backward has computed every
+        gradient, so this is the communication the step waited for: what
+        the hook left exposed. On CUDA it is when the host saw each
+        collective complete, so it is measured where DDP waits too.
+        """
+        ready, done = self._ready, self._done
+        self._ready = self._done = None
+        if ready is None:
+            return None
+        return 0.0 if done is None else max(0.0, done - ready)
 
     def pop(self):
         """``(baseline_bytes, bytes_sent or None)`` since the last call."""
@@ -51,12 +88,19 @@ class CommCounter:
 
 def add_baseline_count(hook: Callable, counter: CommCounter) -> Callable:
     """Wrap ``hook`` (outermost) to add each bucket as DDP hands it over,
-    in its own dtype, to ``counter.baseline_bytes``."""
+    in its own dtype, to ``counter.baseline_bytes``, and to note when it
+    was handed over and when its reduction completed
+    (:meth:`CommCounter.pop_wait`)."""
+
+    def _done(fut):
+        counter.bucket_done()
+        return fut.value()  # re-raises what the hook's future raised
 
     def _counted_hook(state, bucket: dist.GradBucket):
         buffer = bucket.buffer()
         counter.baseline_bytes += buffer.numel() * buffer.element_size()
-        return hook(state, bucket)
+        counter.bucket_ready()
+        return hook(state, bucket).then(_done)
 
     return named_after(_counted_hook, hook)
 

@@ -153,7 +153,12 @@ class CommHookRegistrationHook(Hook):
       backends (TensorBoard...): ``comm_MB`` (MiB sent through the hook in
       the iteration; 0 on gradient-accumulation steps) and ``comm_ratio``
       (that, over what DDP would send without the hook: the buckets' own
-      dtype). Counted in Python as buckets pass, as the hook's
+      dtype); under DDP also ``comm_wait``, the seconds the step waited for
+      communication after its last gradient was computed (from the last
+      bucket's hand-over to the last reduction's completion: what the
+      hook left exposed, see
+      :meth:`~mmcv_custom.comm.telemetry.CommCounter.pop_wait`). Counted
+      in Python as buckets pass, as the hook's
       :class:`~mmcv_custom.comm.records.HookRecord` says: no collective, no
       synchronisation. A hook whose record does not count its bytes (a
       plugin's without ``count_bytes_sent``) shows ``comm_MB: unknown`` and
@@ -363,6 +368,16 @@ class CommHookRegistrationHook(Hook):
             self._state_files.save_if_due(runner, by_epoch=False)
         if self._telemetry:
             baseline_bytes, bytes_sent = 0, 0
+            # None under FSDP2 (no buckets) and on accumulation steps.
+            waits = [
+                w for w in (counter.pop_wait()
+                            for _, _, counter, _ in self._installed)
+                if w is not None
+            ]
+            if waits:
+                # Several DDP modules (MMSeparateDistributedDataParallel)
+                # reduce one after the other: their waits add up.
+                runner.message_hub.update_scalar('train/comm_wait', sum(waits))
             for _, _, counter, _ in self._installed:
                 baseline, sent = counter.pop()
                 baseline_bytes += baseline

@@ -1,9 +1,15 @@
 """The fp16 range guard and the traffic telemetry, on real gloo ranks."""
+import glob
+import os.path as osp
+import threading
+import time
+
 import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mmcv_custom.comm.telemetry import CommCounter, add_baseline_count
 from mmcv_custom.hooks.half import (CompressState, default_predivide_factor,
                                     fp16_compress_hook)
 from mmcv_custom.testing import run_ranks
@@ -119,6 +125,73 @@ def test_telemetry_counts_the_bytes_on_the_wire(tmp_path, comm_hook,
     assert ratio == pytest.approx([w / (NUMEL * 4) for w in wire_per_step])
     # In the normal log line.
     assert len(logged) == 6 and 'comm_ratio:' in logged[-1]
+
+
+def _waits(rank, world_size, delay):
+    """What CommCounter.pop_wait says of a real DDP backward whose hook
+    completes ``delay`` seconds after the bucket is handed over (on
+    another thread, as the comm worker and gloo complete them)."""
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(16, 16))
+    counter = CommCounter()
+
+    def late(state, bucket):
+        fut = torch.futures.Future()
+        buffer = bucket.buffer()
+
+        def finish():
+            time.sleep(delay)
+            fut.set_result(buffer)
+
+        threading.Thread(target=finish).start()
+        return fut
+
+    model.register_comm_hook(None, add_baseline_count(late, counter))
+    model(torch.randn(4, 16)).sum().backward()
+    return counter.pop_wait(), counter.pop_wait()
+
+
+def test_the_wait_is_the_communication_left_after_the_last_bucket():
+    for delay in (0.0, 0.3):
+        waited, again = run_ranks(_waits, delay)[0]
+        assert delay <= waited < delay + 0.25
+        assert again is None  # no bucket since
+
+
+def _to_tensorboard(rank, world_size, work_dir):
+    runner, _ = build_runner(
+        work_dir,
+        dict(type='bf16_compress'),
+        max_iters=4,
+        visualizer=dict(
+            type='Visualizer',
+            vis_backends=[dict(type='TensorboardVisBackend')]))
+    runner.train()
+    return runner.log_dir
+
+
+def test_the_traffic_and_the_wait_reach_tensorboard(tmp_path):
+    """With the [vis] extra (tensorboard) installed, MMEngine's
+    TensorboardVisBackend gets comm_MB, comm_ratio and comm_wait as
+    scalars, one per iteration, as the event file shows."""
+    from tensorboard.backend.event_processing.event_accumulator import \
+        EventAccumulator
+    log_dir = run_ranks(_to_tensorboard, str(tmp_path))[0]
+    events = glob.glob(
+        osp.join(log_dir, '**', 'events.out.tfevents.*'), recursive=True)
+    assert len(events) == 1, events
+    acc = EventAccumulator(events[0])
+    acc.Reload()
+    scalars = {
+        tag: [e.value for e in acc.Scalars(tag)]
+        for tag in acc.Tags()['scalars']
+    }
+    assert scalars['comm_MB'] == pytest.approx([NUMEL * 2 / 2**20] * 4)
+    assert scalars['comm_ratio'] == pytest.approx([0.5] * 4)
+    waits = scalars['comm_wait']
+    # Seconds the step waited: at least 0, and well under a toy step's
+    # worth of seconds on gloo.
+    assert len(waits) == 4 and all(0 <= w < 5 for w in waits)
 
 
 def _overflowing_run(rank, world_size, work_dir):

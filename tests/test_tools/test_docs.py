@@ -173,3 +173,28 @@ def test_commands_use_the_venv_and_write_under_work_dirs(page):
 def test_work_dirs_is_ignored():
     ignored = _read(osp.join(ROOT, '.gitignore')).split()
     assert 'work_dirs/' in ignored
+
+
+def test_the_6b_size_is_the_model_s_wherever_it_is_quoted():
+    """One source for the figure every page repeats: the parameters and
+    gradient bytes of InternViT-6B's UperNet, as the cost model builds it
+    (on the meta device) from the recipe."""
+    from mmcv_custom.analysis.cost.model import config_params
+    params, _, _ = config_params(
+        osp.join(ROOT, 'configs', 'intern_vit',
+                 'upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py'))
+    count = f'{sum(p.numel for p in params) / 1e9:.2f}e9'
+    size = f'{sum(p.nbytes for p in params) / 1e9:.2f} GB'
+    quoted = {
+        README:
+        'trainable parameters, {size} of gradients',
+        osp.join(ROOT, 'docs', 'en', 'notes', 'comm_cost_model.md'):
+        'trainable parameters (the ViT',
+    }
+    for page, tail in quoted.items():
+        text = ' '.join(_read(page).split())
+        assert f'{count} {tail.format(size=size)}' in text, (_rel(page), count,
+                                                             size)
+    assert f'{size} of gradients per step in 158 buckets' in ' '.join(
+        _read(osp.join(ROOT, 'docs', 'en', 'notes',
+                       'comm_cost_model.md')).split())

@@ -13,7 +13,11 @@ or both:
   per hook and link rate, the predicted step time on ``--nodes`` x
   ``--gpus-per-node`` GPUs, each hook with a two-level (node-aware) form
   in both forms; ``--recommend`` adds one line per rate naming the hook
-  and form to use, with the ``comm_hook`` line that sets them. Link
+  and form to use, with the ``comm_hook`` line that sets them: the
+  fastest hook of the accuracy classes ``--max-loss`` allows, where it
+  gains at least ``--min-gain`` over the less lossy pick (else that one,
+  and why), with the evidence behind it. ``--gpu`` picks the hardware
+  figures (A100, H100, H200; each overridable), printed with the result. Link
   constants come from ``--fit`` when given, else from defaults for NCCL
   on a GPU cluster (alpha 10 us, eta 0.9); the intra-node rate and
   latency of the two-level forms from ``--intra-gbps`` and
@@ -36,12 +40,13 @@ Examples:
 import argparse
 import dataclasses
 import json
-import math
 import os.path as osp
 import sys
 
 from mmcv_custom.analysis import cost, filter_tool_warnings
 from mmcv_custom.analysis.cli import cfg_options, check_output, read_config
+from mmcv_custom.analysis.cost.options import (add_projection_options,
+                                               check_projection_options)
 from mmcv_custom.integrity.files import atomic_write_bytes
 
 __all__ = ['parse_args', 'main']
@@ -49,42 +54,6 @@ __all__ = ['parse_args', 'main']
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 CONFIG = osp.join('configs', 'intern_vit',
                   'upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py')
-
-# The projection's plain options: (flag, type, default, help). Ints are
-# checked >= 1, floats > 0 (those of _AT_LEAST_0 >= 0); None: from the
-# config, or estimated.
-_PROJECTION_OPTIONS = (
-    ('--nodes', int, 8, 'nodes (M)'),
-    ('--gpus-per-node', int, 8, 'GPUs per node (G)'),
-    ('--intra-gbps', float, 3600.0, 'intra-node rate per GPU per direction, '
-     'Gbit/s (default 3600: NVLink 4 on HGX H100/H200, 450 GB/s)'),
-    ('--intra-alpha-us', float, 2.0, 'latency per message of the two-level '
-     'forms\' collectives inside a node, us (default 2, assumed for NCCL '
-     'on NVLink)'),
-    ('--alpha-us', float, None, 'latency per message, us (default: fitted, '
-     'else 10)'),
-    ('--eta', float, None, 'achieved fraction of the link rate (default: '
-     'fitted, else 0.9)'),
-    ('--hbm-tbps', float, 3.0, 'effective HBM bandwidth, TB/s (default 3.0)'),
-    ('--matmul-tflops', float, 50.0, 'PowerSGD low-rank products, TFLOP/s '
-     '(default 50)'),
-    ('--backward-s', float, None, 'backward time, s (default: from FLOPs)'),
-    ('--compute-step-s', float, None, 'step time without communication, s '
-     '(default: from FLOPs)'),
-    ('--tokens-per-gpu', float, None, 'tokens per GPU and step (default: '
-     'from the config, batch x (img_size / patch_size)^2)'),
-    ('--tflops', float, 400.0, 'achieved model FLOP/s per GPU, TFLOP/s '
-     '(default 400)'),
-    ('--block-size', int, 256, 'int8_compress block size (default 256)'),
-    ('--powersgd-rank', int, 1, 'PowerSGD matrix_approximation_rank '
-     '(default 1)'),
-    ('--min-compression-rate', float, 2.0, 'PowerSGD min_compression_rate '
-     '(default 2)'),
-    ('--bucket-cap-mb', float, None, 'DDP bucket_cap_mb (default: the '
-     "config's model_wrapper_cfg, else DDP's 25)"),
-)
-_AT_LEAST_0 = ('--alpha-us', '--intra-alpha-us', '--backward-s',
-               '--compute-step-s')
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -139,8 +108,7 @@ def _parser() -> argparse.ArgumentParser:
         default=[100.0, 200.0, 400.0],
         metavar='GBIT',
         help='node link rates, Gbit/s per direction')
-    for flag, kind, default, text in _PROJECTION_OPTIONS:
-        proj.add_argument(flag, type=kind, default=default, help=text)
+    add_projection_options(proj)
     proj.add_argument(
         '--codec',
         choices=('gpu', 'fitted'),
@@ -166,32 +134,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         '--json', metavar='OUT', help='also write the results as JSON')
     return parser
-
-
-def _check_ranges(parser, args) -> None:
-    """Every number in its range, or a usage error naming it."""
-    checked = [('--gbps', float, v) for v in args.gbps]
-    checked += [(flag, kind, getattr(args, flag[2:].replace('-', '_')))
-                for flag, kind, _, _ in _PROJECTION_OPTIONS]
-    for option, kind, value in checked:
-        if value is None:
-            continue
-        if kind is int and value < 1:
-            parser.error(f'{option} should be an int >= 1, but got {value}')
-        low = option in _AT_LEAST_0
-        if kind is float and not (math.isfinite(value) and
-                                  (value >= 0 if low else value > 0)):
-            parser.error(f'{option} should be a number '
-                         f'{">=" if low else ">"} 0, but got {value}')
-    if args.eta is not None and args.eta > 1:
-        parser.error(f'--eta should be a fraction of the link rate, in '
-                     f'(0, 1], but got {args.eta}: no link carries more than '
-                     'its rate')
-    if (args.backward_s is not None and args.compute_step_s is not None
-            and args.compute_step_s < args.backward_s):
-        parser.error(f'--compute-step-s {args.compute_step_s} should be at '
-                     f'least --backward-s {args.backward_s}: the step '
-                     'contains the backward')
 
 
 def _check_fit(parser, args) -> None:
@@ -244,7 +186,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ``--fit`` files), ``project`` and ``cfg_options`` (a dict)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    _check_ranges(parser, args)
+    check_projection_options(parser, args)
     _check_fit(parser, args)
     args.project = args.config is not None or not args.fit
     if args.project:

@@ -101,9 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         '--variants',
         nargs='+',
         default=DEFAULT_VARIANTS,
-        choices=known,
+        choices=known + ['all'],
         metavar='VARIANT',
-        help=f"hooks to compare, from: {', '.join(known)} "
+        help=f"hooks to compare, from: {', '.join(known)}; or all "
         f"(default: {' '.join(DEFAULT_VARIANTS)})")
     parser.add_argument(
         '--block-size',
@@ -172,6 +172,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # Everything is checked before the first run: a typo fails in a second,
     # not after half an hour of training.
     cfg = read_config(parser, 'config', args.config)
+    if 'all' in args.variants:
+        args.variants = known if args.variants == ['all'] else parser.error(
+            '--variants all stands alone: it trains every variant')
     if len(set(args.variants)) != len(args.variants):
         parser.error(f"--variants lists a variant twice: "
                      f"{' '.join(args.variants)}")

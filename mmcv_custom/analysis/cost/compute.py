@@ -40,12 +40,15 @@ def estimate_compute(
         params: Sequence[ParamSpec],
         workload: Workload,
         total_params: Optional[int] = None,
-        hbm_Bps: float = GpuCodec().hbm_Bps) -> Tuple[float, float]:
+        hbm_Bps: float = GpuCodec().hbm_Bps,
+        forward_flops: Optional[float] = None) -> Tuple[float, float]:
     """Backward and whole-step compute time from FLOPs.
 
-    A transformer spends about ``2 N T`` FLOPs in the forward and ``4 N T``
-    in the backward (``N`` parameters, ``T`` tokens), plus one more forward
-    in the backward with activation checkpointing. The optimizer (AdamW)
+    The backward costs about twice the forward's FLOPs, plus one more
+    forward with activation checkpointing. The forward is
+    ``forward_flops`` where the model's were counted
+    (:func:`~.model.forward_flops`); else a transformer's ``2 N T``
+    (``N`` parameters, ``T`` tokens). The optimizer (AdamW)
     is memory bound: it reads and writes the parameter and both moments and
     reads the gradient, 7 passes of each trainable parameter's dtype. The
     heads' convolutions, run at finer resolutions than the ViT's tokens,
@@ -57,13 +60,19 @@ def estimate_compute(
         total_params (int, optional): All parameters, frozen included, for
             the FLOPs. Defaults to the trainable ones.
         hbm_Bps (float): For the optimizer. Defaults to :class:`GpuCodec`'s.
+        forward_flops (float, optional): The forward's FLOPs per GPU and
+            step, counted. Defaults to None: ``2 N T``.
 
     Returns:
         tuple[float, float]: ``(backward_s, compute_step_s)``.
     """
-    n = total_params if total_params is not None else sum(p.numel
-                                                          for p in params)
-    per_pass = n * workload.tokens_per_gpu / workload.achieved_flops
-    backward = (4 + 2 * workload.recompute) * per_pass
+    if forward_flops is None:
+        n = total_params if total_params is not None else sum(p.numel
+                                                              for p in params)
+        forward_flops = 2 * n * workload.tokens_per_gpu
+    else:
+        require_positive('forward_flops', forward_flops)
+    forward = forward_flops / workload.achieved_flops
+    backward = (2 + workload.recompute) * forward
     optimizer = 7 * sum(p.nbytes for p in params) / hbm_Bps
-    return backward, 2 * per_pass + backward + optimizer
+    return backward, forward + backward + optimizer

@@ -18,6 +18,7 @@ A hook whose cost record states a two-level form
 from abc import ABC, abstractmethod
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+from mmcv_custom.comm.accuracy import Accuracy, accuracy_of
 from mmcv_custom.comm.cost_records import powersgd_compresses, square_side
 from mmcv_custom.comm.records import HookRecord, record_of
 from mmcv_custom.comm.registry import COMM_HOOKS
@@ -50,12 +51,15 @@ class HookCost(ABC):
             of two hooks whose steps tie, the other is recommended.
         caveat (str): What to know before choosing it.
         form (str): One of :data:`FORMS`.
+        accuracy (Accuracy): Its accuracy class and the evidence for it
+            (:mod:`mmcv_custom.comm.accuracy`); unknown by default.
     """
     name: str = ''
     lossless: bool = True
     overflows: bool = False
     caveat: str = ''
     form: str = 'flat'
+    accuracy: Accuracy = Accuracy('unknown')
 
     @abstractmethod
     def collectives(self, buckets: Sequence[Bucket],
@@ -142,6 +146,7 @@ class RecordCost(HookCost):
         self.lossless = cost.lossless
         self.overflows = cost.overflows
         self.caveat = cost.caveat
+        self.accuracy = accuracy_of(record, self.settings)
 
     def collectives(self, buckets, world_size):
         require_count('world_size', world_size)
@@ -212,6 +217,7 @@ class TwoLevelRecordCost(HookCost):
         self.lossless = flat.lossless
         self.overflows = flat.overflows
         self.caveat = flat.caveat
+        self.accuracy = flat.accuracy
 
     @property
     def splits(self) -> bool:

@@ -1,8 +1,9 @@
 """One hook's step on a cluster (:func:`predict_step`), every hook's and
 the pick (:func:`recommend`), and the model's assumptions in words."""
 import dataclasses
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from mmcv_custom.comm.accuracy import CLASS_WORDS, check_class, class_rank
 from mmcv_custom.comm.traffic import reduced_bytes
 from .buckets import Bucket, ParamSpec, ddp_buckets
 from .checks import require_positive
@@ -139,6 +140,13 @@ def predict_step(hook: HookCost,
 class Recommendation:
     """Every hook's predicted step on one cluster, and the pick.
 
+    The pick (:attr:`best`) is not simply the fastest hook: a hook of a
+    lossier accuracy class (:mod:`mmcv_custom.comm.accuracy`) is taken
+    only where the user accepts that class (``max_loss``) and where it is
+    at least ``min_gain`` faster than the pick of the classes below it,
+    starting from the exact ``allreduce``. So a 1% saving never trades
+    exactness for rounding, nor rounding for a low-rank approximation.
+
     Attributes:
         cluster (Cluster): The cluster.
         predictions (dict): Hook key (:attr:`HookCost.key`: the name, or
@@ -146,10 +154,17 @@ class Recommendation:
             :class:`StepPrediction`, in :func:`hook_costs`' order, each
             hook's two-level form after its flat one.
         hooks (dict): Hook key -> its :class:`HookCost`.
+        max_loss (str): The lossiest class weighed (one of
+            :data:`~mmcv_custom.comm.accuracy.ACCURACY_CLASSES`, or
+            ``'any'``). Defaults to ``'quantized_ef'``.
+        min_gain (float): The least speed-up, as a fraction (0.1: 10%),
+            for which a lossier class is taken. Defaults to 0.1.
     """
     cluster: Cluster
     predictions: Mapping[str, StepPrediction]
     hooks: Mapping[str, HookCost]
+    max_loss: str = 'quantized_ef'
+    min_gain: float = 0.1
 
     def _rank(self, hook: str):
         # Where steps tie (fp16 and bf16 send the same), the hook whose
@@ -157,10 +172,58 @@ class Recommendation:
         return (self.predictions[hook].step_s,
                 getattr(self.hooks[hook], 'overflows', False))
 
+    def klass(self, hook: str) -> str:
+        """The accuracy class of ``hook`` (a key)."""
+        return self.hooks[hook].accuracy.klass
+
     @property
-    def best(self) -> str:
-        """The fastest hook."""
+    def fastest(self) -> str:
+        """The fastest hook, whatever its class."""
         return min(self.predictions, key=self._rank)
+
+    @property
+    def allowed(self) -> List[str]:
+        """The hooks of ``max_loss``'s class or below."""
+        limit = class_rank(self.max_loss)
+        return [
+            h for h in self.predictions if class_rank(self.klass(h)) <= limit
+        ]
+
+    def _steps(self) -> List[Tuple[str, Optional[str]]]:
+        """From the least lossy class up, the fastest allowed hook of each
+        class and, where it is not taken, why."""
+        by_class: Dict[int, List[str]] = {}
+        for hook in self.allowed:
+            by_class.setdefault(class_rank(self.klass(hook)), []).append(hook)
+        steps: List[Tuple[str, Optional[str]]] = []
+        pick = None
+        for rank in sorted(by_class):
+            fastest = min(by_class[rank], key=self._rank)
+            if pick is None:
+                pick, why = fastest, None
+            else:
+                gain = (
+                    self.predictions[pick].step_s /
+                    self.predictions[fastest].step_s - 1)
+                why = (None if gain >= self.min_gain else
+                       f'{self.predictions[fastest].label} '
+                       f'({CLASS_WORDS[self.klass(fastest)].split(" (")[0]})'
+                       f' would gain {gain:.0%} over '
+                       f'{self.predictions[pick].label}, under the '
+                       f'{self.min_gain:.0%} asked for')
+                if why is None:
+                    pick = fastest
+            steps.append((fastest, why))
+        return steps
+
+    @property
+    def best(self) -> Optional[str]:
+        """The pick: see the class docstring (None: no hook allowed)."""
+        best = None
+        for hook, why in self._steps():
+            if why is None:
+                best = hook
+        return best
 
     @property
     def best_lossless(self) -> Optional[str]:
@@ -192,25 +255,36 @@ class Recommendation:
                                                for k, v in keys.items()) + ')'
 
     def line(self) -> str:
-        """One line: the hook (and form) to use, what it saves, its caveat
-        and the config that sets it."""
+        """One line: the hook (and form) to use, what it saves, its class,
+        its caveat, its evidence and the config that sets it; why a lossier
+        hook was not taken; the fastest hook where the pick is not."""
         rate = f'{self.cluster.link_bps / 1e9:g} Gbit/s'
-        best = self.predictions[self.best]
-        text = f'{rate}: use {best.label}: {best.step_s:.3f} s per step'
-        if 'allreduce' in self.predictions:
+        best = self.best
+        if best is None:
+            return (f'{rate}: no hook of class {self.max_loss!r} or below '
+                    'has a cost to project.')
+        chosen = self.predictions[best]
+        text = f'{rate}: use {chosen.label}: {chosen.step_s:.3f} s per step'
+        if 'allreduce' in self.predictions and best != 'allreduce':
             ref = self.predictions['allreduce'].step_s
             text += (f' against {ref:.3f} s with allreduce (saves '
-                     f'{ref - best.step_s:.3f} s, '
-                     f'{self.speedup(self.best):.2f}x)')
-        text += (f'; {self.hooks[self.best].caveat}; '
-                 f'`{self.config(self.best)}`.')
-        safe = self.best_lossless
-        if safe is not None and safe != self.best:
-            text += (' Fastest of the exact or nearly exact hooks: '
-                     f'{self.predictions[safe].label} at '
-                     f'{self.predictions[safe].step_s:.3f} s '
-                     f'({self.hooks[safe].caveat}; '
-                     f'`{self.config(safe)}`).')
+                     f'{ref - chosen.step_s:.3f} s, '
+                     f'{self.speedup(best):.2f}x)')
+        accuracy = self.hooks[best].accuracy
+        text += (f'; {CLASS_WORDS[accuracy.klass]}: '
+                 f'{self.hooks[best].caveat}; `{self.config(best)}`.')
+        text += (f' Evidence: {accuracy.evidence}.' if accuracy.evidence else
+                 ' Evidence: none recorded for this hook.')
+        for _, why in self._steps():
+            if why is not None:
+                text += f' Not taken: {why}.'
+        fastest = self.fastest
+        if fastest not in self.allowed:
+            klass = self.klass(fastest)
+            text += (f' Fastest of all: {self.predictions[fastest].label} at '
+                     f'{self.predictions[fastest].step_s:.3f} s, '
+                     f'{CLASS_WORDS[klass].split(" (")[0]}, beyond '
+                     f'--max-loss {self.max_loss}.')
         return text
 
 
@@ -244,8 +318,12 @@ def recommend(params: Sequence[ParamSpec],
               hooks: Optional[Mapping[str, HookCost]] = None,
               workload: Workload = Workload(),
               total_params: Optional[int] = None,
-              bucket_cap_mb: Optional[float] = None) -> Recommendation:
-    """Predict every hook's step on ``cluster`` and pick the fastest.
+              bucket_cap_mb: Optional[float] = None,
+              max_loss: str = 'quantized_ef',
+              min_gain: float = 0.1,
+              forward_flops: Optional[float] = None) -> Recommendation:
+    """Predict every hook's step on ``cluster`` and pick one (see
+    :class:`Recommendation`).
 
     Args:
         params (Sequence[ParamSpec]): Trainable parameters, model order.
@@ -268,15 +346,27 @@ def recommend(params: Sequence[ParamSpec],
             recipe.
         total_params (int, optional): All parameters, for the FLOPs.
         bucket_cap_mb (float, optional): DDP's. Defaults to DDP's default.
+        max_loss (str): The lossiest accuracy class to weigh, or ``'any'``.
+            Defaults to ``'quantized_ef'``.
+        min_gain (float): The least speed-up (a fraction) a lossier class
+            must bring. Defaults to 0.1.
+        forward_flops (float, optional): The model's forward FLOPs per GPU
+            and step, for the estimates. Defaults to None: ``2 N T``.
 
     Returns:
         Recommendation
+
+    Raises:
+        ValueError: ``max_loss`` names no class, or ``min_gain`` < 0.
     """
+    check_class(max_loss)
+    require_positive(
+        'min_gain (a fraction: 0.1 is 10%)', min_gain, allow_zero=True)
     codec = GpuCodec() if codec is None else codec
     hooks = hook_costs() if hooks is None else hooks
     hbm = codec.hbm_Bps if isinstance(codec, GpuCodec) else GpuCodec().hbm_Bps
     est_backward, est_step = estimate_compute(params, workload, total_params,
-                                              hbm)
+                                              hbm, forward_flops)
     if backward_s is None:
         backward_s = est_backward
     if compute_step_s is None:
@@ -291,7 +381,9 @@ def recommend(params: Sequence[ParamSpec],
                          constants, codec)
             for key, hook in forms.items()
         },
-        hooks=forms)
+        hooks=forms,
+        max_loss=max_loss,
+        min_gain=min_gain)
 
 
 def assumptions(constants: LinkConstants,

@@ -140,6 +140,10 @@ class ProjectionSettings:
         bucket_cap_mb (float, optional): DDP's.
         hooks (tuple[str], optional): Hooks to project (None: all).
         recommend (bool): Add the recommendation per rate.
+        max_loss (str), min_gain (float): What the recommendation weighs
+            (see :class:`~.recommend.Recommendation`).
+        hardware (str): The GPU figures in words (``--gpu``'s preset and
+            what was given), printed with the result.
     """
     config: str
     cfg_options: Optional[dict] = None
@@ -159,6 +163,9 @@ class ProjectionSettings:
     bucket_cap_mb: Optional[float] = None
     hooks: Optional[Tuple[str, ...]] = None
     recommend: bool = False
+    max_loss: str = 'quantized_ef'
+    min_gain: float = 0.1
+    hardware: str = ''
 
 
 def _size(nbytes: float) -> str:
@@ -198,6 +205,9 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
                        settings.min_compression_rate)
     if settings.hooks:
         hooks = {n: h for n, h in hooks.items() if n in settings.hooks}
+    # Counted on the meta device, unless the tokens are given: then the
+    # user asks for 2 N T with them.
+    flops = None if settings.tokens_per_gpu else facts['forward_flops']
     recs = [
         recommend(
             params,
@@ -210,18 +220,30 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
             hooks=hooks,
             workload=workload,
             total_params=total,
-            bucket_cap_mb=cap) for gbps in settings.gbps
+            bucket_cap_mb=cap,
+            max_loss=settings.max_loss,
+            min_gain=settings.min_gain,
+            forward_flops=flops) for gbps in settings.gbps
     ]
     buckets = ddp_buckets(params, cap)
     first = recs[0].predictions[next(iter(hooks))]
     backward = (
         settings.backward_s if settings.backward_s is not None else
-        estimate_compute(params, workload, total, settings.hbm_tbps * 1e12)[0])
-    how = ('given' if settings.backward_s is not None else
-           f'estimated: {4 + 2 * recompute} x {total:.3g} parameters x '
-           f'{workload.tokens_per_gpu:g} tokens per GPU / '
-           f'{settings.tflops:g} TFLOP/s' +
-           (', recomputing the forward' if recompute else ''))
+        estimate_compute(params, workload, total, settings.hbm_tbps *
+                         1e12, flops)[0])
+    if settings.backward_s is not None:
+        how = 'given'
+    elif flops is not None:
+        how = (f'estimated: {2 + recompute} x the forward\'s '
+               f'{flops / 1e12:.3g} TFLOP ({facts["flops_how"]}) / '
+               f'{settings.tflops:g} TFLOP/s')
+    else:
+        why = ('--tokens-per-gpu given' if settings.tokens_per_gpu else
+               f'FLOPs not counted: {facts["flops_how"]}')
+        how = (f'estimated: {4 + 2 * recompute} x {total:.3g} parameters x '
+               f'{workload.tokens_per_gpu:g} tokens per GPU / '
+               f'{settings.tflops:g} TFLOP/s ({why})')
+    how += ', recomputing the forward' if recompute else ''
     token_how = ('given' if settings.tokens_per_gpu else facts.get(
         'tokens_how', 'default (InternViT-6B at 504 px, 2 per GPU)'))
     dtypes = {}
@@ -240,9 +262,11 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
         f'- compute: backward {backward:.3f} s ({how}); step without '
         f'communication {first.compute_step_s:.3f} s' +
         ('' if settings.compute_step_s is not None else
-         ' (forward 2 N T, AdamW 7 passes over HBM)'),
+         ' (the forward, the backward, AdamW 7 passes over HBM)'),
         f'- tokens per GPU: {workload.tokens_per_gpu:g} ({token_how})',
     ]
+    if settings.hardware:
+        lines.append(f'- hardware: {settings.hardware}')
     unknown = uncosted_hooks()
     if unknown:
         lines.append(f'- not projected (their records state no cost): '
@@ -251,18 +275,28 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
     lines += _step_table(settings, recs)
     lines += [''] + _detail_table(settings, recs)
     if settings.recommend:
-        lines += ['', '### Recommendation', '']
+        lines += [
+            '', '### Recommendation', '',
+            f'Weighing hooks up to --max-loss {settings.max_loss} and taking '
+            'a lossier class only for a gain of at least '
+            f'{settings.min_gain:.0%} (--min-gain {settings.min_gain:g})' +
+            (f'; {settings.hardware}' if settings.hardware else '') + '.', ''
+        ]
         lines += [f'- {r.line()}' for r in recs]
     lines += ['', '### Assumptions', '']
     lines += [
         f'> - {a}' for a in assumptions(constants, codec, recs[0].cluster)
     ]
     lines += [
-        '> - compute from FLOPs (4 N T for the backward, 6 with activation '
-        'checkpointing) counts the ViT\'s matmuls only, not the heads\' '
-        'convolutions, unless --backward-s/--compute-step-s are given',
-        '> - accuracy is not modelled: int8 and PowerSGD are lossy and keep '
-        'error-feedback state; fp16/bf16 are nearly lossless'
+        '> - compute from FLOPs, unless --backward-s/--compute-step-s are '
+        'given: the whole model\'s forward counted on the meta device '
+        '(PyTorch\'s FlopCounterMode), the backward twice that (three '
+        'times with activation checkpointing), all at the achieved '
+        'TFLOP/s; frozen layers are counted as if they trained',
+        '> - accuracy is not modelled, only classed: each hook\'s class and '
+        'evidence are its record\'s (toy-config convergence runs, '
+        'docs/en/notes/benchmarks.md); they bound the risk, they do not '
+        'predict the final mIoU on ADE20K'
     ]
     out = dict(
         config=settings.config,
@@ -278,7 +312,12 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
             f'{g:g}':
             dict(
                 best=r.best,
+                fastest=r.fastest,
                 best_lossless=r.best_lossless,
+                classes={
+                    n: h.accuracy.klass
+                    for n, h in r.hooks.items()
+                },
                 hooks={
                     n: dataclasses.asdict(p)
                     for n, p in r.predictions.items()

@@ -1,0 +1,70 @@
+"""Every hook's accuracy class and evidence, read from its record (issue
+31): the classes the recommendation weighs, and the variants the
+convergence comparison trains."""
+import pytest
+
+from mmcv_custom.analysis.convergence import variants
+from mmcv_custom.comm import COMM_HOOKS
+from mmcv_custom.comm.accuracy import (ACCURACY_CLASSES, accuracy_of,
+                                       check_class, class_rank)
+from mmcv_custom.comm.builtins import BUILTIN_HOOKS
+from mmcv_custom.comm.records import HookRecord, HookVariant, record_of
+
+
+def test_every_builtin_hook_states_its_class_and_evidence():
+    classes = {}
+    for name, hook, _ in BUILTIN_HOOKS:
+        record = record_of(COMM_HOOKS.get(name))
+        accuracy = accuracy_of(record)
+        classes[name] = accuracy.klass
+        # Each names its runs' figures, and where they are published.
+        assert 'benchmarks.md' in accuracy.evidence or name == 'allreduce'
+        assert accuracy.evidence, name
+    assert classes == dict(
+        allreduce='exact',
+        fp16_compress='half',
+        bf16_compress='half',
+        powerSGD='low_rank',
+        batched_powerSGD='low_rank',
+        int8_compress='quantized_ef')
+
+
+def test_a_setting_that_changes_the_class_is_the_variant_s():
+    record = record_of(COMM_HOOKS.get('int8_compress'))
+    assert accuracy_of(record, dict(error_feedback=False)).klass == 'quantized'
+    assert accuracy_of(record,
+                       dict(error_feedback=True)).klass == ('quantized_ef')
+    # Keys the variants do not set leave the default variant's.
+    assert accuracy_of(record, dict(block_size=32)).klass == 'quantized_ef'
+    assert 'FSDP2' in accuracy_of(record, dict(error_feedback=False)).evidence
+
+
+def test_a_plugin_hook_without_a_class_is_unknown_and_ranked_last():
+    assert accuracy_of(HookRecord()).klass == 'unknown'
+    assert class_rank('unknown') > class_rank('low_rank')
+    assert [class_rank(k) for k in ACCURACY_CLASSES] == list(range(5))
+
+
+def test_a_wrong_class_is_refused_where_it_is_written():
+    with pytest.raises(ValueError, match="accuracy should be one of"):
+        HookRecord(accuracy='lossless')
+    with pytest.raises(ValueError, match="'lossy'"):
+        HookRecord(variants=(HookVariant('x', {}, 'x', None, 'lossy'), ))
+    with pytest.raises(ValueError) as raised:
+        check_class('int8')
+    assert str(raised.value) == (
+        'max_loss should be one of exact, half, quantized_ef, quantized, '
+        "low_rank, any (from the least lossy to any), but got 'int8'")
+
+
+def test_the_convergence_comparison_trains_every_hook_and_setting():
+    """Names from the records: every registered hook, PowerSGD at rank 4,
+    rank 1 and under a wrapper."""
+    known = variants()
+    assert {v.hook_type
+            for v in known.values()} >= {name
+                                         for name, _, _ in BUILTIN_HOOKS}
+    assert known['powerSGD_r1'].options == dict(
+        matrix_approximation_rank=1, start_powerSGD_iter=2)
+    assert known['batched_powerSGD_bf16'].options['wrapper'] == 'bf16'
+    assert list(known)[:3] == ['allreduce', 'fp16_compress', 'bf16_compress']
