@@ -161,6 +161,13 @@ folder, until, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 attempt, rank = os.environ['MMCV_CUSTOM_RESTART_COUNT'], os.environ['RANK']
 open(os.path.join(folder, f'attempt{attempt}-rank{rank}'), 'w').close()
 if rank == '1' and int(attempt) < until:
+    # Fail only once rank 0 has started this attempt: torchrun stops it
+    # when rank 1 fails, and on a loaded machine it may not have begun.
+    peer = os.path.join(folder, f'attempt{attempt}-rank0')
+    for _ in range(600):
+        if os.path.exists(peer):
+            break
+        time.sleep(0.05)
     if how == 'kill':
         os.kill(os.getpid(), signal.SIGKILL)
     if how == 'report':

@@ -64,15 +64,18 @@ def forward_flops(model, cfg) -> Tuple[Optional[float], str]:
         f'{len(heads)} head(s), counted on the meta device')
 
 
-def config_params(
-        config: str,
-        cfg_options: Optional[dict] = None) -> Tuple[list, int, dict]:
+def config_params(config: str,
+                  cfg_options: Optional[dict] = None,
+                  count_flops: bool = False) -> Tuple[list, int, dict]:
     """The config's trainable parameters, all parameters' count and facts.
 
     Args:
         config (str): A training config's path.
         cfg_options (dict, optional): Keys to override, as
             ``--cfg-options`` gives them.
+        count_flops (bool): Count the forward's FLOPs
+            (:func:`forward_flops`: seconds for a 6B model). Defaults to
+            False: ``forward_flops`` None, ``flops_how`` saying why.
 
     Returns:
         tuple[list[ParamSpec], int, dict]: The trainable parameters in model
@@ -106,7 +109,8 @@ def config_params(
         with_cp=backbone.get('with_cp'),
         bucket_cap_mb=(cfg.get('model_wrapper_cfg')
                        or {}).get('bucket_cap_mb'))
-    facts['forward_flops'], facts['flops_how'] = forward_flops(model, cfg)
+    facts['forward_flops'], facts['flops_how'] = (
+        forward_flops(model, cfg) if count_flops else (None, 'not counted'))
     size, patch = backbone.get('img_size'), backbone.get('patch_size')
     batch = (cfg.get('train_dataloader') or {}).get('batch_size')
     if isinstance(size, int) and isinstance(patch, int) and batch:

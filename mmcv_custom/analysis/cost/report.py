@@ -186,7 +186,10 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
     Raises:
         ValueError: The config's model has no trainable parameter.
     """
-    params, total, facts = config_params(settings.config, settings.cfg_options)
+    # The FLOPs only where the compute is estimated from them.
+    params, total, facts = config_params(
+        settings.config, settings.cfg_options, settings.backward_s is None
+        and not settings.tokens_per_gpu)
     if not params:
         raise ValueError(f'{settings.config} has no trainable parameter: '
                          'nothing is communicated')
