@@ -207,7 +207,7 @@ class Recommendation:
                     self.predictions[fastest].step_s - 1)
                 why = (None if gain >= self.min_gain else
                        f'{self.predictions[fastest].label} '
-                       f'({CLASS_WORDS[self.klass(fastest)].split(" (")[0]})'
+                       f'({_class_name(self.klass(fastest))})'
                        f' would gain {gain:.0%} over '
                        f'{self.predictions[pick].label}, under the '
                        f'{self.min_gain:.0%} asked for')
@@ -283,9 +283,15 @@ class Recommendation:
             klass = self.klass(fastest)
             text += (f' Fastest of all: {self.predictions[fastest].label} at '
                      f'{self.predictions[fastest].step_s:.3f} s, '
-                     f'{CLASS_WORDS[klass].split(" (")[0]}, beyond '
+                     f'{_class_name(klass)}, beyond '
                      f'--max-loss {self.max_loss}.')
         return text
+
+
+def _class_name(klass: str) -> str:
+    """A class in a few words: its :data:`CLASS_WORDS` without the
+    explanation in brackets (e.g. ``'low rank'``)."""
+    return CLASS_WORDS[klass].split(' (')[0]
 
 
 def _runs_two_level(hook: HookCost, cluster: Cluster) -> bool:
