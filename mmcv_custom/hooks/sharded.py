@@ -73,6 +73,17 @@ class _SummingReduceScatter(ReduceScatter):
                  device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
+    def _check_sizes(self, output: torch.Tensor, input_tensor: torch.Tensor,
+                     world: int) -> None:
+        """Raise unless ``input_tensor`` holds a chunk like ``output`` per
+        rank of the ``world`` it is scattered over."""
+        chunk = output.numel()
+        if input_tensor.numel() != chunk * world:
+            raise ValueError(
+                f'{type(self).__name__} needs an input of world_size '
+                f'({world}) times the output ({chunk} values), but got '
+                f'{input_tensor.numel()}')
+
     def _check_op(self, op) -> None:
         if op is not None and op != dist.ReduceOp.SUM:
             # The strategy forces sum reductions (see the module docstring).
@@ -120,52 +131,44 @@ class AveragingReduceScatter(_SummingReduceScatter):
             self.counter.baseline_bytes += (
                 input_tensor.numel() * input_tensor.element_size())
         sent, work = self.scatter(output_tensor, input_tensor, group,
-                                  group.size(), self.wire_for(input_tensor),
-                                  async_op)
+                                  group.size(), input_tensor, async_op)
         if self.counter is not None:
             self.counter.bytes_sent += sent
         return work
-
-    def wire_for(self, grads: torch.Tensor) -> torch.dtype:
-        """What gradients like ``grads`` are sent as."""
-        if self.wire_dtype is None:
-            return grads.dtype
-        return wire_dtype_for(self.wire_dtype, grads)
 
     def scatter(self,
                 output: torch.Tensor,
                 x: torch.Tensor,
                 group: dist.ProcessGroup,
                 divisor: float,
-                wire: torch.dtype,
+                grads: torch.Tensor,
                 async_op: bool = False) -> tuple:
-        """``x / divisor`` reduce-scattered over ``group`` in ``wire`` into
-        ``output``; ``(bytes sent, work or None)``. ``x`` may be a widened
-        copy of the gradients (the two-level form's fp32 sums), so the
-        caller names the wire (:meth:`wire_for` the gradients)."""
+        """``x / divisor`` reduce-scattered over ``group`` into ``output``,
+        sent as ``grads`` (the gradients ``x`` comes from) go: ``x`` may be
+        a widened copy (the two-level form's fp32 sums). Returns ``(bytes
+        sent, work or None)``."""
+        wire = (
+            grads.dtype if self.wire_dtype is None else wire_dtype_for(
+                self.wire_dtype, grads))
         require_dtype_support(wire, group, x.device)
-        sent = x.numel() * torch.finfo(wire).bits // 8
         if wire is x.dtype:
-            x.mul_(1.0 / divisor)
-            if output.dtype is wire:
-                return sent, dist.reduce_scatter_single(
-                    output, x, group=group, async_op=async_op)
-            received = torch.empty(
-                output.numel(), dtype=wire, device=output.device)
-            dist.reduce_scatter_single(received, x, group=group)
-            output.view(-1).copy_(received)
-            return sent, None
-        # Divide in the gradients' precision, then round once to the wire.
-        compressed = cast.compress(x, divisor, wire)
+            sent = x.mul_(1.0 / divisor)
+        else:
+            # Divide in the gradients' precision, then round once.
+            sent = cast.compress(x, divisor, wire)
+        nbytes = x.numel() * torch.finfo(wire).bits // 8
         if output.dtype is wire:
-            dist.reduce_scatter_single(
-                output.view(-1), compressed, group=group)
-            return sent, None
+            return nbytes, dist.reduce_scatter_single(
+                output, sent, group=group, async_op=async_op)
         received = torch.empty(
             output.numel(), dtype=wire, device=output.device)
-        dist.reduce_scatter_single(received, compressed, group=group)
-        cast.decompress(received, output.view(-1))
-        return sent, None
+        dist.reduce_scatter_single(received, sent, group=group)
+        if output.dtype is torch.float32 and wire is not torch.float32:
+            # Half on the wire into fp32 gradients: widened in place.
+            cast.decompress(received, output.view(-1))
+        else:
+            output.view(-1).copy_(received)
+        return nbytes, None
 
 
 class Int8ReduceScatter(_SummingReduceScatter):
@@ -203,24 +206,26 @@ class Int8ReduceScatter(_SummingReduceScatter):
                  op=None,
                  async_op: bool = False):
         self._check_op(op)
-        world = group.size()
-        numel = input_tensor.numel()
-        chunk = output_tensor.numel()
-        if numel != chunk * world:
-            raise ValueError(
-                f'Int8ReduceScatter needs an input of world_size ({world}) '
-                f'times the output ({chunk} values), but got {numel}')
-        sent = self.scatter(output_tensor, input_tensor, group, world)
+        self._check_sizes(output_tensor, input_tensor, group.size())
+        sent, _ = self.scatter(output_tensor, input_tensor, group,
+                               group.size(), input_tensor)
         if self.counter is not None:
-            self.counter.baseline_bytes += numel * input_tensor.element_size()
+            self.counter.baseline_bytes += (
+                input_tensor.numel() * input_tensor.element_size())
             self.counter.bytes_sent += sent
         return None
 
-    def scatter(self, output: torch.Tensor, x: torch.Tensor,
-                group: dist.ProcessGroup, divisor: float) -> int:
+    def scatter(self,
+                output: torch.Tensor,
+                x: torch.Tensor,
+                group: dist.ProcessGroup,
+                divisor: float,
+                grads: torch.Tensor = None,
+                async_op: bool = False) -> tuple:
         """``x / divisor`` reduce-scattered over ``group`` in int8 into
-        ``output`` (``x``: a chunk per rank of ``group``); the bytes
-        sent."""
+        ``output`` (``x``: a chunk per rank of ``group``); ``(bytes sent,
+        None)``, as :meth:`AveragingReduceScatter.scatter` (int8 whatever
+        ``grads`` are; it waits for its all-to-all)."""
         world = group.size()
         chunk = output.numel()
         x = x.reshape(-1)
@@ -250,7 +255,7 @@ class Int8ReduceScatter(_SummingReduceScatter):
                 total,
                 accumulate=i > 0)
         output.view(-1).copy_(total)
-        return world * size
+        return world * size, None
 
 
 class TwoLevelReduceScatter(_SummingReduceScatter):
@@ -311,13 +316,8 @@ class TwoLevelReduceScatter(_SummingReduceScatter):
                  async_op: bool = False):
         self._check_op(op)
         order = self._order(group)
+        self._check_sizes(output_tensor, input_tensor, self.world_size)
         chunk = output_tensor.numel()
-        numel = input_tensor.numel()
-        if numel != chunk * self.world_size:
-            raise ValueError(
-                f'{type(self).__name__} needs an input of world_size '
-                f'({self.world_size}) times the output ({chunk} values), '
-                f'but got {numel}')
         node_size = self.groups.layout.ranks_per_node
         nodes = self.groups.layout.num_nodes
         chunks = input_tensor.reshape(self.world_size, chunk)
@@ -334,15 +334,11 @@ class TwoLevelReduceScatter(_SummingReduceScatter):
         for i in range(1, node_size):
             sums += parts[i]
         del recv, parts
-        if isinstance(self.across, Int8ReduceScatter):
-            sent = self.across.scatter(output_tensor, sums, self.groups.cross,
-                                       self.world_size)
-        else:
-            sent, _ = self.across.scatter(output_tensor, sums,
-                                          self.groups.cross, self.world_size,
-                                          self.across.wire_for(input_tensor))
+        sent, _ = self.across.scatter(output_tensor, sums, self.groups.cross,
+                                      self.world_size, input_tensor)
         if self.counter is not None:
-            self.counter.baseline_bytes += numel * input_tensor.element_size()
+            self.counter.baseline_bytes += (
+                input_tensor.numel() * input_tensor.element_size())
             self.counter.bytes_sent += sent
         return None
 
