@@ -30,7 +30,8 @@ class GpuPreset(NamedTuple):
         intra_gbps (float): NVLink rate per GPU and direction, Gbit/s.
         matmul_tflops (float): PowerSGD's thin low-rank products, TFLOP/s
             (far under the peak: they are memory bound).
-        source (str): Where the figures come from, for the output.
+        source (str): Where the figures come from (the output names the
+            preset and its figures; this says why they are what they are).
     """
     tflops: float
     hbm_tbps: float

@@ -186,7 +186,8 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
     Raises:
         ValueError: The config's model has no trainable parameter.
     """
-    # The FLOPs only where the compute is estimated from them.
+    # The FLOPs only where the compute is estimated from them, and not
+    # where the tokens are given: the user asks for 2 N T with them.
     params, total, facts = config_params(
         settings.config, settings.cfg_options, settings.backward_s is None
         and not settings.tokens_per_gpu)
@@ -208,9 +209,7 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
                        settings.min_compression_rate)
     if settings.hooks:
         hooks = {n: h for n, h in hooks.items() if n in settings.hooks}
-    # Counted on the meta device, unless the tokens are given: then the
-    # user asks for 2 N T with them.
-    flops = None if settings.tokens_per_gpu else facts['forward_flops']
+    flops = facts['forward_flops']
     recs = [
         recommend(
             params,
