@@ -69,6 +69,14 @@ def test_bad_arguments_are_usage_errors(tool, tmp_path, monkeypatch, capsys):
     _refused(
         [FCN, '--variants', 'int8_ef', 'int8_ef', '--work-dir',
          str(tmp_path)], 'twice')
+    _refused(
+        [FCN, '--variants', 'all', 'allreduce', '--work-dir',
+         str(tmp_path)],
+        '--variants all stands alone: it trains every variant')
+    # Alone, every variant the records name, in their order.
+    assert tool.parse_args(
+        [FCN, '--variants', 'all', '--work-dir',
+         str(tmp_path)]).variants == list(convergence.variants())
     _refused([FCN, '--block-size', '0', '--work-dir',
               str(tmp_path)], '--block-size should be at least 1, but got 0')
     _refused([

@@ -173,8 +173,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     # not after half an hour of training.
     cfg = read_config(parser, 'config', args.config)
     if 'all' in args.variants:
-        args.variants = known if args.variants == ['all'] else parser.error(
-            '--variants all stands alone: it trains every variant')
+        if args.variants != ['all']:
+            parser.error('--variants all stands alone: it trains every '
+                         'variant')
+        args.variants = known
     if len(set(args.variants)) != len(args.variants):
         parser.error(f"--variants lists a variant twice: "
                      f"{' '.join(args.variants)}")
