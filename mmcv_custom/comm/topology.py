@@ -53,9 +53,13 @@ def check_topology(value: Any, hook_type: Any, record: HookRecord,
     if isinstance(value, str):
         if value in TOPOLOGIES:
             return []
+        # --cfg-options keeps 'dict(ranks_per_node=2)' as a string.
+        hint = ('; on the command line give the key itself: --cfg-options '
+                'comm_hook.topology.ranks_per_node=N'
+                if 'ranks_per_node' in value else '')
         return [
             ValueError(f'comm_hook topology should be {valid}, but got '
-                       f'{value!r}')
+                       f'{value!r}{hint}')
         ]
     if not isinstance(value, dict):
         return [

@@ -365,13 +365,22 @@ def test_a_stated_layout_the_launcher_contradicts_fails_on_every_rank(four):
         assert 'but the launcher placed' in said['contradicted']
 
 
-@pytest.mark.parametrize('topology, error, words', [
-    ('nodes', ValueError, "should be 'auto', 'flat' or dict(ranks_per_node"),
-    (2, TypeError, 'but got int: 2'),
-    (dict(ranks=2), TypeError, 'takes the one key ranks_per_node'),
-    (dict(ranks_per_node=0), ValueError, 'ranks_per_node should be an int'),
-    (dict(ranks_per_node='8'), TypeError, 'ranks_per_node should be an int'),
-])
+@pytest.mark.parametrize(
+    'topology, error, words',
+    [
+        ('nodes', ValueError,
+         "should be 'auto', 'flat' or dict(ranks_per_node"),
+        (2, TypeError, 'but got int: 2'),
+        (dict(ranks=2), TypeError, 'takes the one key ranks_per_node'),
+        (dict(ranks_per_node=0), ValueError,
+         'ranks_per_node should be an int'),
+        (dict(ranks_per_node='8'), TypeError,
+         'ranks_per_node should be an int'),
+        # What --cfg-options comm_hook.topology=dict(ranks_per_node=2) gives.
+        ('dict(ranks_per_node=2)', ValueError,
+         "but got 'dict(ranks_per_node=2)'; on the command line give the key "
+         'itself: --cfg-options comm_hook.topology.ranks_per_node=N'),
+    ])
 def test_bad_topologies_are_refused_before_anything_is_built(
         topology, error, words):
     with pytest.raises(error) as raised:
