@@ -38,6 +38,7 @@ from mmengine.config import Config
 from mmengine.registry import init_default_scope
 from mmengine.utils import import_modules_from_strings
 
+from ..comm.auto import AUTO
 from ..comm.builder import check_comm_hook_cfg, hook_record
 from ..engine.fsdp2_units import (DEFAULT_SHARD_MODULES, select_units,
                                   unit_parameters)
@@ -281,6 +282,10 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
             'grad_bytes']
         return out
     checked = check_comm_hook_cfg(hook)
+    if checked['type'] == AUTO:
+        # Chosen at run time: the log and the checkpoint say which.
+        out['hook'], out['hook_bytes'] = 'auto (chosen by the run)', None
+        return out
     record = hook_record(checked['type'])
     half = bool(checked['wrapper'] or record.half_precision)
     # None where the traffic depends on DDP's buckets.

@@ -190,6 +190,51 @@ def _ddp_models(model, cfg, spec, group, forms=True):
     return out
 
 
+def _auto_model(model, cfg, spec, rank, world_size):
+    """A DDP model with ``comm_hook = dict(type='auto')``'s one hook, its
+    candidates built as a training run builds them (a two-level form
+    where the launcher's node layout allows)."""
+    from mmengine.optim import build_optim_wrapper
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mmcv_custom.comm.auto import (AutoDispatch, AutoTrials,
+                                       auto_candidates, auto_hook,
+                                       build_candidates, check_auto_cfg)
+    from mmcv_custom.comm.builder import build_comm_hook
+    from mmcv_custom.comm.telemetry import CommCounter
+    from mmcv_custom.engine.process_group import launcher_claim
+
+    settings = check_auto_cfg(dict(spec['auto']))
+    claim = launcher_claim()
+    counter = CommCounter()
+    ddp = DDP(copy.deepcopy(model), bucket_cap_mb=spec['bucket_cap_mb'])
+    kept, specs = build_candidates(
+        auto_candidates(settings['max_loss'], names=settings['candidates']),
+        lambda config: build_comm_hook(
+            config, counter=counter, node_claim=claim))
+    trials = AutoTrials(kept, settings,
+                        [world_size, claim.local_size if claim else 0])
+    dispatch = AutoDispatch(trials, specs)
+    ddp.register_comm_hook(dispatch, auto_hook)
+    optim = build_optim_wrapper(ddp.module, copy.deepcopy(cfg.optim_wrapper))
+    return dict(
+        ddp=ddp, optim=optim, counter=counter, clock=None, dispatch=dispatch)
+
+
+def _auto_block(entry, data, steps):
+    """``auto`` at one rate: its trials afresh (untimed), then ``steps``
+    timed steps of its choice. Returns ``(times, chosen key)``."""
+    dispatch = entry['dispatch']
+    dispatch.trials.restart()
+    dispatch.settled = None
+    while not dispatch.trials.step_done(_step(entry, data)[0]):
+        entry['counter'].pop()
+    dispatch.settle()
+    times = [_step(entry, data)[0] for _ in range(steps)]
+    entry['counter'].pop()
+    return times, dispatch.trials.decision.key
+
+
 def _grad_bytes(model):
     """Bytes of the model's trainable gradients, as DDP hands them over."""
     return sum(p.numel() * p.element_size() for p in model.parameters()
@@ -212,13 +257,15 @@ def _step(entry, data):
     return time.perf_counter() - start, backward
 
 
-def progress_steps(hooks, rates, rounds, steps):
+def progress_steps(hooks, rates, rounds, steps, auto_steps=0):
     """What rank 0 of the nodes reports, as ``(what, weight)``: building
     and warming up, every (round, rate) block, the codec timings. A
-    weight is the block's training steps."""
+    weight is the block's training steps (``auto_steps`` more where
+    ``comm_hook auto`` decides and runs in each block)."""
     out = [('model built, hooks warmed up', len(hooks) * _WARMUP)]
-    out += [(f'round {r + 1}/{rounds}, {rate_label(mbit)}', len(hooks) * steps)
-            for r in range(rounds) for mbit in rates]
+    out += [(f'round {r + 1}/{rounds}, {rate_label(mbit)}',
+             len(hooks) * steps + auto_steps) for r in range(rounds)
+            for mbit in rates]
     out.append(('codec times', len(hooks) * (_WARMUP + rounds * steps)))
     return out
 
@@ -309,8 +356,10 @@ def run_on_cluster(cluster, spec, script, work_dir, folder):
     spec_path = osp.join(folder, 'spec.json')
     with open(spec_path, 'w') as f:
         json.dump(spec, f)
+    # auto's trials: about four rounds of its four to seven candidates.
     steps = progress_steps(spec['hooks'], spec['rates'], spec['rounds'],
-                           spec['steps'])
+                           spec['steps'],
+                           spec['steps'] + 24 if spec.get('auto') else 0)
     with Progress(len(steps), weights=[w for _, w in steps]) as progress:
         result = run_on_nodes(
             cluster,
@@ -389,6 +438,11 @@ def _measure(spec, rank, world_size):
         # A sixth of the gradients, for at least 4 buckets.
         spec['bucket_cap_mb'] = round(grad_bytes / 6 / 2**20, 4)
     models = _ddp_models(model, cfg, spec, None)
+    auto = None
+    if spec.get('auto'):
+        auto = _auto_model(model, cfg, spec, rank, world_size)
+        auto_steps = {rate_label(mbit): [] for mbit in spec['rates']}
+        auto_choices = {rate_label(mbit): [] for mbit in spec['rates']}
     for entry in models.values():
         for _ in range(_WARMUP):
             _step(entry, data)
@@ -423,6 +477,10 @@ def _measure(spec, rank, world_size):
                         backward.append(back)
                 moved = _link_bytes() - before
                 link[label][name].append([moved.tx, moved.rx, moved.payload()])
+            if auto is not None:
+                times, key = _auto_block(auto, data, spec['steps'])
+                auto_steps[label] += times
+                auto_choices[label].append(key)
             if rank == 0:
                 print(
                     f'{PROGRESS}round {round_ + 1}/{spec["rounds"]}, '
@@ -449,6 +507,8 @@ def _measure(spec, rank, world_size):
         buckets=_bucket_records(clock),
         codec_s=codec,
         grad_bytes=grad_bytes)
+    if auto is not None:
+        result['auto'] = dict(steps=auto_steps, choices=auto_choices)
     return result
 
 

@@ -480,6 +480,65 @@ def bench_json(results, summary, meta, hooks, rates, world_size):
         steps=rank0['steps'])
 
 
+def auto_rows(results, hooks, rates, settings):
+    """``comm_hook auto`` beside the fixed hooks, per rate: its median step
+    (rank 0's, as theirs), what it chose in each round, and the fastest
+    fixed hook of a class ``settings['max_loss']`` allows, measured in the
+    same blocks: the target is ``auto`` within 10% of it."""
+    from mmcv_custom.comm.accuracy import accuracy_of, class_rank
+    from mmcv_custom.comm.builder import hook_record
+    from .hook_forms import form_config
+    rank0 = results[0]
+    limit = class_rank(settings['max_loss'])
+    allowed = []
+    for name in hooks:
+        config = form_config(name)
+        if config is None:
+            continue
+        klass = accuracy_of(hook_record(config['type']), config).klass
+        if class_rank(klass) <= limit:
+            allowed.append(name)
+    rows = []
+    for mbit in rates:
+        label = rate_label(mbit)
+        median = {
+            n: statistics.median(rank0['steps'][label][n])
+            for n in allowed
+        }
+        best = min(median, key=median.get) if median else None
+        step = statistics.median(rank0['auto']['steps'][label])
+        rows.append(
+            dict(
+                rate=label,
+                auto_step_s=step,
+                chosen=rank0['auto']['choices'][label],
+                fastest_allowed=best,
+                fastest_allowed_step_s=median.get(best),
+                ratio=step / median[best] if best else None))
+    return rows
+
+
+def auto_report(rows, settings) -> list:
+    """The lines of :func:`auto_rows`' table."""
+    out = [
+        '', f"comm_hook auto (max_loss={settings['max_loss']!r}, "
+        f"min_gain={settings['min_gain']:g}), deciding afresh at each rate "
+        'in each round, against the fastest fixed hook it allows:',
+        '| rate | auto step | chose | fastest allowed fixed hook | its step '
+        '| auto / it |', '|---|---|---|---|---|---|'
+    ]
+    for row in rows:
+        chosen = ', '.join(f'{key} x{n}'
+                           for key, n in sorted(((k, row['chosen'].count(k))
+                                                 for k in set(row['chosen'])),
+                                                key=lambda kn: -kn[1]))
+        out.append(f"| {row['rate']} | {row['auto_step_s']:.3f} | {chosen} "
+                   f"| {row['fastest_allowed'] or '-'} | "
+                   f"{_fmt(row['fastest_allowed_step_s'])} | "
+                   f"{_fmt(row['ratio'], '{:.2f}')} |")
+    return out
+
+
 def report_run(results, meta, hooks, rates, json_path=None, plot_path=None):
     """The whole report of a run: the table and the verdict (returned as
     lines), the JSON and the plot (written where asked).
@@ -507,6 +566,10 @@ def report_run(results, meta, hooks, rates, json_path=None, plot_path=None):
         "warning: the cost model's collectives do not match the bytes "
         f'counted: {line}' for line in data['collectives_mismatched']
     ]
+    if 'auto' in rank0:
+        rows = auto_rows(results, hooks, rates, meta['auto'])
+        lines += auto_report(rows, meta['auto'])
+        data['auto'] = dict(settings=meta['auto'], rows=rows)
     if json_path:
         with open(json_path, 'w') as f:
             json.dump(data, f, indent=1)

@@ -12,11 +12,11 @@ hooks of that class or below. A plugin hook without a class is
 ``'unknown'``: weighed only where the user accepts any loss. Imports only
 torch (through the records).
 """
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional
 
 __all__ = [
     'ACCURACY_CLASSES', 'CLASS_WORDS', 'Accuracy', 'accuracy_of', 'class_rank',
-    'check_class'
+    'check_class', 'ClassStep', 'choose_by_class', 'picked'
 ]
 
 #: From the least lossy to the most; ``'unknown'`` (a hook whose record
@@ -81,3 +81,70 @@ def accuracy_of(record, settings: Mapping[str, Any] = None) -> Accuracy:
     if record.accuracy is None:
         return Accuracy('unknown', '')
     return Accuracy(record.accuracy, record.evidence)
+
+
+class ClassStep(NamedTuple):
+    """One class's turn in :func:`choose_by_class`: its fastest allowed
+    candidate, whether it was taken, and what it would gain over the pick
+    before it (None for the first class, taken as it is)."""
+    key: str
+    taken: bool
+    gain: Optional[float]
+
+
+def choose_by_class(
+        step_s: Mapping[str, float],
+        classes: Mapping[str, str],
+        max_loss: str = 'quantized_ef',
+        min_gain: float = 0.1,
+        tie: Optional[Callable[[str], Any]] = None) -> List[ClassStep]:
+    """The one rule by which a hook is picked for its speed and its loss,
+    whether the steps are predicted (``comm_cost_model.py --recommend``)
+    or measured (``comm_hook = dict(type='auto')``).
+
+    From the least lossy class up, the fastest candidate of each class
+    allowed by ``max_loss`` is taken only if it is at least ``min_gain``
+    (a fraction) faster than the pick so far: a 1% saving never trades
+    exactness for rounding, nor rounding for a low-rank approximation.
+    The pick is the last step taken.
+
+    Args:
+        step_s (Mapping[str, float]): Candidate -> its step, in seconds.
+        classes (Mapping[str, str]): Candidate -> its accuracy class.
+        max_loss (str): The lossiest class allowed, or ``'any'``.
+        min_gain (float): The least speed-up of a lossier class.
+        tie (Callable, optional): Of two equal steps, the candidate with
+            the lower ``tie(key)`` first (e.g. the format that does not
+            overflow). Defaults to none.
+
+    Returns:
+        list[ClassStep]: One per class with an allowed candidate, from the
+        least lossy; empty when none is allowed.
+    """
+    limit = class_rank(check_class(max_loss))
+    by_class: Dict[int, List[str]] = {}
+    for key in step_s:
+        rank = class_rank(classes[key])
+        if rank <= limit:
+            by_class.setdefault(rank, []).append(key)
+    steps: List[ClassStep] = []
+    pick = None
+    for rank in sorted(by_class):
+        fastest = min(
+            by_class[rank], key=lambda k: (step_s[k], tie(k) if tie else 0))
+        if pick is None:
+            steps.append(ClassStep(fastest, True, None))
+            pick = fastest
+            continue
+        gain = step_s[pick] / step_s[fastest] - 1
+        taken = gain >= min_gain
+        steps.append(ClassStep(fastest, taken, gain))
+        if taken:
+            pick = fastest
+    return steps
+
+
+def picked(steps: List[ClassStep]) -> Optional[str]:
+    """The pick of :func:`choose_by_class`'s steps (None: no candidate)."""
+    taken = [step.key for step in steps if step.taken]
+    return taken[-1] if taken else None

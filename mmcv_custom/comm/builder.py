@@ -28,6 +28,7 @@ from ..hooks.state import HookStateKeeper
 from ..hooks.topology import NodeClaim
 from ..hooks.worker import on_comm_worker
 from . import states  # noqa: F401 (registers the built-in factories)
+from .auto import AUTO, check_auto_cfg
 from .records import HookRecord, record_of
 from .registry import COMM_HOOK_STATES, COMM_HOOKS
 from .telemetry import CommCounter, add_baseline_count, add_sent_count
@@ -105,7 +106,7 @@ class CommHookSpec:
 
 
 def _valid_types() -> str:
-    return ', '.join(sorted(COMM_HOOKS.module_dict))
+    return ', '.join(sorted(COMM_HOOKS.module_dict)) + f' (or {AUTO!r})'
 
 
 def lookup_hook(hook_type: Any) -> Callable:
@@ -366,6 +367,9 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
                      f'Valid types: {_valid_types()}')
         ] + _check_wrapper(None, wrapper, None))
     hook_type = cfg.pop('type')
+    if hook_type == AUTO and AUTO not in COMM_HOOKS.module_dict:
+        # Not a hook: the run picks one (see .auto).
+        return check_auto_cfg(given)
     try:
         record = record_of(lookup_hook(hook_type))
     except (KeyError, TypeError) as e:
@@ -459,6 +463,12 @@ def build_comm_hook(cfg: dict,
         The errors of :func:`check_comm_hook_cfg`.
     """
     checked = check_comm_hook_cfg(cfg)
+    if checked['type'] == AUTO:
+        raise ValueError(
+            "comm_hook type='auto' is not one hook: the runner hook "
+            '(CommHookRegistrationHook) tries the allowed ones and keeps '
+            'one (mmcv_custom.comm.auto); build_comm_hook builds a named '
+            f'hook, one of {_valid_types()}')
     hook_type, wrapper = checked['type'], checked['wrapper']
     base_hook = lookup_hook(hook_type)
     factory = _lookup_state_factory(hook_type)

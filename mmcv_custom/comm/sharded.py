@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from ..hooks.topology import NodeClaim
+from .auto import AUTO
 from .builder import (check_comm_hook_cfg, describe_sent_as_they_are,
                       hook_record, lookup_hook)
 from .records import record_of
@@ -88,6 +89,17 @@ def build_sharded_comm(cfg: dict,
     checked = check_comm_hook_cfg(cfg)
     hook_type = checked['type']
     what = f'comm_hook type={hook_type!r}'
+    if hook_type == AUTO:
+        forms = [
+            name for name, hook in COMM_HOOKS.module_dict.items()
+            if record_of(hook).fsdp2_form is not None
+        ]
+        raise ValueError(
+            f"{what} tries hooks through DDP's communication hook, which "
+            'FSDP2 (FSDP2Strategy) does not have: it reduce-scatters. Name '
+            f'one of the hooks with a sharded form ({", ".join(forms)}; '
+            "int8_compress with error_feedback=False), or train with DDP "
+            '(the default Runner) to let auto choose.')
     record = hook_record(hook_type)
     if record.fsdp2_form == 'int8_reduce_scatter':
         return _sharded_int8(checked, what)

@@ -11,6 +11,7 @@ from mmengine.registry import HOOKS
 from mmengine.runner import find_latest_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 
+from ..comm.auto import AUTO
 from ..comm.builder import build_comm_hook, check_comm_hook_cfg
 from ..comm.sharded import build_sharded_comm, sharded_topology
 from ..comm.telemetry import CommCounter
@@ -18,6 +19,8 @@ from ..hooks.cast import cpu_codec
 from ..hooks.half import CompressState
 from ..hooks.sharded import fsdp_modules, install_reduce_scatter
 from ..hooks.validation import require_int
+from .auto_comm import CHECKPOINT_KEY as AUTO_CHECKPOINT_KEY
+from .auto_comm import AutoComm
 from .hook_state_files import HookStateFiles
 from .process_group import launcher_claim
 
@@ -222,6 +225,10 @@ class CommHookRegistrationHook(Hook):
         # This rank's bytes since registration, for the tools' summary.
         self._baseline_total = 0
         self._sent_total: Optional[int] = 0
+        # comm_hook auto: its trials and decision; its counters by module.
+        self._auto: Optional[AutoComm] = None
+        self._counters: list = []
+        self._loaded_auto = None
 
     def _resolve_cfg(self, runner) -> Optional[dict]:
         from_config = runner.cfg.get('comm_hook', None)
@@ -274,30 +281,81 @@ class CommHookRegistrationHook(Hook):
                 'FSDP2), so there is no gradient reduction to change.')
             return
 
+        cfg = self._cfg
+        if cfg['type'] == AUTO:
+            self._auto = AutoComm(check_comm_hook_cfg(cfg), self._loaded_auto)
+            decision = self._auto.kept(runner)
+            if decision is None:
+                self._counters = [
+                    CommCounter() if self._telemetry else None for _ in targets
+                ]
+                self._auto.start(
+                    runner, targets, lambda i, config: self._build(
+                        targets[i][1], config, self._counters[i]))
+                self._follow_auto(targets)
+                return
+            cfg = decision.config
+        self._register(runner, targets, cfg)
+
+    def _follow_auto(self, targets) -> None:
+        """During ``auto``'s trials: what is installed is the hook under
+        trial (its fp16 range guard, its counter)."""
+        self._installed = [(name, spec, counter, self._names(name, ddp))
+                           for (name, ddp), spec, counter in zip(
+                               targets, self._auto.active(), self._counters)]
+
+    def _step_auto(self, runner) -> None:
+        """Time ``auto``'s iteration; on its decision, build the chosen
+        hook afresh on each module and hand it the buckets."""
+        targets = self._ddp_modules(runner.model)
+        if not self._auto.after_iter(runner):
+            self._follow_auto(targets)
+            return
+        config = self._auto.decision.config
+        specs = [
+            self._build(ddp, config, counter)
+            for (_, ddp), counter in zip(targets, self._counters)
+        ]
+        self._auto.settle(specs)
+        self._register(runner, targets, config, specs)
+
+    def _build(self, ddp, cfg: dict, counter: Optional[CommCounter]):
+        """``cfg``'s hook built for the DDP module ``ddp``."""
+        param = next(ddp.module.parameters(), None)
+        return build_comm_hook(
+            cfg,
+            process_group=ddp.process_group,
+            device=param.device if param is not None else None,
+            counter=counter,
+            param_names={
+                p: n
+                for n, p in ddp.module.named_parameters()
+            },
+            node_claim=launcher_claim())
+
+    @staticmethod
+    def _names(name: str, ddp) -> dict:
+        """id(parameter) -> its name in the model, for the log."""
+        prefix = f'{name}.' if name else ''
+        return {id(p): prefix + n for n, p in ddp.module.named_parameters()}
+
+    def _register(self, runner, targets, cfg: dict, specs=None) -> None:
+        """Register ``cfg``'s hook on each DDP module (or, given ``specs``,
+        hand ``auto``'s buckets to them), log what was registered and set
+        up its state files."""
         keepers = {}
-        for name, ddp in targets:
-            param = next(ddp.module.parameters(), None)
-            device = param.device if param is not None else None
-            counter = CommCounter() if self._telemetry else None
-            spec = build_comm_hook(
-                self._cfg,
-                process_group=ddp.process_group,
-                device=device,
-                counter=counter,
-                param_names={
-                    p: n
-                    for n, p in ddp.module.named_parameters()
-                },
-                node_claim=launcher_claim())
+        self._installed = []
+        for i, (name, ddp) in enumerate(targets):
+            if specs is None:
+                counter = CommCounter() if self._telemetry else None
+                spec = self._build(ddp, cfg, counter)
+                ddp.register_comm_hook(spec.state, spec.hook)
+            else:
+                spec, counter = specs[i], self._counters[i]
             if spec.state_keeper is not None:
                 keepers[name] = spec.state_keeper
-            ddp.register_comm_hook(spec.state, spec.hook)
-            prefix = f'{name}.' if name else ''
-            names = {
-                id(p): prefix + n
-                for n, p in ddp.module.named_parameters()
-            }
-            self._installed.append((name, spec, counter, names))
+            self._installed.append(
+                (name, spec, counter, self._names(name, ddp)))
 
         if is_main_process():
             ddp = targets[0][1]
@@ -308,13 +366,15 @@ class CommHookRegistrationHook(Hook):
                     name for name, *_ in self._installed)
             spec = self._installed[0][1]
             casts = ''
-            # ``device``: the parameters' device, from the loop above.
-            on_cpu = device is not None and device.type == 'cpu'
+            param = next(ddp.module.parameters(), None)
+            on_cpu = param is not None and param.device.type == 'cpu'
             if on_cpu and (spec.wrapper
                            or isinstance(spec.state, CompressState)):
                 casts = f'; CPU casts: {cpu_codec()}'
+            chosen = 'chosen by comm_hook auto, ' if self._auto else ''
             runner.logger.info(
-                f'Registered DDP communication hook on {where}: '
+                f'Registered DDP communication hook on {where} '
+                f'({chosen}{_describe_cfg(cfg)}): '
                 f'{spec.describe()}; process group: {group.size()} '
                 f'ranks, backend {torch.distributed.get_backend(group)}'
                 f'{casts}.')
@@ -326,9 +386,9 @@ class CommHookRegistrationHook(Hook):
                 runner.logger.warning(_unknown_traffic_note(spec))
 
         if keepers:
-            self._state_files = HookStateFiles(keepers, self._cfg)
+            self._state_files = HookStateFiles(keepers, cfg)
             self._state_files.start()
-            if runner.iter > 0:
+            if runner.iter > 0 and specs is None:
                 self._state_files.restore(runner, self._loaded_record,
                                           self._resumed_checkpoint(runner))
 
@@ -364,6 +424,8 @@ class CommHookRegistrationHook(Hook):
         if not self._installed:
             return
         self._check_finite(runner)
+        if self._auto is not None and self._auto.trying:
+            self._step_auto(runner)
         if self._state_files is not None:
             self._state_files.save_if_due(runner, by_epoch=False)
         if self._telemetry:
@@ -409,6 +471,14 @@ class CommHookRegistrationHook(Hook):
     # -- hook state in checkpoints (see hook_state_files.py) --------------
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         self._loaded_record = checkpoint.get('comm_hook_state')
+        self._loaded_auto = checkpoint.get(AUTO_CHECKPOINT_KEY)
+
+    def before_train_iter(self,
+                          runner,
+                          batch_idx: int,
+                          data_batch=None) -> None:
+        if self._auto is not None:
+            self._auto.before_iter()
 
     def after_train_epoch(self, runner) -> None:
         if self._state_files is not None:
@@ -420,6 +490,8 @@ class CommHookRegistrationHook(Hook):
             self._state_files.prune()
 
     def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
+        if self._auto is not None:
+            self._auto.record(checkpoint)
         if self._state_files is not None:
             self._state_files.record(checkpoint)
 

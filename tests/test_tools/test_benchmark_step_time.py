@@ -321,6 +321,9 @@ def test_hook_forms_set_the_topology_their_suffix_names():
         (['--ranks-per-node', 'two'
           ], "argument --ranks-per-node: invalid int value: 'two'"),
         (['--steps', '0'], "'0' is not an int >= 1"),
+        (['--auto', 'min_gain=10'], '--auto: comm_hook auto: min_gain is a '
+         'fraction'),
+        (['--auto', 'fast'], "--auto: give KEY=VALUE pairs, but got 'fast'"),
         (['--rounds', '-1'], "'-1' is not an int >= 1"),
         (['--threads', '0'], "'0' is not an int >= 1"),
         (['--timeout', 'nan'], "'nan' is not a number > 0"),
@@ -390,7 +393,9 @@ def test_two_nodes_of_two_ranks_measure_what_crosses_each_link(tmp_path):
                           '--hooks', 'allreduce', 'int8_compress:flat',
                           'int8_compress:two_level', '--steps', '2',
                           '--rounds', '1', '--timeout', '300', '--json',
-                          str(out), '--work-dir', str(tmp_path / 'logs'))
+                          str(out), '--work-dir', str(tmp_path / 'logs'),
+                          '--auto', "candidates=['allreduce','int8_compress']",
+                          'trial_iters=1')
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert '2 emulated nodes x 2 ranks (gloo)' in proc.stdout
     data = json.loads(out.read_text())
@@ -429,6 +434,19 @@ def test_two_nodes_of_two_ranks_measure_what_crosses_each_link(tmp_path):
     # The table has them, node by node.
     mb = '/'.join(f'{b / 1e6:.2f}' for b in rows['allreduce']['link_tx_bytes'])
     assert f'| {mb} |' in proc.stdout
+    # comm_hook auto beside them: its candidates as a training run builds
+    # them (int8 two-level too, from torchrun's layout), one choice.
+    (auto, ) = data['auto']['rows']
+    assert auto['rate'] == 'unshaped' and len(auto['chosen']) == 1
+    assert auto['chosen'][0] in ('allreduce',
+                                 'int8_compress error_feedback=True',
+                                 'int8_compress error_feedback=True, '
+                                 'two-level')
+    assert auto['fastest_allowed'] in rows and auto['ratio'] > 0
+    assert data['auto']['settings']['candidates'] == [
+        'allreduce', 'int8_compress'
+    ]
+    assert '| unshaped | ' + f"{auto['auto_step_s']:.3f} | " in proc.stdout
     assert not _namespaces_of(pid)
 
 

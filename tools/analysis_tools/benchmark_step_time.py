@@ -84,6 +84,7 @@ from mmcv_custom.analysis.step_time import (hook_configs, log_tails,
                                             node_worker, rate_label,
                                             run_on_cluster)
 from mmcv_custom.analysis.step_time_report import report_run
+from mmcv_custom.comm.auto import auto_settings
 from mmcv_custom.launching.emulated_cluster import MAX_NODES
 
 _DEFAULT_CONFIG = osp.join(
@@ -203,6 +204,14 @@ def parse_args(argv=None):
         default='work_dirs/step_time',
         help="the nodes' logs go to WORK_DIR/node<i>.log "
         '(default: work_dirs/step_time)')
+    parser.add_argument(
+        '--auto',
+        nargs='*',
+        default=None,
+        metavar='KEY=VALUE',
+        help="also run comm_hook = dict(type='auto', KEY=VALUE...) at each "
+        'rate, deciding afresh there, and compare it with the fastest fixed '
+        'hook it allows (e.g. --auto max_loss=half)')
     parser.add_argument('--json', help='write the results here')
     parser.add_argument(
         '--plot', help='write a PNG of step time against '
@@ -240,6 +249,11 @@ def parse_args(argv=None):
         path = getattr(args, option)
         if path:
             check_output(parser, f'--{option}', path)
+    if args.auto is not None:
+        try:
+            args.auto = auto_settings(args.auto)
+        except (TypeError, ValueError) as e:
+            parser.error(f'--auto: {e}')
     args.cfg_options = cfg_options(parser, args.cfg_options)
     # Read here, not first on the nodes: a file that is not a config
     # fails in a second, with one line.
@@ -285,6 +299,7 @@ def main(argv=None):
             rounds=args.rounds,
             timeout=args.timeout,
             comm_only=args.comm_only,
+            auto=args.auto,
             threads=threads)
         print(f"Nodes' logs: {args.work_dir}/node<i>.log", flush=True)
         result, results = run_on_cluster(cluster, spec, osp.abspath(__file__),
@@ -302,6 +317,7 @@ def main(argv=None):
         rounds=args.rounds,
         steps=args.steps,
         comm_only=args.comm_only,
+        auto=args.auto,
         calibrated=calibrated)
     for line in report_run(results, meta, args.hooks, args.rates, args.json,
                            args.plot):

@@ -3,7 +3,8 @@ the pick (:func:`recommend`), and the model's assumptions in words."""
 import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from mmcv_custom.comm.accuracy import CLASS_WORDS, check_class, class_rank
+from mmcv_custom.comm.accuracy import (CLASS_WORDS, check_class,
+                                       choose_by_class, class_rank)
 from mmcv_custom.comm.traffic import reduced_bytes
 from .buckets import Bucket, ParamSpec, ddp_buckets
 from .checks import require_positive
@@ -191,39 +192,36 @@ class Recommendation:
 
     def _steps(self) -> List[Tuple[str, Optional[str]]]:
         """From the least lossy class up, the fastest allowed hook of each
-        class and, where it is not taken, why."""
-        by_class: Dict[int, List[str]] = {}
-        for hook in self.allowed:
-            by_class.setdefault(class_rank(self.klass(hook)), []).append(hook)
+        class and, where it is not taken, why (the rule is
+        :func:`~mmcv_custom.comm.accuracy.choose_by_class`)."""
         steps: List[Tuple[str, Optional[str]]] = []
         pick = None
-        for rank in sorted(by_class):
-            fastest = min(by_class[rank], key=self._rank)
-            if pick is None:
-                pick, why = fastest, None
-            else:
-                gain = (
-                    self.predictions[pick].step_s /
-                    self.predictions[fastest].step_s - 1)
-                why = (None if gain >= self.min_gain else
-                       f'{self.predictions[fastest].label} '
-                       f'({_class_name(self.klass(fastest))})'
-                       f' would gain {gain:.0%} over '
+        for step in choose_by_class(
+            {
+                h: p.step_s
+                for h, p in self.predictions.items()
+            }, {h: self.klass(h)
+                for h in self.predictions},
+                self.max_loss,
+                self.min_gain,
+                tie=lambda h: getattr(self.hooks[h], 'overflows', False)):
+            why = None
+            if not step.taken:
+                why = (f'{self.predictions[step.key].label} '
+                       f'({_class_name(self.klass(step.key))})'
+                       f' would gain {step.gain:.0%} over '
                        f'{self.predictions[pick].label}, under the '
                        f'{self.min_gain:.0%} asked for')
-                if why is None:
-                    pick = fastest
-            steps.append((fastest, why))
+            else:
+                pick = step.key
+            steps.append((step.key, why))
         return steps
 
     @property
     def best(self) -> Optional[str]:
         """The pick: see the class docstring (None: no hook allowed)."""
-        best = None
-        for hook, why in self._steps():
-            if why is None:
-                best = hook
-        return best
+        return next((h for h, why in reversed(self._steps()) if why is None),
+                    None)
 
     @property
     def best_lossless(self) -> Optional[str]:

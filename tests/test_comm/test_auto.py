@@ -1,0 +1,123 @@
+"""``comm_hook = dict(type='auto')`` below the runner (issue 31): its
+config, its candidates read from the records, the class rule it shares
+with ``--recommend``, and one decision agreed on by ranks that measured
+different steps."""
+import pytest
+
+from mmcv_custom.comm.accuracy import choose_by_class, picked
+from mmcv_custom.comm.auto import (AutoTrials, auto_candidates, auto_settings,
+                                   check_auto_cfg)
+from mmcv_custom.comm.builder import build_comm_hook, check_comm_hook_cfg
+from mmcv_custom.comm.sharded import build_sharded_comm
+from mmcv_custom.testing import run_ranks
+
+
+def test_defaults_and_every_bad_value_named():
+    assert check_comm_hook_cfg(dict(type='auto')) == dict(
+        type='auto',
+        max_loss='quantized_ef',
+        min_gain=0.1,
+        trial_iters=3,
+        candidates=None)
+    bad = {
+        'min_gain=10': (ValueError, 'did you mean 0.1'),
+        'min_gain=-0.1': (ValueError, 'min_gain should be'),
+        "max_loss='lossy'": (ValueError, 'exact, half, quantized_ef'),
+        'trial_iters=0': (ValueError, 'trial_iters should be an int >= 1'),
+        "topology='flat'": (TypeError, 'name a hook instead'),
+        "wrapper='bf16'": (TypeError, 'name a hook instead'),
+        'rounds=3': (TypeError, 'its keys: max_loss'),
+        "candidates='int8_compress'": (TypeError, 'a list of hook names'),
+        "candidates=['int9']": (ValueError, 'registered: allreduce'),
+        "candidates=['powerSGD']": (ValueError, 'raise max_loss'),
+    }
+    for pair, (kind, words) in bad.items():
+        with pytest.raises(kind, match=words):
+            auto_settings([pair])
+    with pytest.raises(ValueError, match='KEY=VALUE'):
+        auto_settings(['max_loss'])
+
+
+def test_auto_is_no_hook_to_build_and_has_no_sharded_form():
+    with pytest.raises(ValueError, match='not one hook'):
+        build_comm_hook(dict(type='auto'))
+    with pytest.raises(ValueError, match='FSDP2.*bf16_compress'):
+        build_sharded_comm(dict(type='auto'))
+    with pytest.raises(KeyError, match=r"\(or 'auto'\)"):
+        check_comm_hook_cfg(dict(type='autoo'))
+
+
+def test_candidates_are_the_records_settings_the_class_allows():
+    keys = {c.key: c.klass for c in auto_candidates('quantized_ef')}
+    assert keys == {
+        'allreduce': 'exact',
+        'fp16_compress': 'half',
+        'fp16_compress, two-level': 'half',
+        'bf16_compress': 'half',
+        'bf16_compress, two-level': 'half',
+        'int8_compress error_feedback=True': 'quantized_ef',
+        'int8_compress error_feedback=True, two-level': 'quantized_ef',
+    }
+    # Each config is one a run accepts; the exact hook comes first.
+    every = auto_candidates('any')
+    assert every[0].key == 'allreduce'
+    for candidate in every:
+        check_comm_hook_cfg(dict(candidate.config))
+    assert {c.klass
+            for c in every
+            } == {'exact', 'half', 'quantized_ef', 'quantized', 'low_rank'}
+    assert [c.key for c in auto_candidates('exact')] == ['allreduce']
+    assert [
+        c.key for c in auto_candidates(
+            'half', two_level=False, names=['bf16_compress'])
+    ] == ['bf16_compress']
+
+
+def test_the_class_rule_needs_min_gain_for_each_lossier_class():
+    classes = dict(a='exact', h='half', q='quantized_ef', r='low_rank')
+    steps = dict(a=1.0, h=0.95, q=0.5, r=0.1)
+    # half gains 5% < 10%: not taken; int8 gains 100% over allreduce.
+    rule = choose_by_class(steps, classes, 'quantized_ef', 0.1)
+    assert [(s.key, s.taken) for s in rule] == [('a', True), ('h', False),
+                                                ('q', True)]
+    assert picked(rule) == 'q'
+    assert picked(choose_by_class(steps, classes, 'half', 0.1)) == 'a'
+    assert picked(choose_by_class(steps, classes, 'any', 0.1)) == 'r'
+    assert picked(choose_by_class(steps, classes, 'half', 0.0)) == 'h'
+
+
+def _decide(rank, world_size, times):
+    candidates = auto_candidates('quantized_ef', two_level=False)
+    settings = check_auto_cfg(dict(type='auto', trial_iters=2))
+    trials = AutoTrials(candidates, settings, [world_size, 0])
+    decided_at = None
+    for i in range(trials.iterations):
+        seconds = times[rank][candidates[trials.current].key]
+        if trials.step_done(seconds):
+            decided_at = i
+    return decided_at, trials.decision, trials.current
+
+
+def test_every_rank_takes_one_decision_from_the_slowest_rank_s_steps():
+    # Rank 0 finds int8 fastest by far, rank 1 finds it slow: the step is
+    # the slowest rank's, so both keep bf16 (30% over allreduce; int8's
+    # 0.72 s gains 7% over bf16's 0.77 s, under the 10% asked).
+    fast = {
+        'allreduce': 1.0,
+        'fp16_compress': 0.8,
+        'bf16_compress': 0.77,
+        'int8_compress error_feedback=True': 0.3
+    }
+    slow = dict(fast, **{'int8_compress error_feedback=True': 0.72})
+    slow['allreduce'] = 0.9
+    results = run_ranks(_decide, [fast, slow])
+    (at0, decision0, current0), (at1, decision1, current1) = results
+    assert at0 == at1 == 4 * 3 - 1
+    assert decision0 == decision1
+    assert decision0.key == 'bf16_compress' and current0 == current1 == 2
+    table = {row['key']: row['step_s'] for row in decision0.table}
+    assert table['allreduce'] == 1.0
+    assert table['int8_compress error_feedback=True'] == 0.72
+    text = '\n'.join(decision0.lines())
+    assert '* bf16_compress' in text
+    assert 'not taken, 7% faster than bf16_compress' in text
