@@ -371,10 +371,10 @@ class CommHookRegistrationHook(Hook):
             if on_cpu and (spec.wrapper
                            or isinstance(spec.state, CompressState)):
                 casts = f'; CPU casts: {cpu_codec()}'
-            chosen = 'chosen by comm_hook auto, ' if self._auto else ''
+            chosen = (f' (chosen by comm_hook auto, {_describe_cfg(cfg)})'
+                      if self._auto else '')
             runner.logger.info(
-                f'Registered DDP communication hook on {where} '
-                f'({chosen}{_describe_cfg(cfg)}): '
+                f'Registered DDP communication hook on {where}{chosen}: '
                 f'{spec.describe()}; process group: {group.size()} '
                 f'ranks, backend {torch.distributed.get_backend(group)}'
                 f'{casts}.')
