@@ -8,19 +8,22 @@ where the record has a two-level form and ``topology`` calls for it
 DDP, by :func:`~.topology.resolve_topology`).
 """
 import dataclasses
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 
 from ..hooks.topology import NodeClaim
-from .auto import AUTO
+from .auto import AUTO, AutoCandidate, auto_candidates
 from .builder import (check_comm_hook_cfg, describe_sent_as_they_are,
                       hook_record, lookup_hook)
 from .records import record_of
 from .registry import COMM_HOOKS
 from .topology import Topology, resolve_topology
 
-__all__ = ['ShardedCommSpec', 'build_sharded_comm', 'sharded_topology']
+__all__ = [
+    'ShardedCommSpec', 'build_sharded_comm', 'sharded_topology',
+    'sharded_auto_candidates'
+]
 
 
 @dataclasses.dataclass
@@ -90,16 +93,9 @@ def build_sharded_comm(cfg: dict,
     hook_type = checked['type']
     what = f'comm_hook type={hook_type!r}'
     if hook_type == AUTO:
-        forms = [
-            name for name, hook in COMM_HOOKS.module_dict.items()
-            if record_of(hook).fsdp2_form is not None
-        ]
         raise ValueError(
-            f"{what} tries hooks through DDP's communication hook, which "
-            'FSDP2 (FSDP2Strategy) does not have: it reduce-scatters. Name '
-            f'one of the hooks with a sharded form ({", ".join(forms)}; '
-            "int8_compress with error_feedback=False), or train with DDP "
-            '(the default Runner) to let auto choose.')
+            f"{what} is not one reduce-scatter: the runner hook tries the "
+            'allowed ones (sharded_auto_candidates) and keeps one.')
     record = hook_record(hook_type)
     if record.fsdp2_form == 'int8_reduce_scatter':
         return _sharded_int8(checked, what)
@@ -141,6 +137,39 @@ def build_sharded_comm(cfg: dict,
         sent_dtype=record.sent_dtype,
         notes=notes,
         topology=checked['topology'])
+
+
+def sharded_auto_candidates(settings: dict) -> List[AutoCandidate]:
+    """``auto``'s candidates (:func:`~.auto.auto_candidates`) that have a
+    sharded form under FSDP2: ``allreduce``, the half-precision hooks and
+    ``int8_compress`` without error feedback (class ``quantized``), each
+    two-level form too.
+
+    Raises:
+        ValueError: None of those ``settings`` allows has one, naming the
+            hooks that do.
+    """
+    out = []
+    for candidate in auto_candidates(
+            settings['max_loss'], names=settings['candidates']):
+        try:
+            build_sharded_comm(dict(candidate.config))
+        except ValueError:
+            continue
+        out.append(candidate)
+    if not out:
+        forms = [
+            name for name, hook in COMM_HOOKS.module_dict.items()
+            if record_of(hook).fsdp2_form is not None
+        ]
+        raise ValueError(
+            f"comm_hook type='auto' under FSDP2 (FSDP2Strategy): none of "
+            f"the hooks of class {settings['max_loss']!r} or below" +
+            (f" among {settings['candidates']}" if settings['candidates'] else
+             '') + ' has a sharded form; those that have one: '
+            f'{", ".join(forms)} (int8_compress with error_feedback=False, '
+            "class 'quantized')")
+    return out
 
 
 def sharded_topology(spec: ShardedCommSpec,

@@ -60,6 +60,10 @@ class AutoComm:
         self._loaded = loaded
         self._started: Optional[float] = None
         self._pending = 0
+        # FSDP2: (spec, reduce-scatter) per candidate, and what installs
+        # one; None under DDP, whose dispatcher follows the trials itself.
+        self._sharded: list = []
+        self._switch: Optional[Callable[[int], None]] = None
 
     def kept(self, runner) -> Optional[AutoDecision]:
         """The decision of the checkpoint this run resumed from, where it
@@ -119,8 +123,43 @@ class AutoComm:
             dispatch = AutoDispatch(self.trials, specs)
             ddp.register_comm_hook(dispatch, auto_hook)
             self.dispatchers.append(dispatch)
+        self._announce(runner)
+
+    def start_sharded(self, runner, candidates: list, build: Callable[[dict],
+                                                                      tuple],
+                      install: Callable[[object], None]) -> None:
+        """FSDP2: build every candidate's reduce-scatter and install the
+        first; each turn installs the next (FSDP2 takes a new one between
+        iterations), the decision the chosen one.
+
+        Args:
+            runner: The runner.
+            candidates (list): :func:`~mmcv_custom.comm.sharded.
+                sharded_auto_candidates`.
+            build (Callable): config -> ``(spec, reduce_scatter,
+                two_level)``. Collective for a two-level form.
+            install (Callable): Installs a reduce-scatter on the model.
+        """
+        layout = _layout()
+        kept, built = [], []
+        for candidate in candidates:
+            spec, comm, two_level = build(dict(candidate.config))
+            if candidate.config.get('topology') == 'auto' and not two_level:
+                continue  # the flat one twice
+            kept.append(candidate)
+            built.append((spec, comm))
+        self.trials = AutoTrials(kept, self.settings, layout)
+        self._sharded = built
+        self._switch = lambda i: install(built[i][1])
+        self._switch(self.trials.current)
+        self._announce(runner)
+
+    def _announce(self, runner) -> None:
+        """Rank 0 says what is tried, when, and whether the run is long
+        enough."""
         if not is_main_process():
             return
+        kept = self.trials.candidates
         cycle = getattr(runner.optim_wrapper, '_accumulative_counts', 1)
         need = self.trials.iterations * cycle
         runner.logger.info(
@@ -146,7 +185,10 @@ class AutoComm:
         return self.trials is not None and self.trials.decision is None
 
     def active(self) -> list:
-        """The built hook now taking each DDP module's buckets."""
+        """The built hook now taking each DDP module's buckets (under
+        FSDP2: the one spec of the reduce-scatter installed)."""
+        if self._sharded:
+            return [self._sharded[self.trials.current][0]]
         return [d.active for d in self.dispatchers]
 
     def before_iter(self) -> None:
@@ -170,7 +212,10 @@ class AutoComm:
             return False
         seconds = time.perf_counter() - self._started
         self._pending, self._started = 0, None
-        if not self.trials.step_done(seconds):
+        decided = self.trials.step_done(seconds)
+        if self._switch is not None:
+            self._switch(self.trials.current)
+        if not decided:
             return False
         self.decision = self.trials.decision
         if is_main_process():

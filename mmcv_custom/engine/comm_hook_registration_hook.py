@@ -3,7 +3,7 @@ import os
 from typing import List, Optional, Tuple
 
 import torch
-from mmengine.dist import get_world_size, is_main_process
+from mmengine.dist import is_main_process
 from mmengine.hooks import Hook
 from mmengine.logging import HistoryBuffer
 from mmengine.model import MMSeparateDistributedDataParallel, is_model_wrapper
@@ -13,57 +13,21 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.auto import AUTO
 from ..comm.builder import build_comm_hook, check_comm_hook_cfg
-from ..comm.sharded import build_sharded_comm, sharded_topology
+from ..comm.sharded import (build_sharded_comm, sharded_auto_candidates,
+                            sharded_topology)
 from ..comm.telemetry import CommCounter
 from ..hooks.cast import cpu_codec
 from ..hooks.half import CompressState
-from ..hooks.sharded import fsdp_modules, install_reduce_scatter
+from ..hooks.sharded import (fsdp_modules, make_reduce_scatter,
+                             set_reduce_scatter)
 from ..hooks.validation import require_int
 from .auto_comm import CHECKPOINT_KEY as AUTO_CHECKPOINT_KEY
 from .auto_comm import AutoComm
 from .hook_state_files import HookStateFiles
+from .nonfinite_guard import NonFiniteGradientsError, NonFiniteGuard
 from .process_group import launcher_claim
 
 __all__ = ['CommHookRegistrationHook', 'NonFiniteGradientsError']
-
-_NONFINITE_ADVICE = (
-    "In fp16 the sum of the ranks' shares overflows above 65504: use "
-    'predivide_factor=<world size> or bf16_compress, or check the loss '
-    '(with AMP, the loss scaler skips such steps).')
-# bf16 has fp32's range: the all-reduce itself cannot overflow.
-_NONFINITE_ADVICE_BF16 = (
-    'bf16 has the range of fp32, so the gradients were not finite before '
-    'the all-reduce: check the loss and the learning rate (with AMP, the '
-    'loss scaler skips such steps).')
-
-# fp16 already divides everything before the all-reduce: only the mean
-# itself can be out of range.
-_NONFINITE_ADVICE_FP16_MEAN = (
-    'fp16 already divides by the world size before the all-reduce, so the '
-    'average itself exceeds 65504 or the gradients were not finite: use '
-    'bf16_compress, or check the loss (with AMP, the loss scaler skips '
-    'such steps).')
-
-
-def _nonfinite_advice(spec, world_size: int) -> str:
-    """What to do about non-finite averages, for this hook's settings."""
-    if spec.type == 'bf16_compress':
-        return _NONFINITE_ADVICE_BF16
-    state = spec.state
-    if (isinstance(state, CompressState)
-            and state.factors(torch.float16, world_size)[0] >= world_size):
-        return _NONFINITE_ADVICE_FP16_MEAN
-    return _NONFINITE_ADVICE
-
-
-class NonFiniteGradientsError(RuntimeError):
-    """Training stopped: the all-reduced gradients stay non-finite."""
-
-
-def _first_names(names: List[str], shown: int = 5) -> str:
-    """``'a, b, c, d, e and 3 more'``: parameter names for a log line."""
-    more = f' and {len(names) - shown} more' if len(names) > shown else ''
-    return ', '.join(names[:shown]) + more
 
 
 def _describe_cfg(cfg: dict) -> str:
@@ -212,8 +176,7 @@ class CommHookRegistrationHook(Hook):
             require_int('max_nonfinite_iters', max_nonfinite_iters, minimum=1)
         self._hook_arg = comm_hook
         self._telemetry = telemetry
-        self._max_nonfinite_iters = max_nonfinite_iters
-        self._nonfinite_streak = 0
+        self._guard = NonFiniteGuard(max_nonfinite_iters)
         self._cfg: Optional[dict] = None
         self._checked = False
         self._registered = False
@@ -256,8 +219,10 @@ class CommHookRegistrationHook(Hook):
                 "`comm_hook` (e.g. comm_hook = dict(type='bf16_compress')); "
                 'DDP keeps its default full-precision all-reduce.')
         else:
-            check_comm_hook_cfg(self._cfg)
-            if fsdp_modules(runner.model):
+            checked = check_comm_hook_cfg(self._cfg)
+            if fsdp_modules(runner.model) and checked['type'] == AUTO:
+                sharded_auto_candidates(checked)
+            elif fsdp_modules(runner.model):
                 # FSDP2 (FSDP2Strategy): only types with a sharded form.
                 build_sharded_comm(self._cfg)
             else:
@@ -306,7 +271,17 @@ class CommHookRegistrationHook(Hook):
 
     def _step_auto(self, runner) -> None:
         """Time ``auto``'s iteration; on its decision, build the chosen
-        hook afresh on each module and hand it the buckets."""
+        hook afresh on each module and hand it the buckets (under FSDP2,
+        the chosen reduce-scatter stays installed: it keeps no state)."""
+        if fsdp_modules(runner.model):
+            decided = self._auto.after_iter(runner)
+            spec = self._auto.active()[0]
+            self._installed = [('', spec) + tuple(self._installed[0][2:])]
+            if decided:
+                self._register_sharded(runner, spec,
+                                       len(fsdp_modules(runner.model)),
+                                       *self._installed[0][2:])
+            return
         targets = self._ddp_modules(runner.model)
         if not self._auto.after_iter(runner):
             self._follow_auto(targets)
@@ -394,24 +369,57 @@ class CommHookRegistrationHook(Hook):
 
     def _install_sharded(self, runner) -> None:
         """FSDP2: the same config sets every sharded module's
-        reduce-scatter (see :mod:`mmcv_custom.hooks.sharded`)."""
+        reduce-scatter (see :mod:`mmcv_custom.hooks.sharded`); ``auto``
+        installs each candidate's in turn, then the chosen one's."""
         model = runner.model
         names = {p: n for n, p in model.named_parameters()}
-        spec = build_sharded_comm(self._cfg, param_names=names)
-        topology = sharded_topology(spec, launcher_claim())
         counter = CommCounter() if self._telemetry else None
-        units = install_reduce_scatter(model, spec.sent_dtype, counter,
-                                       spec.int8_block_size, topology.groups)
-        self._installed.append(('', spec, counter, {
-            id(p): n
-            for p, n in names.items()
-        }))
+        ids = {id(p): n for p, n in names.items()}
+        cfg = self._cfg
+        if cfg['type'] == AUTO:
+            settings = check_comm_hook_cfg(cfg)
+            self._auto = AutoComm(settings, self._loaded_auto)
+            decision = self._auto.kept(runner)
+            if decision is None:
+                self._counters = [counter]
+
+                def build(config):
+                    spec, comm = self._sharded_comm(config, names, counter)
+                    return spec, comm, spec.topology_used.startswith(
+                        'two-level')
+
+                self._auto.start_sharded(
+                    runner, sharded_auto_candidates(settings), build,
+                    lambda comm: set_reduce_scatter(model, comm))
+                self._installed = [('', self._auto.active()[0], counter, ids)]
+                return
+            cfg = decision.config
+        spec, comm = self._sharded_comm(cfg, names, counter)
+        self._register_sharded(runner, spec, set_reduce_scatter(model, comm),
+                               counter, ids)
+
+    @staticmethod
+    def _sharded_comm(cfg: dict, names: dict, counter) -> tuple:
+        """``(spec, reduce-scatter)`` of ``cfg`` under FSDP2. Collective:
+        the topology is decided on every rank together."""
+        spec = build_sharded_comm(cfg, param_names=names)
+        topology = sharded_topology(spec, launcher_claim())
+        return spec, make_reduce_scatter(spec.sent_dtype, counter,
+                                         spec.int8_block_size, topology.groups)
+
+    def _register_sharded(self, runner, spec, units: int, counter,
+                          ids: dict) -> None:
+        """Note what FSDP2 reduces with, and say it on rank 0."""
+        self._installed = [('', spec, counter, ids)]
         if is_main_process():
             group = torch.distributed.group.WORLD
+            chosen = (f' (chosen by comm_hook auto, '
+                      f'{_describe_cfg(self._auto.decision.config)})'
+                      if self._auto else '')
             runner.logger.info(
                 'Registered the gradient reduction on the FSDP2 model '
-                f'({units} sharded modules): {spec.describe()}; process '
-                f'group: {group.size()} ranks, backend '
+                f'({units} sharded modules){chosen}: {spec.describe()}; '
+                f'process group: {group.size()} ranks, backend '
                 f'{torch.distributed.get_backend(group)}.')
             for note in spec.notes:
                 runner.logger.warning(note)
@@ -520,61 +528,13 @@ class CommHookRegistrationHook(Hook):
 
     # -- non-finite averages ------------------------------------------------
     def _check_finite(self, runner) -> None:
-        """Warn about each non-finite bucket; stop when it does not pass.
-
-        The averages are the same on every rank, so every rank decides the
-        same way at the same iteration, and this hook runs before the
-        CheckpointHook: a stopped run saves nothing after the bad step.
-        """
-        bad, advice = False, _NONFINITE_ADVICE
-        world_size = get_world_size()
-        for name, spec, _, names in self._installed:
-            state = spec.state
-            if not (isinstance(state, CompressState) and state.check_finite):
-                continue
-            for index, params in state.pop_nonfinite():
-                bad = True
-                shown = _first_names([names.get(id(p), '?') for p in params])
-                where = f' of {name}' if name else ''
-                runner.logger.warning(
-                    f'Iteration {runner.iter + 1}: non-finite gradients '
-                    f'after the {spec.type} all-reduce in DDP bucket '
-                    f'{index}{where} (parameters: {shown}). '
-                    f'{_nonfinite_advice(spec, world_size)}')
-                advice = _nonfinite_advice(spec, world_size)
-        if not bad:
-            self._nonfinite_streak = 0
-            return
-        self._nonfinite_streak += 1
-        broken = [(name + '.' if name else '') + n
-                  for name, ddp in self._ddp_modules(runner.model)
-                  for n, p in ddp.module.named_parameters()
-                  if not bool(torch.isfinite(p.detach()).all())]
-        if broken:
-            self._stop(
-                runner, advice, f'Iteration {runner.iter + 1}: the '
-                'optimizer applied non-finite gradients, and the parameters '
-                f'{_first_names(broken)} are no longer finite, so '
-                'training cannot recover. Stopped before saving a '
-                'checkpoint of these weights.')
-        limit = self._max_nonfinite_iters
-        if limit is not None and self._nonfinite_streak >= limit:
-            self._stop(
-                runner, advice, f'Iteration {runner.iter + 1}: gradients '
-                'were not finite after the all-reduce in '
-                f'{self._nonfinite_streak} '
-                'iterations in a row (max_nonfinite_iters='
-                f'{limit}); the parameters are still finite (the loss '
-                'scaler skipped those steps), but training is not '
-                'progressing.')
-
-    @staticmethod
-    def _stop(runner, advice: str, message: str) -> None:
-        message = f'{message} {advice}'
-        # Every rank stops (they see the same averages); one says why.
-        if is_main_process():
-            runner.logger.error(message)
-        raise NonFiniteGradientsError(message)
+        """See :class:`~.nonfinite_guard.NonFiniteGuard`."""
+        self._guard.check(
+            runner, self._installed,
+            lambda: [(name + '.' if name else '') + n
+                     for name, ddp in self._ddp_modules(runner.model)
+                     for n, p in ddp.module.named_parameters()
+                     if not bool(torch.isfinite(p.detach()).all())])
 
     @staticmethod
     def _ddp_modules(model) -> List[Tuple[str, DistributedDataParallel]]:

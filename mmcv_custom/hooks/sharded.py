@@ -61,7 +61,8 @@ except ImportError:  # pragma: no cover - older torch
 
 __all__ = [
     'AveragingReduceScatter', 'Int8ReduceScatter', 'TwoLevelReduceScatter',
-    'install_reduce_scatter', 'fsdp_modules'
+    'install_reduce_scatter', 'make_reduce_scatter', 'set_reduce_scatter',
+    'fsdp_modules'
 ]
 
 
@@ -353,30 +354,53 @@ def fsdp_modules(model: nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def install_reduce_scatter(model: nn.Module,
-                           wire_dtype: Optional[torch.dtype] = None,
-                           counter=None,
-                           int8_block_size: Optional[int] = None,
-                           node_groups=None) -> int:
-    """Make every sharded module of ``model`` reduce its gradients with one
-    :class:`AveragingReduceScatter`, or with an :class:`Int8ReduceScatter`
+def make_reduce_scatter(wire_dtype: Optional[torch.dtype] = None,
+                        counter=None,
+                        int8_block_size: Optional[int] = None,
+                        node_groups=None):
+    """One :class:`AveragingReduceScatter`, or an :class:`Int8ReduceScatter`
     when ``int8_block_size`` is given (``wire_dtype`` is then unused); in
     two levels with ``node_groups`` (a
     :class:`~mmcv_custom.hooks.topology.NodeGroups`, see
-    :class:`TwoLevelReduceScatter`).
-
-    Returns:
-        int: How many sharded modules were set (0: ``model`` is not
-        sharded with FSDP2).
-    """
+    :class:`TwoLevelReduceScatter`)."""
     comm = (
         AveragingReduceScatter(wire_dtype, counter) if int8_block_size is None
         else Int8ReduceScatter(int8_block_size, counter))
     if node_groups is not None:
         comm = TwoLevelReduceScatter(node_groups, comm)
+    return comm
+
+
+def set_reduce_scatter(model: nn.Module, comm) -> int:
+    """Make every sharded module of ``model`` reduce its gradients with
+    ``comm`` (from :func:`make_reduce_scatter`), the sum divided by the
+    world size inside it. Between iterations it may be set again: the
+    next backward's reduce-scatters use the new one.
+
+    Returns:
+        int: How many sharded modules were set (0: ``model`` is not
+        sharded with FSDP2).
+    """
     modules = fsdp_modules(model)
     for module in modules:
         module.set_custom_reduce_scatter(comm)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
     return len(modules)
+
+
+def install_reduce_scatter(model: nn.Module,
+                           wire_dtype: Optional[torch.dtype] = None,
+                           counter=None,
+                           int8_block_size: Optional[int] = None,
+                           node_groups=None) -> int:
+    """:func:`set_reduce_scatter` of :func:`make_reduce_scatter`'s
+    reduce-scatter on every sharded module of ``model``.
+
+    Returns:
+        int: How many sharded modules were set (0: ``model`` is not
+        sharded with FSDP2).
+    """
+    return set_reduce_scatter(
+        model,
+        make_reduce_scatter(wire_dtype, counter, int8_block_size, node_groups))

@@ -8,7 +8,8 @@ from mmcv_custom.comm.accuracy import choose_by_class, picked
 from mmcv_custom.comm.auto import (AutoTrials, auto_candidates, auto_settings,
                                    check_auto_cfg)
 from mmcv_custom.comm.builder import build_comm_hook, check_comm_hook_cfg
-from mmcv_custom.comm.sharded import build_sharded_comm
+from mmcv_custom.comm.sharded import (build_sharded_comm,
+                                      sharded_auto_candidates)
 from mmcv_custom.testing import run_ranks
 
 
@@ -38,11 +39,25 @@ def test_defaults_and_every_bad_value_named():
         auto_settings(['max_loss'])
 
 
-def test_auto_is_no_hook_to_build_and_has_no_sharded_form():
+def test_auto_is_no_hook_to_build_and_under_fsdp2_tries_sharded_forms():
     with pytest.raises(ValueError, match='not one hook'):
         build_comm_hook(dict(type='auto'))
-    with pytest.raises(ValueError, match='FSDP2.*bf16_compress'):
+    with pytest.raises(ValueError, match='not one reduce-scatter'):
         build_sharded_comm(dict(type='auto'))
+    # Under FSDP2: the forms with a reduce-scatter; int8 only without
+    # error feedback, a lossier class than the default max_loss.
+    assert [c.key for c in sharded_auto_candidates(auto_settings([]))] == [
+        'allreduce', 'fp16_compress', 'fp16_compress, two-level',
+        'bf16_compress', 'bf16_compress, two-level'
+    ]
+    assert 'int8_compress error_feedback=False' in [
+        c.key for c in sharded_auto_candidates(
+            auto_settings(['max_loss=quantized']))
+    ]
+    with pytest.raises(ValueError, match='has a sharded form; those that '
+                       'have one: allreduce, fp16_compress'):
+        sharded_auto_candidates(
+            auto_settings(["candidates=['powerSGD']", 'max_loss=any']))
     with pytest.raises(KeyError, match=r"\(or 'auto'\)"):
         check_comm_hook_cfg(dict(type='autoo'))
 

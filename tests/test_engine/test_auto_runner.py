@@ -2,8 +2,10 @@
 31): the trials and the table in the log, one decision on every rank, the
 decision with each checkpoint, a resume that keeps the hook and its state
 bit for bit, and one that decides again when the settings changed."""
+import logging
 import shutil
 
+import pytest
 import torch
 
 from mmcv_custom.testing import run_ranks
@@ -95,3 +97,64 @@ def test_a_run_too_short_for_the_trials_says_so(tmp_path):
     assert rank0['key'] is None
     assert any('the trials take 16 iterations but the run has 3 left' in w
                for w in rank0['warnings'])
+
+
+def _train_fsdp2(rank, world_size, work_dir, max_iters, resume):
+    """The tiny FSDP2 recipe under a real FlexibleRunner, with auto."""
+    import os
+    import os.path as osp
+
+    from mmengine.runner import FlexibleRunner
+
+    from tests.test_engine.test_fsdp2 import _cfg
+    os.chdir(osp.dirname(work_dir))  # the toy data is generated here
+    cfg = _cfg(
+        work_dir,
+        max_iters,
+        comm_hook=dict(type='auto', max_loss='quantized', trial_iters=1))
+    cfg.resume = resume
+    runner = FlexibleRunner.from_cfg(cfg)
+    lines = []
+    runner.logger.addHandler(_Lines(lines))
+    runner.train()
+    hook = next(
+        h for h in runner.hooks
+        if type(h).__name__ == 'CommHookRegistrationHook')
+    ratio = list(runner.message_hub.get_scalar('train/comm_ratio').data[0])
+    return dict(
+        key=hook._auto.decision.key,
+        ratio=ratio,
+        lines=lines,
+        iter=runner.iter)
+
+
+class _Lines(logging.Handler):
+
+    def __init__(self, lines):
+        super().__init__(logging.INFO)
+        self.lines = lines
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.slow
+def test_fsdp2_tries_each_sharded_form_and_resume_keeps_the_choice(tmp_path):
+    work = str(tmp_path / 'run')
+    rank0, rank1 = run_ranks(_train_fsdp2, work, 10, False, timeout=300)
+    assert rank0['key'] == rank1['key']
+    # Each candidate's reduce-scatter ran in its turn: fp32, fp16, bf16,
+    # int8 without error feedback (a quarter plus the scales), twice.
+    assert rank0['ratio'][:4] == pytest.approx([1, 0.5, 0.5, 0.2578], abs=0.01)
+    assert rank0['ratio'][4:8] == rank0['ratio'][:4]
+    text = '\n'.join(rank0['lines'])
+    assert ('comm_hook auto: trying 4 hooks of class \'quantized\' or below'
+            in text)
+    assert 'int8_compress error_feedback=False' in text
+    assert ('Registered the gradient reduction on the FSDP2 model ' in text
+            and '(chosen by comm_hook auto, dict(type=' in text)
+    resumed, _ = run_ranks(_train_fsdp2, work, 12, True, timeout=300)
+    assert resumed['key'] == rank0['key'] and resumed['iter'] == 12
+    text = '\n'.join(resumed['lines'])
+    assert f"comm_hook auto: keeping {rank0['key']}" in text
+    assert 'trying' not in text
