@@ -22,7 +22,7 @@ from .topology import Topology, resolve_topology
 
 __all__ = [
     'ShardedCommSpec', 'build_sharded_comm', 'sharded_topology',
-    'sharded_auto_candidates'
+    'sharded_auto_candidates', 'check_sharded_cfg'
 ]
 
 
@@ -170,6 +170,22 @@ def sharded_auto_candidates(settings: dict) -> List[AutoCandidate]:
             f'{", ".join(forms)} (int8_compress with error_feedback=False, '
             "class 'quantized')")
     return out
+
+
+def check_sharded_cfg(cfg: Any) -> None:
+    """A ``comm_hook`` config checked for FSDP2 without building anything:
+    a named type needs a sharded form (:func:`build_sharded_comm`),
+    ``auto`` at least one allowed candidate with one
+    (:func:`sharded_auto_candidates`).
+
+    Raises:
+        The errors of those two and of :func:`check_comm_hook_cfg`.
+    """
+    checked = check_comm_hook_cfg(cfg)
+    if checked['type'] == AUTO:
+        sharded_auto_candidates(checked)
+    else:
+        build_sharded_comm(cfg)
 
 
 def sharded_topology(spec: ShardedCommSpec,

@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.auto import AUTO
 from ..comm.builder import build_comm_hook, check_comm_hook_cfg
-from ..comm.sharded import (build_sharded_comm, sharded_auto_candidates,
-                            sharded_topology)
+from ..comm.sharded import (build_sharded_comm, check_sharded_cfg,
+                            sharded_auto_candidates, sharded_topology)
 from ..comm.telemetry import CommCounter
 from ..hooks.cast import cpu_codec
 from ..hooks.half import CompressState
@@ -219,12 +219,10 @@ class CommHookRegistrationHook(Hook):
                 "`comm_hook` (e.g. comm_hook = dict(type='bf16_compress')); "
                 'DDP keeps its default full-precision all-reduce.')
         else:
-            checked = check_comm_hook_cfg(self._cfg)
-            if fsdp_modules(runner.model) and checked['type'] == AUTO:
-                sharded_auto_candidates(checked)
-            elif fsdp_modules(runner.model):
+            check_comm_hook_cfg(self._cfg)
+            if fsdp_modules(runner.model):
                 # FSDP2 (FSDP2Strategy): only types with a sharded form.
-                build_sharded_comm(self._cfg)
+                check_sharded_cfg(self._cfg)
             else:
                 # Raises for FSDP1, DeepSpeed & co. before any heavy work.
                 self._ddp_modules(runner.model)

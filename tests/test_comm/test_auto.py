@@ -54,8 +54,10 @@ def test_auto_is_no_hook_to_build_and_under_fsdp2_tries_sharded_forms():
         c.key for c in sharded_auto_candidates(
             auto_settings(['max_loss=quantized']))
     ]
-    with pytest.raises(ValueError, match='has a sharded form; those that '
-                       'have one: allreduce, fp16_compress'):
+    with pytest.raises(
+            ValueError,
+            match='has a sharded form; those that '
+            'have one: allreduce, fp16_compress'):
         sharded_auto_candidates(
             auto_settings(["candidates=['powerSGD']", 'max_loss=any']))
     with pytest.raises(KeyError, match=r"\(or 'auto'\)"):

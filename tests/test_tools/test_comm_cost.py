@@ -1380,3 +1380,52 @@ def test_cli_projects_internvit_6b_and_recommends(capsys):
     # 0.36e9 in fp32 (model_stats.py's count).
     assert ('- model: 6,385,968,940 trainable parameters (6,029,017,600 '
             'bfloat16, 356,951,340 float32), 13.49 GB of gradients') in text
+
+
+def _log(path, lines):
+    path.write_text('\n'.join(json.dumps(x) for x in lines) + '\n')
+    return str(path)
+
+
+def test_from_log_takes_the_run_s_median_step_less_its_wait(
+        tmp_path, capsys, tool_args):
+    """``--from-log``: the compute step of a real run, from its MMEngine
+    JSON log (issue 31): the first fifth left out, the median of ``time -
+    comm_wait`` over the rest; validation lines ignored."""
+    times = [5.0, 5.0, 1.0, 1.2, 1.1, 1.3, 0.9, 1.0, 1.4, 1.2]
+    lines = [
+        dict(lr=0.1, loss=1.0, time=t, comm_wait=0.1, iter=i)
+        for i, t in enumerate(times)
+    ] + [dict(mIoU=50.0, time=9.0, step=10)]
+    log = _log(tmp_path / 'run.json', lines)
+    logged = cc.step_from_log(log)
+    assert logged.compute_step_s == pytest.approx(1.15 - 0.1)
+    assert logged.backward_s == pytest.approx(0.7)
+    assert 'median time of 8 logged iterations, less comm_wait' in logged.how
+    tool = load_script(TOOL, '_comm_cost_model_log')
+    tool.main([
+        '--config',
+        osp.join(ROOT, 'configs', 'fcn',
+                 'fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py'), '--nodes',
+        '2', '--gpus-per-node', '1', '--gbps', '0.1', '--from-log', log
+    ])
+    text = capsys.readouterr().out
+    assert (f'- compute: backward 0.700 s (measured by {log}: the median '
+            'time of 8 logged iterations, less comm_wait; the backward '
+            'taken as 2/3 of it); step without communication 1.050 s') in text
+    # Without comm_wait (no registration hook, or FSDP2) it says so.
+    no_wait = _log(tmp_path / 'plain.json',
+                   [dict(loss=1.0, time=0.5, iter=i) for i in range(5)])
+    assert 'with its communication' in cc.step_from_log(no_wait).how
+    for args, message in [
+        (['--from-log', str(tmp_path / 'none.json')],
+         f'--from-log {tmp_path}/none.json: cannot read it (No such file or '
+         'directory)'),
+        (['--from-log', _log(tmp_path / 'val.json', lines[-1:])],
+         f'--from-log {tmp_path}/val.json: no training line with a `time` '
+         'in it; expected an MMEngine JSON log of a training run '
+         '(work_dirs/RUN/TIMESTAMP/vis_data/TIMESTAMP.json or scalars.json)'),
+        (['--from-log', log, '--backward-s',
+          '1'], '--from-log and --backward-s both set the compute: give one'),
+    ]:
+        assert tool_args(args) == (2, f'comm_cost_model.py: error: {message}')

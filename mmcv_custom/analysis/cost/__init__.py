@@ -20,7 +20,8 @@ or the model):
 * :mod:`.hooks`: the catalogue, read from the hooks' records;
 * :mod:`.overlap`: :func:`simulate_overlap`;
 * :mod:`.compute`: :func:`estimate_compute`;
-* :mod:`.measurements`: the benchmark JSON, :func:`load_benchmark`;
+* :mod:`.measurements`: the benchmark JSON, :func:`load_benchmark`; a
+  run's own step from its log, :func:`step_from_log`;
 * :mod:`.fit`: :func:`fit`;
 * :mod:`.recommend`: :func:`predict_step`, :func:`recommend`;
 * :mod:`.model`: a config's parameters, its model built on the meta device;
@@ -114,7 +115,7 @@ from .hooks import (FORMS, HOOK_COSTS, AllReduceCost, BatchedPowerSGDCost,
                     RecordCost, TwoLevelRecordCost, check_benchmark,
                     compare_collectives, hook_costs, powersgd_compresses,
                     uncosted_hooks)
-from .measurements import Benchmark, load_benchmark
+from .measurements import Benchmark, LoggedStep, load_benchmark, step_from_log
 from .model import config_params
 from .overlap import Overlap, even_ready_times, simulate_overlap
 from .recommend import (Recommendation, StepPrediction, assumptions,
@@ -135,5 +136,5 @@ __all__ = [
     'fit_selection_problem', 'Recommendation', 'recommend', 'assumptions',
     'RecordCost', 'uncosted_hooks', 'config_params', 'ProjectionSettings',
     'project', 'fit_report', 'fit_json', 'LEVELS', 'FORMS', 'group_size',
-    'TwoLevelRecordCost'
+    'TwoLevelRecordCost', 'LoggedStep', 'step_from_log'
 ]

@@ -1,14 +1,16 @@
 """A benchmark JSON (version 1, written by
 ``tools/analysis_tools/benchmark_step_time.py``), read and checked: what
 the fit (:mod:`.fit`) and the catalogue check
-(:func:`~.hooks.check_benchmark`) take. Standard library only."""
+(:func:`~.hooks.check_benchmark`) take; and a training run's own step
+(:func:`step_from_log`, ``--from-log``). Standard library only."""
 import dataclasses
 import json
-from typing import List, Mapping, Optional, Sequence, Tuple, Union
+import statistics
+from typing import List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 from .collectives import COLLECTIVE_KINDS, FORMS, LEVELS, Collective
 
-__all__ = ['Benchmark', 'load_benchmark']
+__all__ = ['Benchmark', 'load_benchmark', 'LoggedStep', 'step_from_log']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,3 +215,73 @@ def _compute_step(data: Mapping, rates: Sequence[Mapping], name: str) -> float:
             return rate['median_step_s']['noop']
     raise ValueError(f'{name}: compute_step_s is null and no unshaped rate '
                      'has a noop step to take it from')
+
+
+class LoggedStep(NamedTuple):
+    """A real run's step, from its log (:func:`step_from_log`).
+
+    Attributes:
+        compute_step_s (float): The median iteration time less the
+            communication it waited for (``comm_wait``), where logged.
+        backward_s (float): Two thirds of that: the backward's share of a
+            step whose forward costs half its backward (not logged).
+        how (str): Where the figures come from, in words.
+    """
+    compute_step_s: float
+    backward_s: float
+    how: str
+
+
+#: Iterations left out at the start of a run: the first ones build
+#: buckets, warm caches and (with comm_hook auto) try hooks.
+_SKIP = 0.2
+
+
+def step_from_log(path: str) -> LoggedStep:
+    """The compute step of the run that wrote ``path``: an MMEngine JSON
+    log (``vis_data/<timestamp>.json`` or ``vis_data/scalars.json``), one
+    object per logged iteration. The first fifth of the training lines is
+    left out; the median of ``time - comm_wait`` over the rest is the step
+    without its exposed communication.
+
+    Raises:
+        ValueError: The file cannot be read, or holds no training line
+            with ``time`` (naming the file and what it should be).
+    """
+    what = ('an MMEngine JSON log of a training run (work_dirs/RUN/'
+            'TIMESTAMP/vis_data/TIMESTAMP.json or scalars.json)')
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(
+            f'--from-log {path}: cannot read it ({e.strerror})') from None
+    steps, waits = [], 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f'--from-log {path}: line {number} is not JSON; '
+                             f'expected {what}') from None
+        if not isinstance(entry, dict) or 'time' not in entry or (
+                'loss' not in entry and 'lr' not in entry):
+            continue  # a validation or test line
+        wait = entry.get('comm_wait')
+        if isinstance(wait, (int, float)) and wait == wait:
+            waits += 1
+        else:
+            wait = 0.0
+        steps.append(float(entry['time']) - float(wait))
+    if not steps:
+        raise ValueError(f'--from-log {path}: no training line with a '
+                         f'`time` in it; expected {what}')
+    kept = steps[int(len(steps) * _SKIP):]
+    step = statistics.median(kept)
+    waited = ('less comm_wait' if waits == len(steps) else
+              'with its communication: comm_wait is not logged')
+    return LoggedStep(
+        step, 2 * step / 3, f'measured by {path}: the median time of '
+        f'{len(kept)} logged iterations, {waited}; the backward taken as '
+        '2/3 of it')

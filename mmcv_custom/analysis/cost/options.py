@@ -12,6 +12,7 @@ import math
 from typing import Dict, NamedTuple, Optional
 
 from mmcv_custom.comm.accuracy import ACCURACY_CLASSES, CLASS_WORDS
+from .measurements import step_from_log
 
 __all__ = [
     'GpuPreset', 'GPU_PRESETS', 'PROJECTION_OPTIONS', 'add_projection_options',
@@ -113,6 +114,12 @@ def add_projection_options(group) -> None:
     for flag, kind, default, text in PROJECTION_OPTIONS:
         group.add_argument(flag, type=kind, default=default, help=text)
     group.add_argument(
+        '--from-log',
+        metavar='LOG',
+        help="the compute step measured by a real run: its MMEngine JSON "
+        'log (vis_data/TIMESTAMP.json), median time less comm_wait; '
+        'instead of --compute-step-s and --backward-s')
+    group.add_argument(
         '--gpu',
         choices=sorted(GPU_PRESETS),
         default='h100',
@@ -163,6 +170,22 @@ def check_projection_options(parser: argparse.ArgumentParser,
             f'{args.min_gain}' +
             (f'; for {args.min_gain:g}% give {args.min_gain / 100:g}'
              if 1 <= args.min_gain < 100 else ''))
+    args.compute_how = None
+    if args.from_log is not None:
+        given = [
+            f for f in ('--backward-s', '--compute-step-s')
+            if getattr(args, f[2:].replace('-', '_')) is not None
+        ]
+        if given:
+            parser.error(f'--from-log and {" and ".join(given)} both set the '
+                         'compute: give one')
+        try:
+            logged = step_from_log(args.from_log)
+        except ValueError as e:
+            parser.error(str(e))
+        args.compute_step_s, args.backward_s = (logged.compute_step_s,
+                                                logged.backward_s)
+        args.compute_how = logged.how
     if (args.backward_s is not None and args.compute_step_s is not None
             and args.compute_step_s < args.backward_s):
         parser.error(f'--compute-step-s {args.compute_step_s} should be at '

@@ -144,6 +144,8 @@ class ProjectionSettings:
             (see :class:`~.recommend.Recommendation`).
         hardware (str): The GPU figures in words (``--gpu``'s preset and
             what was given), printed with the result.
+        compute_how (str, optional): Where given times come from
+            (``--from-log``); None: given on the command line.
     """
     config: str
     cfg_options: Optional[dict] = None
@@ -166,6 +168,7 @@ class ProjectionSettings:
     max_loss: str = 'quantized_ef'
     min_gain: float = 0.1
     hardware: str = ''
+    compute_how: Optional[str] = None
 
 
 def _size(nbytes: float) -> str:
@@ -234,7 +237,7 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
         estimate_compute(params, workload, total, settings.hbm_tbps *
                          1e12, flops)[0])
     if settings.backward_s is not None:
-        how = 'given'
+        how = settings.compute_how or 'given'
     elif flops is not None:
         how = (f'estimated: {2 + recompute} x the forward\'s '
                f'{flops / 1e12:.3g} TFLOP ({facts["flops_how"]}) / '

@@ -36,10 +36,10 @@ def comm_hook_problems(cfg: Config) -> List[Problem]:
     if comm_hook is None:
         return []
     from ...comm.builder import CommHookConfigError, check_comm_hook_cfg
-    from ...comm.sharded import build_sharded_comm
+    from ...comm.sharded import check_sharded_cfg
 
     # Under FSDP2, also whether the type has a sharded form.
-    check = build_sharded_comm if uses_fsdp2(cfg) else check_comm_hook_cfg
+    check = check_sharded_cfg if uses_fsdp2(cfg) else check_comm_hook_cfg
     try:
         check(comm_hook)
     except (KeyError, TypeError, ValueError) as e:
