@@ -483,17 +483,19 @@ def bench_json(results, summary, meta, hooks, rates, world_size):
 def auto_rows(results, hooks, rates, settings):
     """``comm_hook auto`` beside the fixed hooks, per rate: its median step
     (rank 0's, as theirs), what it chose in each round, and the fastest
-    fixed hook of a class ``settings['max_loss']`` allows, measured in the
-    same blocks: the target is ``auto`` within 10% of it."""
+    fixed hook of a class ``settings['max_loss']`` allows (among its
+    ``candidates``, where named), measured in the same blocks: the target
+    is ``auto`` within 10% of it."""
     from mmcv_custom.comm.accuracy import accuracy_of, class_rank
     from mmcv_custom.comm.builder import hook_record
     from .hook_forms import form_config
     rank0 = results[0]
     limit = class_rank(settings['max_loss'])
     allowed = []
+    only = settings.get('candidates')
     for name in hooks:
         config = form_config(name)
-        if config is None:
+        if config is None or (only and config['type'] not in only):
             continue
         klass = accuracy_of(hook_record(config['type']), config).klass
         if class_rank(klass) <= limit:

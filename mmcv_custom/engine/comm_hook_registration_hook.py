@@ -411,12 +411,12 @@ class CommHookRegistrationHook(Hook):
         self._installed = [('', spec, counter, ids)]
         if is_main_process():
             group = torch.distributed.group.WORLD
-            chosen = (f' (chosen by comm_hook auto, '
-                      f'{_describe_cfg(self._auto.decision.config)})'
+            chosen = (f', chosen by comm_hook auto, '
+                      f'{_describe_cfg(self._auto.decision.config)}'
                       if self._auto else '')
             runner.logger.info(
                 'Registered the gradient reduction on the FSDP2 model '
-                f'({units} sharded modules){chosen}: {spec.describe()}; '
+                f'({units} sharded modules{chosen}): {spec.describe()}; '
                 f'process group: {group.size()} ranks, backend '
                 f'{torch.distributed.get_backend(group)}.')
             for note in spec.notes:

@@ -151,8 +151,8 @@ def test_fsdp2_tries_each_sharded_form_and_resume_keeps_the_choice(tmp_path):
     assert ('comm_hook auto: trying 4 hooks of class \'quantized\' or below'
             in text)
     assert 'int8_compress error_feedback=False' in text
-    assert ('Registered the gradient reduction on the FSDP2 model ' in text
-            and '(chosen by comm_hook auto, dict(type=' in text)
+    assert ('Registered the gradient reduction on the FSDP2 model (8 '
+            'sharded modules, chosen by comm_hook auto, dict(type=') in text
     resumed, _ = run_ranks(_train_fsdp2, work, 12, True, timeout=300)
     assert resumed['key'] == rank0['key'] and resumed['iter'] == 12
     text = '\n'.join(resumed['lines'])
