@@ -1429,3 +1429,30 @@ def test_from_log_takes_the_run_s_median_step_less_its_wait(
           '1'], '--from-log and --backward-s both set the compute: give one'),
     ]:
         assert tool_args(args) == (2, f'comm_cost_model.py: error: {message}')
+
+
+def test_an_fsdp2_config_weighs_only_the_hooks_fsdp2_runs(capsys):
+    """Issue 31: the FSDP2 recipe was projected and recommended PowerSGD,
+    which FSDP2 refuses. Until FSDP2's reduce-scatter and all-gathers are
+    modelled, its projection says what it is and weighs only allreduce and
+    the half-precision hooks (their records' averaging reduce-scatter)."""
+    tool = load_script(TOOL, '_comm_cost_model_fsdp2')
+    tool.main([
+        '--config',
+        osp.join(
+            ROOT, 'configs', 'intern_vit',
+            'upernet_intern-vit-tiny_2xb8-fsdp2-200iter_toy-shapes-'
+            '56x56.py'), '--nodes', '2', '--gpus-per-node', '2', '--gbps',
+        '0.05', '--recommend'
+    ])
+    text = capsys.readouterr().out
+    assert ('- strategy: FSDP2Strategy: projected as DDP would reduce the '
+            'same gradients') in text
+    rows = {
+        line.split(' | ')[0].lstrip('| ')
+        for line in text.splitlines() if line.startswith('| ') and (
+            'Gbit/s' not in line) and not line.startswith('| hook')
+    }
+    assert {r.split(' (')[0]
+            for r in rows} == {'allreduce', 'fp16_compress', 'bf16_compress'}
+    assert 'powerSGD' not in text.split('### Recommendation')[1]

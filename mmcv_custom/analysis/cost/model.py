@@ -80,14 +80,16 @@ def config_params(config: str,
     Returns:
         tuple[list[ParamSpec], int, dict]: The trainable parameters in model
         order, the count of every parameter (frozen included) and
-        ``with_cp``, ``bucket_cap_mb``, ``forward_flops`` (None where they
-        could not be counted) and ``flops_how``, and, where the config
+        ``fsdp2`` (whether it trains with FSDP2Strategy), ``with_cp``,
+        ``bucket_cap_mb``, ``forward_flops`` (None where they could not be
+        counted) and ``flops_how``, and, where the config
         states them, ``tokens`` per GPU and ``tokens_how``.
     """
     import torch
     from mmengine.registry import DefaultScope, init_default_scope
     from mmengine.utils import import_modules_from_strings
 
+    from mmcv_custom.launching.cpu_start import uses_fsdp2
     from mmcv_custom.launching.running import load_config
     cfg = load_config(config, cfg_options)
     scope = cfg.get('default_scope', 'mmseg')
@@ -106,6 +108,7 @@ def config_params(config: str,
     total = sum(p.numel() for p in model.parameters())
     backbone = cfg.model.get('backbone') or {}
     facts = dict(
+        fsdp2=uses_fsdp2(cfg),
         with_cp=backbone.get('with_cp'),
         bucket_cap_mb=(cfg.get('model_wrapper_cfg')
                        or {}).get('bucket_cap_mb'))

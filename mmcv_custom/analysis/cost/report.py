@@ -8,6 +8,7 @@ import math
 import os.path as osp
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from mmcv_custom.comm.builder import hook_record
 from .buckets import ddp_buckets
 from .codecs import CodecCost
 from .collectives import Cluster, LinkConstants
@@ -171,6 +172,27 @@ class ProjectionSettings:
     compute_how: Optional[str] = None
 
 
+#: What a projection of an FSDP2 config is, until FSDP2 is modelled.
+_FSDP2_NOTE = (
+    'FSDP2Strategy: projected as DDP would reduce the same gradients, '
+    'all-reduced in buckets; FSDP2 reduce-scatters them instead (half '
+    'those bytes) and all-gathers the parameters in the forward and the '
+    'backward, which this model does not count yet. Only the hooks whose '
+    'averaging reduce-scatter FSDP2 runs are weighed: allreduce and the '
+    'half-precision ones (int8_compress runs there without error '
+    'feedback, whose cost is not modelled; PowerSGD has no sharded form)')
+
+
+def _sharded_only(hooks: dict) -> dict:
+    """The hooks of ``hooks`` that FSDP2 runs as an averaging
+    reduce-scatter, read from their records."""
+    return {
+        name: hook
+        for name, hook in hooks.items()
+        if hook_record(name).fsdp2_form == 'averaging_reduce_scatter'
+    }
+
+
 def _size(nbytes: float) -> str:
     if nbytes >= GB / 10:
         return f'{nbytes / GB:.2f} GB'
@@ -212,6 +234,8 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
                        settings.min_compression_rate)
     if settings.hooks:
         hooks = {n: h for n, h in hooks.items() if n in settings.hooks}
+    if facts['fsdp2']:
+        hooks = _sharded_only(hooks)
     flops = facts['forward_flops']
     recs = [
         recommend(
@@ -270,6 +294,8 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
          ' (the forward, the backward, AdamW 7 passes over HBM)'),
         f'- tokens per GPU: {workload.tokens_per_gpu:g} ({token_how})',
     ]
+    if facts['fsdp2']:
+        lines.append(f'- strategy: {_FSDP2_NOTE}')
     if settings.hardware:
         lines.append(f'- hardware: {settings.hardware}')
     unknown = uncosted_hooks()
