@@ -422,21 +422,34 @@ def describe_candidates(candidates: Sequence[AutoCandidate]) -> str:
     return ', '.join(c.key for c in candidates)
 
 
-def build_candidates(candidates: Sequence[AutoCandidate],
-                     build: Callable[[dict], Any]) -> tuple:
+def _resolved_two_level(spec) -> bool:
+    """Whether a built DDP hook (a ``CommHookSpec``) runs in two levels."""
+    return str(getattr(spec, 'topology', '')).startswith('two-level')
+
+
+def build_candidates(
+        candidates: Sequence[AutoCandidate],
+        build: Callable[[dict], Any],
+        two_level: Callable[[Any], bool] = _resolved_two_level) -> tuple:
     """Build every candidate with ``build`` (a config -> its built hook,
     collective for a two-level form: every rank builds in this order);
     a two-level candidate that resolved flat (one node, or one rank per
     node) is left out, as the flat one twice.
 
+    Args:
+        candidates (Sequence[AutoCandidate]): In the order to try them.
+        build (Callable): A config -> what it builds.
+        two_level (Callable): What ``build`` gave -> whether it runs in
+            two levels. Defaults to reading a ``CommHookSpec``'s
+            ``topology``.
+
     Returns:
-        tuple: ``(candidates, specs)`` kept, in order.
+        tuple: ``(candidates, built)`` kept, in order.
     """
     kept, specs = [], []
     for candidate in candidates:
         spec = build(dict(candidate.config))
-        if candidate.config.get('topology') == 'auto' and not str(
-                getattr(spec, 'topology', '')).startswith('two-level'):
+        if candidate.config.get('topology') == 'auto' and not two_level(spec):
             continue
         kept.append(candidate)
         specs.append(spec)

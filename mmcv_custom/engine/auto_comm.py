@@ -42,6 +42,12 @@ def _layout() -> List[int]:
     return [dist.get_world_size(), agreed]
 
 
+def _cycle(runner) -> int:
+    """Iterations per optimizer step (``accumulative_counts``): one turn
+    of the trials."""
+    return getattr(runner.optim_wrapper, '_accumulative_counts', 1)
+
+
 class AutoComm:
     """``auto`` in one run: see the module docstring.
 
@@ -58,6 +64,8 @@ class AutoComm:
         self.dispatchers: List[AutoDispatch] = []
         self.decision: Optional[AutoDecision] = None
         self._loaded = loaded
+        # World size and ranks per node, agreed on in kept().
+        self._layout: List[int] = []
         self._started: Optional[float] = None
         self._pending = 0
         # FSDP2: (spec, reduce-scatter) per candidate, and what installs
@@ -68,8 +76,9 @@ class AutoComm:
     def kept(self, runner) -> Optional[AutoDecision]:
         """The decision of the checkpoint this run resumed from, where it
         holds for this run; else None (after saying why on rank 0).
-        Collective: every rank calls it."""
-        layout = _layout()
+        Collective: every rank calls it, before :meth:`start` or
+        :meth:`start_sharded`."""
+        self._layout = layout = _layout()
         if runner.iter == 0 or self._loaded is None:
             # A new run, or load_from (weights only): decide for this run.
             return None
@@ -111,14 +120,13 @@ class AutoComm:
         """
         candidates = auto_candidates(
             self.settings['max_loss'], names=self.settings['candidates'])
-        layout = _layout()
         kept = None
         built = []
         for i in range(len(targets)):
             kept, specs = build_candidates(
                 candidates, lambda cfg, i=i: build(i, cfg))
             built.append(specs)
-        self.trials = AutoTrials(kept, self.settings, layout)
+        self.trials = AutoTrials(kept, self.settings, self._layout)
         for (_, ddp), specs in zip(targets, built):
             dispatch = AutoDispatch(self.trials, specs)
             ddp.register_comm_hook(dispatch, auto_hook)
@@ -140,15 +148,9 @@ class AutoComm:
                 two_level)``. Collective for a two-level form.
             install (Callable): Installs a reduce-scatter on the model.
         """
-        layout = _layout()
-        kept, built = [], []
-        for candidate in candidates:
-            spec, comm, two_level = build(dict(candidate.config))
-            if candidate.config.get('topology') == 'auto' and not two_level:
-                continue  # the flat one twice
-            kept.append(candidate)
-            built.append((spec, comm))
-        self.trials = AutoTrials(kept, self.settings, layout)
+        kept, built = build_candidates(
+            candidates, build, two_level=lambda b: b[2])
+        self.trials = AutoTrials(kept, self.settings, self._layout)
         self._sharded = built
         self._switch = lambda i: install(built[i][1])
         self._switch(self.trials.current)
@@ -160,7 +162,7 @@ class AutoComm:
         if not is_main_process():
             return
         kept = self.trials.candidates
-        cycle = getattr(runner.optim_wrapper, '_accumulative_counts', 1)
+        cycle = _cycle(runner)
         need = self.trials.iterations * cycle
         runner.logger.info(
             f'comm_hook auto: trying {len(kept)} hooks of class '
@@ -206,9 +208,8 @@ class AutoComm:
         """
         if not self.trying or self._started is None:
             return False
-        cycle = getattr(runner.optim_wrapper, '_accumulative_counts', 1)
         self._pending += 1
-        if self._pending < cycle:
+        if self._pending < _cycle(runner):
             return False
         seconds = time.perf_counter() - self._started
         self._pending, self._started = 0, None

@@ -255,35 +255,39 @@ class CommHookRegistrationHook(Hook):
                 self._auto.start(
                     runner, targets, lambda i, config: self._build(
                         targets[i][1], config, self._counters[i]))
-                self._follow_auto(targets)
+                self._installed = [
+                    (name, spec, counter, self._names(name, ddp))
+                    for (name, ddp), spec, counter in zip(
+                        targets, self._auto.active(), self._counters)
+                ]
                 return
             cfg = decision.config
         self._register(runner, targets, cfg)
 
-    def _follow_auto(self, targets) -> None:
+    def _follow_auto(self) -> None:
         """During ``auto``'s trials: what is installed is the hook under
-        trial (its fp16 range guard, its counter)."""
-        self._installed = [(name, spec, counter, self._names(name, ddp))
-                           for (name, ddp), spec, counter in zip(
-                               targets, self._auto.active(), self._counters)]
+        trial (its fp16 range guard); counters and names stay."""
+        self._installed = [
+            (name, spec, counter, names)
+            for (name, _, counter,
+                 names), spec in zip(self._installed, self._auto.active())
+        ]
 
     def _step_auto(self, runner) -> None:
         """Time ``auto``'s iteration; on its decision, build the chosen
         hook afresh on each module and hand it the buckets (under FSDP2,
         the chosen reduce-scatter stays installed: it keeps no state)."""
+        decided = self._auto.after_iter(runner)
+        self._follow_auto()
+        if not decided:
+            return
         if fsdp_modules(runner.model):
-            decided = self._auto.after_iter(runner)
-            spec = self._auto.active()[0]
-            self._installed = [('', spec) + tuple(self._installed[0][2:])]
-            if decided:
-                self._register_sharded(runner, spec,
-                                       len(fsdp_modules(runner.model)),
-                                       *self._installed[0][2:])
+            _, spec, counter, ids = self._installed[0]
+            self._register_sharded(runner, spec,
+                                   len(fsdp_modules(runner.model)), counter,
+                                   ids)
             return
         targets = self._ddp_modules(runner.model)
-        if not self._auto.after_iter(runner):
-            self._follow_auto(targets)
-            return
         config = self._auto.decision.config
         specs = [
             self._build(ddp, config, counter)
