@@ -190,7 +190,7 @@ def _ddp_models(model, cfg, spec, group, forms=True):
     return out
 
 
-def _auto_model(model, cfg, spec, rank, world_size):
+def _auto_model(model, cfg, spec, world_size):
     """A DDP model with ``comm_hook = dict(type='auto')``'s one hook, its
     candidates built as a training run builds them (a two-level form
     where the launcher's node layout allows)."""
@@ -225,8 +225,7 @@ def _auto_block(entry, data, steps):
     """``auto`` at one rate: its trials afresh (untimed), then ``steps``
     timed steps of its choice. Returns ``(times, chosen key)``."""
     dispatch = entry['dispatch']
-    dispatch.trials.restart()
-    dispatch.settled = None
+    dispatch.restart()
     while not dispatch.trials.step_done(_step(entry, data)[0]):
         entry['counter'].pop()
     dispatch.settle()
@@ -440,7 +439,7 @@ def _measure(spec, rank, world_size):
     models = _ddp_models(model, cfg, spec, None)
     auto = None
     if spec.get('auto'):
-        auto = _auto_model(model, cfg, spec, rank, world_size)
+        auto = _auto_model(model, cfg, spec, world_size)
         auto_steps = {rate_label(mbit): [] for mbit in spec['rates']}
         auto_choices = {rate_label(mbit): [] for mbit in spec['rates']}
     for entry in models.values():

@@ -396,6 +396,12 @@ class AutoDispatch:
             return self.settled
         return self.specs[self.trials.current]
 
+    def restart(self) -> None:
+        """Try every candidate again (:meth:`AutoTrials.restart`), the
+        buckets back to the candidate under trial."""
+        self.trials.restart()
+        self.settled = None
+
     def settle(self, spec=None) -> None:
         """From now on every bucket goes to ``spec``: the chosen hook built
         afresh, so that its state starts from the decision, and the
