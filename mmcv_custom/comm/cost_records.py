@@ -119,7 +119,8 @@ class CostRecord:
         overflows (bool): Whether its format overflows where fp32 does not
             (fp16): where two hooks' steps tie, the other is preferred.
             Defaults to False.
-        caveat (str): What to know before choosing it.
+        caveat (str | Callable): What to know before choosing it, or
+            ``caveat(settings) -> str`` where the settings change it.
         two_level (TwoLevelCost, optional): The hook's two-level form, if
             it has one (``topology`` picks it). Defaults to None: flat only.
     """
@@ -130,8 +131,12 @@ class CostRecord:
     detail: str = ''
     lossless: bool = True
     overflows: bool = False
-    caveat: str = ''
+    caveat: Any = ''
     two_level: Optional[TwoLevelCost] = None
+
+    def caveat_for(self, settings: Mapping[str, Any]) -> str:
+        """:attr:`caveat` for these settings."""
+        return self.caveat(settings) if callable(self.caveat) else self.caveat
 
     def settings_with(self, given: Mapping[str, Any]) -> Dict[str, Any]:
         """:attr:`settings` overridden by the keys of ``given`` it names
@@ -385,6 +390,16 @@ def _two_level_int8_codec_bytes(bucket, ranks_per_node, num_nodes, settings):
     return float((e + 4 + 4 + 2 * e + 5) * n + (4 + 5 + ef + 2) * share)
 
 
+def _int8_caveat(settings: Mapping) -> str:
+    text = ('lossy: int8 with a scale per block, moves a gradient by about '
+            '1%; ')
+    if settings['error_feedback']:
+        return text + ('keeps error-feedback state, one fp32 copy of the '
+                       'gradients per rank')
+    return text + ('no error feedback: what the rounding drops is lost, not '
+                   'carried to the next step')
+
+
 #: ``int8_compress``: blockwise int8, an all-to-all then an all-gather.
 INT8_COST = CostRecord(
     sends=_int8_sends,
@@ -394,9 +409,7 @@ INT8_COST = CostRecord(
     settings=dict(block_size=256, error_feedback=True),
     detail='(block {block_size})',
     lossless=False,
-    caveat=('lossy: int8 with a scale per block, moves a gradient by about '
-            '1%; keeps error-feedback state, one fp32 copy of the gradients '
-            'per rank'))
+    caveat=_int8_caveat)
 
 
 # -- powerSGD, batched_powerSGD -----------------------------------------------

@@ -575,3 +575,28 @@ def test_two_level_powersgd_counts_what_crosses_nodes(four):
         assert node == (4 * numel if step == 0 else flat[0]['counts'][step][1])
         # Each rank sends a part of it.
         assert all(0 < res['counts'][step][1] < node for res in two)
+
+
+def test_the_cost_model_counts_what_fsdp2_s_forms_sent(four):
+    """The cost model's FSDP2 forms (:mod:`mmcv_custom.analysis.cost.fsdp2`)
+    on the same units (fc1, then the root's fc2) and layout, 2 nodes x 2
+    ranks: what each step's reduce-scatters sent, as the counter saw it,
+    flat and in two levels, to the byte."""
+    from mmcv_custom.analysis.cost import (ParamSpec, hook_costs, shard_units,
+                                           sharded_costs)
+    from mmcv_custom.engine.fsdp2_units import unit_parameters
+    net = Net()
+    units = shard_units([(name, [
+        (ParamSpec(tuple(p.shape)), True) for _, p in own
+    ]) for name, _, own in unit_parameters(net, [('fc1', net.fc1)])])
+    costs = sharded_costs(hook_costs(block_size=INT8['block_size']))
+    for case, hook, two_level in [('sharded_two', 'int8_compress', True),
+                                  ('sharded_flat', 'int8_compress', False),
+                                  ('sharded_bf16', 'bf16_compress', True),
+                                  ('sharded_fp16', 'fp16_compress', True),
+                                  ('sharded_plain', 'allreduce', False)]:
+        cost = costs[hook]
+        if two_level:
+            cost = cost.two_level(2, 2)
+        for rank in four[case]:
+            assert rank['counts'][-1][1] == cost.sent_bytes(units, 4), case

@@ -296,6 +296,7 @@ def _train(rank, world_size, work_dir, max_iters, resume=False, **overrides):
     out = dict(
         losses=list(hub.get_scalar('train/loss').data[0]),
         comm_ratio=list(hub.get_scalar('train/comm_ratio').data[0]),
+        comm_MB=list(hub.get_scalar('train/comm_MB').data[0]),
         local_numel=sum(p.to_local().numel() for p in model.parameters()),
         numel=sum(p.numel() for p in model.parameters()),
         groups=[(len(g['params']), g['lr'])
@@ -635,17 +636,33 @@ def test_each_sharded_type_trains(tmp_path, comm_hook, ratio, extra):
     for r in results:
         assert r['comm_ratio'] == [ratio] * 4
         assert r['losses'][-1] < r['losses'][0]
+        # An iteration is one micro-batch, each reduce-scattered.
+        assert r['comm_MB'] == [_modelled_mb(comm_hook['type'])] * 4
+
+
+def _modelled_mb(hook):
+    """What the cost model says the tiny FSDP2 config's reduce-scatters
+    send per step on 2 ranks, in MiB (as comm_MB counts them): FSDP2's
+    units and per-parameter padding (its pos_embed, 1 row, is padded to
+    2), each hook's wire format."""
+    from mmcv_custom.analysis.cost import (config_params, hook_costs,
+                                           sharded_costs)
+    _, _, facts = config_params(TINY_FSDP2)
+    return sharded_costs(hook_costs())[hook].sent_bytes(
+        facts['fsdp2_units'], 2) / 2**20
 
 
 def test_int8_without_error_feedback_trains_sharded(tmp_path):
     """The FlexibleRunner with int8_compress, error_feedback=False: a
-    quarter of fp32's bytes, give or take each chunk's last block."""
+    quarter of fp32's bytes, give or take each chunk's last block; the
+    bytes the cost model gives FSDP2's int8 reduce-scatter."""
     cfg = dict(type='int8_compress', error_feedback=False)
     results = run_ranks(
         _train_with, str(tmp_path / 'w'), 4, dict(comm_hook=cfg), timeout=300)
     for r in results:
         assert all(0.25 < ratio < 0.26 for ratio in r['comm_ratio'])
         assert r['losses'][-1] < r['losses'][0]
+        assert r['comm_MB'] == [_modelled_mb('int8_compress')] * 4
 
 
 def test_unsafe_contents_of_a_sharded_checkpoint_are_refused(tmp_path):

@@ -18,6 +18,9 @@ from tests.tool_utils import load_script, usage_errors
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'comm_cost_model.py')
 GBIT = 1e9
+TINY_FSDP2 = osp.join(
+    ROOT, 'configs', 'intern_vit',
+    'upernet_intern-vit-tiny_2xb8-fsdp2-200iter_toy-shapes-56x56.py')
 
 
 def _close(a, b, rel=1e-12):
@@ -1431,28 +1434,97 @@ def test_from_log_takes_the_run_s_median_step_less_its_wait(
         assert tool_args(args) == (2, f'comm_cost_model.py: error: {message}')
 
 
-def test_an_fsdp2_config_weighs_only_the_hooks_fsdp2_runs(capsys):
-    """Issue 31: the FSDP2 recipe was projected and recommended PowerSGD,
-    which FSDP2 refuses. Until FSDP2's reduce-scatter and all-gathers are
-    modelled, its projection says what it is and weighs only allreduce and
-    the half-precision hooks (their records' averaging reduce-scatter)."""
+def test_an_fsdp2_config_is_modelled_as_fsdp2(capsys):
+    """Issue 31: the FSDP2 recipe was projected as DDP and recommended
+    PowerSGD, which FSDP2 refuses. Now its units gather parameters and
+    reduce-scatter gradients in each FSDP2 form, int8 without error
+    feedback among them; the line it recommends is one FSDP2 runs."""
+    from mmcv_custom.comm.sharded import check_sharded_cfg
     tool = load_script(TOOL, '_comm_cost_model_fsdp2')
     tool.main([
-        '--config',
-        osp.join(
-            ROOT, 'configs', 'intern_vit',
-            'upernet_intern-vit-tiny_2xb8-fsdp2-200iter_toy-shapes-'
-            '56x56.py'), '--nodes', '2', '--gpus-per-node', '2', '--gbps',
-        '0.05', '--recommend'
+        '--config', TINY_FSDP2, '--nodes', '2', '--gpus-per-node', '2',
+        '--gbps', '0.05', '--recommend', '--max-loss', 'quantized',
+        '--min-gain', '0.05'
     ])
     text = capsys.readouterr().out
-    assert ('- strategy: FSDP2Strategy: projected as DDP would reduce the '
-            'same gradients') in text
-    rows = {
+    assert ('- strategy: FSDP2Strategy, modelled as FSDP2: 7 units with '
+            "parameters (shard_modules ['InternViTBlock', 'InternViT', "
+            "'UPerHead', 'FCNHead'], and the root), reshard_after_forward="
+            'True, parameters gathered in their own dtype; each step gathers '
+            '6.26 MB of parameters per rank') in text
+    assert 'in 7 FSDP2 units' in text
+    assert '| hook | reduce-scattered per step | per node link |' in text
+    rows = [
         line.split(' | ')[0].lstrip('| ')
-        for line in text.splitlines() if line.startswith('| ') and (
-            'Gbit/s' not in line) and not line.startswith('| hook')
-    }
-    assert {r.split(' (')[0]
-            for r in rows} == {'allreduce', 'fp16_compress', 'bf16_compress'}
-    assert 'powerSGD' not in text.split('### Recommendation')[1]
+        for line in text.split('### Recommendation')[0].splitlines()
+        if line.startswith('| ') and ' | 0.05 |' not in line
+        and not line.startswith('| hook')
+    ]
+    assert rows == [
+        'allreduce', 'fp16_compress', 'fp16_compress (two-level)',
+        'bf16_compress', 'bf16_compress (two-level)',
+        'int8_compress (block 256) no EF',
+        'int8_compress (block 256) no EF (two-level)'
+    ]
+    advice = text.split('### Recommendation')[1]
+    assert 'powerSGD' not in advice
+    line = advice.split('`comm_hook = ')[1].split('`')[0]
+    assert line == ("dict(type='int8_compress', error_feedback=False, "
+                    "topology='auto')")
+    check_sharded_cfg(eval(line))  # what it names, FSDP2 runs
+    assert ('no error feedback: what the rounding drops is lost, not '
+            'carried to the next step') in advice
+    with pytest.raises(SystemExit) as exited:  # none asked for runs
+        tool.main(['--config', TINY_FSDP2, '--hooks', 'powerSGD'])
+    assert str(exited.value.code).endswith(
+        'error: none of the hooks projected (powerSGD) runs under '
+        'FSDP2Strategy; those that do: allreduce, fp16_compress, '
+        'bf16_compress, int8_compress')
+
+
+def test_fsdp2_s_timeline_by_hand():
+    """Two units of equal compute (forward 2 s, backward 4 s), each
+    gather and reduce-scatter 1 s on the one link: the forward waits for
+    the first gather, the backward for the first gather again, and the
+    last reduce-scatter runs past it: 3 s exposed. With free links,
+    nothing is."""
+    from mmcv_custom.analysis.cost.fsdp2 import _UnitTimes
+    units = [
+        _UnitTimes(0.5, 1.0, 1.0, True, False),
+        _UnitTimes(0.5, 1.0, 1.0, True, False),
+        _UnitTimes(0.0, 0.0, 0.0, False, True)
+    ]
+    assert cc.simulate_sharded(units, 2.0, 4.0) == 3.0
+    free = [_UnitTimes(u.share, 0.0, 0.0, u.resharded, u.root) for u in units]
+    assert cc.simulate_sharded(free, 2.0, 4.0) == 0.0
+    # Not resharded: the backward gathers nothing, 1 s less.
+    kept = [_UnitTimes(u.share, 1.0, 1.0, False, u.root) for u in units[:2]]
+    assert cc.simulate_sharded(kept + units[2:], 2.0, 4.0) == 2.0
+
+
+def test_a_reduce_scatter_moves_half_an_all_reduce():
+    """FSDP2's collective, by the counting rule and on the links."""
+    from mmcv_custom.comm.traffic import reduced_bytes
+    cluster = cc.Cluster(2, 4, 1e9)
+    rs = cc.traffic(cc.Collective('reduce_scatter', 8e6), cluster)
+    ar = cc.traffic(cc.Collective('all_reduce', 8e6), cluster)
+    assert (rs.messages, rs.node_bytes) == (7, 7e6)
+    assert (2 * rs.messages, 2 * rs.node_bytes) == (ar.messages, ar.node_bytes)
+    assert reduced_bytes('reduce_scatter', 8e6, 8) == 4e6
+
+
+def test_fsdp2_units_pad_the_first_dimension():
+    """FSDP2 shards dim 0, padded to a multiple of the ranks: a 1-row
+    pos_embed gathers a row from every rank."""
+    pos = cc.ParamSpec((1, 10, 4))
+    weight = cc.ParamSpec((6, 4))
+    assert cc.ShardUnit.chunk([pos, weight], 4) == 40 + 2 * 4
+    units = cc.shard_units([('a', [(weight, True), (pos, False)]),
+                            ('', [(cc.ParamSpec((3, )), True)])],
+                           param_dtype='bfloat16')
+    assert [u.name for u in units] == ['a', '']
+    assert units[0].gather(4) == cc.Collective('all_gather', 48 * 2)
+    assert [p.dtype for p in units[0].reduced] == ['bfloat16']
+    assert (units[0].resharded, units[1].resharded) == (True, False)
+    with pytest.raises(ValueError, match="param_dtype should be one of"):
+        cc.shard_units([], param_dtype='int8')

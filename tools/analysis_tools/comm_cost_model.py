@@ -9,7 +9,9 @@ or both:
   prints the validation table: predicted against measured step time on
   the rates (and world sizes) it did not fit on.
 * ``--config CONFIG`` (default: InternViT-6B's UperNet) builds the model
-  on the meta device, lays its gradients out in DDP's buckets and prints,
+  on the meta device, lays its gradients out in DDP's buckets (or, for a
+  config that trains with FSDP2Strategy, in its units, each gathered and
+  reduce-scattered as FSDP2 does) and prints,
   per hook and link rate, the predicted step time on ``--nodes`` x
   ``--gpus-per-node`` GPUs, each hook with a two-level (node-aware) form
   in both forms; ``--recommend`` adds one line per rate naming the hook

@@ -10,8 +10,8 @@ communication overlaps the backward pass. A model is a list of
 measurement of the model projected to.
 
 Modules, one concern each (only :mod:`.hooks`, :mod:`.recommend`,
-:mod:`.model` and :mod:`.report` reach torch, through the hooks' records
-or the model):
+:mod:`.fsdp2`, :mod:`.model` and :mod:`.report` reach torch, through the
+hooks' records or the model):
 
 * :mod:`.buckets`: :class:`ParamSpec`, :class:`Bucket`, :func:`ddp_buckets`;
 * :mod:`.collectives`: the formulas below, :class:`Cluster`,
@@ -24,6 +24,9 @@ or the model):
   run's own step from its log, :func:`step_from_log`;
 * :mod:`.fit`: :func:`fit`;
 * :mod:`.recommend`: :func:`predict_step`, :func:`recommend`;
+* :mod:`.fsdp2`: a config that trains with FSDP2, modelled as FSDP2
+  (per unit, parameter all-gathers and a reduce-scatter in the hook's
+  format, beside the compute): :func:`recommend_sharded`;
 * :mod:`.model`: a config's parameters, its model built on the meta device;
 * :mod:`.report`: the tables ``tools/analysis_tools/comm_cost_model.py``
   prints.
@@ -39,6 +42,8 @@ every rate (:func:`collective_time`):
   the edges are intra-node and ``B_in`` sets the time;
 * ``all_gather``, each rank contributing ``s`` bytes (``S = P s``):
   ``(P - 1) alpha + (P - 1) / P * S / (eta B)``;
+* ``reduce_scatter`` of an ``S``-byte input (FSDP2's): a ring, ``(P - 1)
+  alpha + (P - 1) / P * S / (eta B)``, half an all-reduce;
 * ``all_to_all``, each rank sending ``S`` bytes (``S / P`` to every rank):
   ``(P - 1) alpha + G (M - 1) / M * S / (eta B)`` plus ``(G - 1) / P * S
   / (eta B_in)`` inside the node. Unlike a ring, nothing is reduced on the
@@ -110,6 +115,9 @@ from .collectives import (COLLECTIVE_KINDS, GPU_CLUSTER_CONSTANTS, LEVELS,
                           collective_time, group_size, traffic)
 from .compute import Workload, estimate_compute
 from .fit import FitPoint, FitResult, fit, fit_selection_problem, fits_on
+from .fsdp2 import (ShardedCost, ShardUnit, predict_sharded_step,
+                    recommend_sharded, shard_units, sharded_costs,
+                    simulate_sharded)
 from .hooks import (FORMS, HOOK_COSTS, AllReduceCost, BatchedPowerSGDCost,
                     HalfPrecisionCost, HookCost, Int8Cost, PowerSGDCost,
                     RecordCost, TwoLevelRecordCost, check_benchmark,
@@ -136,5 +144,7 @@ __all__ = [
     'fit_selection_problem', 'Recommendation', 'recommend', 'assumptions',
     'RecordCost', 'uncosted_hooks', 'config_params', 'ProjectionSettings',
     'project', 'fit_report', 'fit_json', 'LEVELS', 'FORMS', 'group_size',
-    'TwoLevelRecordCost', 'LoggedStep', 'step_from_log'
+    'TwoLevelRecordCost', 'LoggedStep', 'step_from_log', 'ShardUnit',
+    'ShardedCost', 'sharded_costs', 'shard_units', 'predict_sharded_step',
+    'recommend_sharded', 'simulate_sharded'
 ]

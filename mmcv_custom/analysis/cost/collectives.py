@@ -42,7 +42,8 @@ class Collective:
         kind (str): One of :data:`COLLECTIVE_KINDS`.
         nbytes (float): ``all_reduce``: the tensor reduced; ``all_to_all``:
             the rank's whole send tensor; ``all_gather``: the rank's own
-            part (the benchmark JSON's convention).
+            part (the benchmark JSON's convention); ``reduce_scatter``:
+            the rank's whole input (FSDP2's, :mod:`.fsdp2`).
         bucket (int): The bucket's index. Defaults to 0.
         level (str, optional): Where a two-level hook runs it: ``'intra'``
             (among the ``G`` ranks of each node) or ``'cross'`` (among the
@@ -179,6 +180,7 @@ def _ring(kind: str, nbytes: float, ranks: int):
         return 2 * (ranks - 1), 2 * (ranks - 1) / ranks * nbytes
     if kind == 'all_gather':
         return ranks - 1, (ranks - 1) * nbytes  # (r - 1) / r of r * s
+    # all_to_all, reduce_scatter: (r - 1) / r of the input leaves the rank
     return ranks - 1, (ranks - 1) / ranks * nbytes
 
 
@@ -209,6 +211,8 @@ def traffic(collective: Collective, cluster: Cluster) -> Traffic:
         messages, moved = 2 * (p - 1), 2 * (p - 1) / p * s
     elif collective.kind == 'all_gather':
         messages, moved = p - 1, (p - 1) * s  # (P - 1) / P of P * s
+    elif collective.kind == 'reduce_scatter':
+        messages, moved = p - 1, (p - 1) / p * s  # a ring, half all_reduce
     else:  # all_to_all: no ring, every off-node share crosses
         return Traffic(p - 1, g * (m - 1) / m * s, (g - 1) / p * s)
     if m > 1:

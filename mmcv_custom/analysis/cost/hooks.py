@@ -145,7 +145,7 @@ class RecordCost(HookCost):
         self.settings = cost.settings_with(settings)
         self.lossless = cost.lossless
         self.overflows = cost.overflows
-        self.caveat = cost.caveat
+        self.caveat = cost.caveat_for(self.settings)
         self.accuracy = accuracy_of(record, self.settings)
 
     def collectives(self, buckets, world_size):

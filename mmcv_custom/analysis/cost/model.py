@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 from .buckets import ParamSpec
 
-__all__ = ['config_params', 'forward_flops']
+__all__ = ['config_params', 'forward_flops', 'fsdp2_units']
 
 
 def _input_size(cfg) -> Optional[Tuple[int, int]]:
@@ -64,6 +64,36 @@ def forward_flops(model, cfg) -> Tuple[Optional[float], str]:
         f'{len(heads)} head(s), counted on the meta device')
 
 
+def _dtype(p) -> str:
+    return str(p.dtype).replace('torch.', '')
+
+
+def fsdp2_units(model, cfg) -> Tuple[list, str]:
+    """The units ``FSDP2Strategy`` would shard ``model`` into, as
+    :class:`~.fsdp2.ShardUnit` in forward order (by the strategy's own
+    :func:`~mmcv_custom.engine.fsdp2_units.select_units`), and the strategy
+    in words."""
+    from mmcv_custom.engine.fsdp2_units import select_units, unit_parameters
+    from .fsdp2 import shard_units
+    strategy = cfg.get('strategy') or {}
+    reshard = strategy.get('reshard_after_forward', True)
+    param_dtype = (strategy.get('mp_policy') or {}).get('param_dtype')
+    layout = [(name, [
+        (ParamSpec(tuple(p.shape), _dtype(p),
+                   f'{name}.{n}' if name else n), p.requires_grad)
+        for n, p in own
+    ]) for name, _, own in unit_parameters(
+        model, select_units(model, strategy.get('shard_modules')))]
+    units = shard_units(layout, reshard, param_dtype)
+    modules = strategy.get('shard_modules')
+    which = (f'shard_modules {list(modules)}'
+             if modules else 'the default shard_modules')
+    return units, (
+        f'{sum(1 for u in units if u.gathered)} units with parameters '
+        f'({which}, and the root), reshard_after_forward={reshard}, '
+        f'parameters gathered in {param_dtype or "their own dtype"}')
+
+
 def config_params(config: str,
                   cfg_options: Optional[dict] = None,
                   count_flops: bool = False) -> Tuple[list, int, dict]:
@@ -80,7 +110,9 @@ def config_params(config: str,
     Returns:
         tuple[list[ParamSpec], int, dict]: The trainable parameters in model
         order, the count of every parameter (frozen included) and
-        ``fsdp2`` (whether it trains with FSDP2Strategy), ``with_cp``,
+        ``fsdp2`` (whether it trains with FSDP2Strategy; then
+        ``fsdp2_units``, :func:`fsdp2_units`' units, and ``fsdp2_how``, the
+        strategy in words), ``with_cp``,
         ``bucket_cap_mb``, ``forward_flops`` (None where they could not be
         counted) and ``flops_how``, and, where the config
         states them, ``tokens`` per GPU and ``tokens_how``.
@@ -101,8 +133,7 @@ def config_params(config: str,
         with torch.device('meta'):
             model = MODELS.build(cfg.model)
     params = [
-        ParamSpec(tuple(p.shape),
-                  str(p.dtype).replace('torch.', ''), name)
+        ParamSpec(tuple(p.shape), _dtype(p), name)
         for name, p in model.named_parameters() if p.requires_grad
     ]
     total = sum(p.numel() for p in model.parameters())
@@ -112,6 +143,8 @@ def config_params(config: str,
         with_cp=backbone.get('with_cp'),
         bucket_cap_mb=(cfg.get('model_wrapper_cfg')
                        or {}).get('bucket_cap_mb'))
+    if facts['fsdp2']:
+        facts['fsdp2_units'], facts['fsdp2_how'] = fsdp2_units(model, cfg)
     facts['forward_flops'], facts['flops_how'] = (
         forward_flops(model, cfg) if count_flops else (None, 'not counted'))
     size, patch = backbone.get('img_size'), backbone.get('patch_size')

@@ -8,12 +8,12 @@ import math
 import os.path as osp
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mmcv_custom.comm.builder import hook_record
 from .buckets import ddp_buckets
 from .codecs import CodecCost
 from .collectives import Cluster, LinkConstants
 from .compute import Workload, estimate_compute
 from .fit import FitResult
+from .fsdp2 import gathered_bytes, recommend_sharded, sharded_costs
 from .hooks import hook_costs, uncosted_hooks
 from .measurements import Benchmark
 from .model import config_params
@@ -172,25 +172,19 @@ class ProjectionSettings:
     compute_how: Optional[str] = None
 
 
-#: What a projection of an FSDP2 config is, until FSDP2 is modelled.
-_FSDP2_NOTE = (
-    'FSDP2Strategy: projected as DDP would reduce the same gradients, '
-    'all-reduced in buckets; FSDP2 reduce-scatters them instead (half '
-    'those bytes) and all-gathers the parameters in the forward and the '
-    'backward, which this model does not count yet. Only the hooks whose '
-    'averaging reduce-scatter FSDP2 runs are weighed: allreduce and the '
-    'half-precision ones (int8_compress runs there without error '
-    'feedback, whose cost is not modelled; PowerSGD has no sharded form)')
-
-
-def _sharded_only(hooks: dict) -> dict:
-    """The hooks of ``hooks`` that FSDP2 runs as an averaging
-    reduce-scatter, read from their records."""
-    return {
-        name: hook
-        for name, hook in hooks.items()
-        if hook_record(name).fsdp2_form == 'averaging_reduce_scatter'
-    }
+def _fsdp2_line(facts: dict, hooks: dict, world_size: int) -> str:
+    """What an FSDP2 config's projection models, for the output."""
+    units = facts['fsdp2_units']
+    forms = ', '.join(hooks) or 'none of the hooks projected'
+    return (f'FSDP2Strategy, modelled as FSDP2: {facts["fsdp2_how"]}; '
+            f'each step gathers {_size(gathered_bytes(units, world_size))} '
+            'of parameters per rank (the forward, and the backward again '
+            'where resharded), the same for every hook, and reduce-scatters '
+            'each unit\'s gradients in the hook\'s format when its backward '
+            f'is done. Weighed: the hooks with an FSDP2 form ({forms}); '
+            'PowerSGD has none, int8_compress runs without error feedback. '
+            'HSDP is not offered by FSDP2Strategy (it shards over every '
+            'rank), so not modelled')
 
 
 def _size(nbytes: float) -> str:
@@ -234,28 +228,33 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
                        settings.min_compression_rate)
     if settings.hooks:
         hooks = {n: h for n, h in hooks.items() if n in settings.hooks}
-    if facts['fsdp2']:
-        hooks = _sharded_only(hooks)
     flops = facts['forward_flops']
-    recs = [
-        recommend(
-            params,
-            Cluster(settings.nodes, settings.gpus_per_node, gbps * 1e9,
-                    settings.intra_gbps * 1e9),
-            backward_s=settings.backward_s,
-            compute_step_s=settings.compute_step_s,
-            constants=constants,
-            codec=codec,
-            hooks=hooks,
-            workload=workload,
-            total_params=total,
-            bucket_cap_mb=cap,
-            max_loss=settings.max_loss,
-            min_gain=settings.min_gain,
-            forward_flops=flops) for gbps in settings.gbps
-    ]
+    common = dict(
+        backward_s=settings.backward_s,
+        compute_step_s=settings.compute_step_s,
+        constants=constants,
+        codec=codec,
+        hooks=hooks,
+        workload=workload,
+        total_params=total,
+        max_loss=settings.max_loss,
+        min_gain=settings.min_gain,
+        forward_flops=flops)
+    recs = []
+    for gbps in settings.gbps:
+        cluster = Cluster(settings.nodes, settings.gpus_per_node, gbps * 1e9,
+                          settings.intra_gbps * 1e9)
+        recs.append(
+            recommend_sharded(facts['fsdp2_units'], cluster, **common
+                              ) if facts['fsdp2'] else
+            recommend(params, cluster, bucket_cap_mb=cap, **common))
+    if not recs[0].predictions:
+        raise ValueError(
+            f'none of the hooks projected ({", ".join(hooks)}) runs under '
+            'FSDP2Strategy; those that do: ' +
+            ', '.join(sharded_costs(hook_costs())))
     buckets = ddp_buckets(params, cap)
-    first = recs[0].predictions[next(iter(hooks))]
+    first = next(iter(recs[0].predictions.values()))
     backward = (
         settings.backward_s if settings.backward_s is not None else
         estimate_compute(params, workload, total, settings.hbm_tbps *
@@ -285,17 +284,22 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
         f'({settings.nodes * settings.gpus_per_node} ranks)',
         f'- model: {sum(dtypes.values()):,} trainable parameters (' +
         ', '.join(f'{n:,} {d}' for d, n in dtypes.items()) +
-        f'), {_size(sum(p.nbytes for p in params))} of gradients per step '
-        f'in {len(buckets)} DDP buckets (bucket_cap_mb '
-        f'{cap if cap is not None else "25, first 1"})',
+        f'), {_size(sum(p.nbytes for p in params))} of gradients per step ' +
+        (f'in {sum(1 for u in facts["fsdp2_units"] if u.reduced)} FSDP2 '
+         'units' if facts['fsdp2'] else
+         f'in {len(buckets)} DDP buckets (bucket_cap_mb '
+         f'{cap if cap is not None else "25, first 1"})'),
         f'- compute: backward {backward:.3f} s ({how}); step without '
         f'communication {first.compute_step_s:.3f} s' +
         ('' if settings.compute_step_s is not None else
-         ' (the forward, the backward, AdamW 7 passes over HBM)'),
+         ' (the forward, the backward, AdamW 7 passes over HBM' +
+         (' of the rank\'s shard)' if facts['fsdp2'] else ')')),
         f'- tokens per GPU: {workload.tokens_per_gpu:g} ({token_how})',
     ]
     if facts['fsdp2']:
-        lines.append(f'- strategy: {_FSDP2_NOTE}')
+        lines.append('- strategy: ' +
+                     _fsdp2_line(facts, recs[0].hooks, settings.nodes *
+                                 settings.gpus_per_node))
     if settings.hardware:
         lines.append(f'- hardware: {settings.hardware}')
     unknown = uncosted_hooks()
@@ -303,8 +307,8 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
         lines.append(f'- not projected (their records state no cost): '
                      f'{", ".join(unknown)}')
     lines.append('')
-    lines += _step_table(settings, recs)
-    lines += [''] + _detail_table(settings, recs)
+    lines += _step_table(settings, recs, facts['fsdp2'])
+    lines += [''] + _detail_table(settings, recs, facts['fsdp2'])
     if settings.recommend:
         lines += [
             '', '### Recommendation', '',
@@ -339,6 +343,7 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
             source=constants.source),
         codec=codec.describe(),
         backward_s=backward,
+        strategy=('FSDP2Strategy' if facts['fsdp2'] else 'DDP'),
         rates={
             f'{g:g}':
             dict(
@@ -358,10 +363,11 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
     return lines, out
 
 
-def _step_table(settings, recs) -> list:
+def _step_table(settings, recs, fsdp2=False) -> list:
     first = recs[0].predictions
+    sent = 'reduce-scattered per step' if fsdp2 else 'sent per step'
     lines = [
-        '| hook | sent per step | per node link | ' +
+        f'| hook | {sent} | per node link | ' +
         ' | '.join(f'{g:g} Gbit/s' for g in settings.gbps) + ' |',
         '|---|--:|--:|' + '--:|' * len(recs)
     ]
@@ -375,8 +381,12 @@ def _step_table(settings, recs) -> list:
                      f'{_size(p.node_bytes)} | ' + ' | '.join(cells) + ' |')
     lines += [
         '', 'step = compute + exposed communication; (x) speed-up '
-        'against allreduce; sent: the tensors one rank reduces; per '
-        'node link: bytes through it each way'
+        'against allreduce; ' +
+        ('reduce-scattered: the inputs one rank sends, as the run\'s '
+         'comm_MB counts them (across nodes only, for a two-level form); '
+         'per node link: bytes through it each way, all-gathers included'
+         if fsdp2 else 'sent: the tensors one rank reduces; per node link: '
+         'bytes through it each way')
     ]
     if any(p.form == 'two-level' for p in first.values()):
         lines += [
@@ -389,7 +399,7 @@ def _step_table(settings, recs) -> list:
     return lines
 
 
-def _detail_table(settings, recs) -> list:
+def _detail_table(settings, recs, fsdp2=False) -> list:
     lines = [
         '| hook | Gbit/s | step s | exposed s | wire s | '
         'overlap bound s | codec s | collectives |',
@@ -405,6 +415,7 @@ def _detail_table(settings, recs) -> list:
     lines += [
         '', 'wire: bytes over the link rate, no latency; overlap '
         'bound: exposed time with no latency, eta 1 and no codec (the '
-        'physical bound for this bucket order)'
+        'physical bound for this ' +
+        ('order of units' if fsdp2 else 'bucket order') + ')'
     ]
     return lines
