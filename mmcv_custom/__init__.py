@@ -10,25 +10,55 @@ atomic with a ``.sha256`` digest that loads verify (see
 :mod:`mmcv_custom.engine.checkpoint_io`). The hook functions themselves live in
 :mod:`mmcv_custom.hooks`, which needs only torch.
 """
-from .engine import (CommHookRegistrationHook, CPUAmpOptimWrapper,
-                     FSDP2Strategy, LayerDecayOptimWrapperConstructor,
-                     NonFiniteGradientsError, install_checkpoint_integrity)
+import importlib.util
+
 from .hooks import (CompressState, Int8State, allreduce_hook,
                     bf16_compress_hook, bf16_compress_wrapper,
                     check_bf16_support, default_predivide_factor,
                     fp16_compress_hook, fp16_compress_wrapper,
                     int8_compress_hook)
-from .integrity import CheckpointDamagedError
-from .integrity.checkpoint import (UnsafeCheckpointError,
-                                   allow_mmengine_checkpoints,
-                                   check_checkpoint, load_checkpoint_file)
-from .registry import (COMM_HOOK_STATES, COMM_HOOKS, CommCounter, CommHookSpec,
-                       build_comm_hook, check_comm_hook_cfg, require_bool,
-                       require_int, require_real, with_args_check)
 from .version import __version__
 
-allow_mmengine_checkpoints()
-install_checkpoint_integrity()
+#: The names below that are the MMEngine glue (registered at import).
+_MMENGINE_NAMES = ('COMM_HOOKS', 'COMM_HOOK_STATES', 'CommCounter',
+                   'CommHookSpec', 'build_comm_hook', 'check_comm_hook_cfg',
+                   'with_args_check', 'require_int', 'require_real',
+                   'require_bool', 'CommHookRegistrationHook',
+                   'CPUAmpOptimWrapper', 'FSDP2Strategy',
+                   'LayerDecayOptimWrapperConstructor',
+                   'NonFiniteGradientsError', 'allow_mmengine_checkpoints',
+                   'check_checkpoint', 'load_checkpoint_file',
+                   'UnsafeCheckpointError', 'CheckpointDamagedError',
+                   'install_checkpoint_integrity')
+
+if importlib.util.find_spec('mmengine') is not None:
+    from .engine import (CommHookRegistrationHook, CPUAmpOptimWrapper,
+                         FSDP2Strategy, LayerDecayOptimWrapperConstructor,
+                         NonFiniteGradientsError, install_checkpoint_integrity)
+    from .integrity import CheckpointDamagedError
+    from .integrity.checkpoint import (UnsafeCheckpointError,
+                                       allow_mmengine_checkpoints,
+                                       check_checkpoint, load_checkpoint_file)
+    from .registry import (COMM_HOOK_STATES, COMM_HOOKS, CommCounter,
+                           CommHookSpec, build_comm_hook, check_comm_hook_cfg,
+                           require_bool, require_int, require_real,
+                           with_args_check)
+
+    allow_mmengine_checkpoints()
+    install_checkpoint_integrity()
+else:
+
+    def __getattr__(name: str):
+        """Without MMEngine the hooks (:mod:`mmcv_custom.hooks`) import
+        and work; the glue that needs MMEngine says so when asked for."""
+        if name in _MMENGINE_NAMES:
+            raise ImportError(
+                f'mmcv_custom.{name} needs MMEngine, which is not installed '
+                '(pip install mmengine, or `make install` in a checkout). '
+                'The hooks themselves need only torch: import them from '
+                'mmcv_custom.hooks.')
+        raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
 
 __all__ = [
     '__version__',

@@ -321,6 +321,38 @@ def test_bf16_check_refuses_old_nccl_with_a_clear_error():
     assert 'fp16_compress' in message
 
 
+def test_the_package_imports_without_mmengine():
+    """Where MMEngine is not installed (a GPU image with torch alone):
+    ``import mmcv_custom.hooks`` goes through the package's ``__init__``,
+    which then leaves the MMEngine glue out, and a name of that glue says
+    what it needs instead of an AttributeError."""
+    import mmcv_custom
+    code = (
+        'import sys\n'
+        'for name in ("mmengine", "mmseg", "mmcv"):\n'
+        '    sys.modules[name] = None  # import fails, as if not installed\n'
+        'from mmcv_custom.hooks import int8_compress_hook\n'
+        'import mmcv_custom\n'
+        'try:\n'
+        '    mmcv_custom.CommHookRegistrationHook\n'
+        'except ImportError as e:\n'
+        '    print(e)\n')
+    out = subprocess.run([sys.executable, '-c', code],
+                         capture_output=True,
+                         text=True,
+                         timeout=120,
+                         cwd=osp.dirname(osp.dirname(mmcv_custom.__file__)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == (
+        'mmcv_custom.CommHookRegistrationHook needs MMEngine, which is not '
+        'installed (pip install mmengine, or `make install` in a checkout). '
+        'The hooks themselves need only torch: import them from '
+        'mmcv_custom.hooks.')
+    # Every name of the package's __all__ is a hook or that glue.
+    hooks = set(mmcv_custom.__all__) - set(mmcv_custom._MMENGINE_NAMES)
+    assert all(hasattr(mmcv_custom.hooks, n) for n in hooks - {'__version__'})
+
+
 def test_hook_modules_import_without_mmengine(tmp_path):
     """The torch-only modules, and the hook records built on them, really
     run without MMEngine: imported in a fresh interpreter whose
