@@ -8,10 +8,11 @@ registers on any plain :class:`torch.nn.parallel.DistributedDataParallel`::
     >>> ddp_model.register_comm_hook(None, bf16_compress_hook)
 
 The rule of this package: its modules import torch (numpy where PyTorch's
-PowerSGD state needs it), the standard library, each other and the
-optional C kernel ``mmcv_custom._cpu_codec``, and nothing else of
-``mmcv_custom``, so that the registry, the MMEngine adapters and anyone's
-own training loop can all build on it, never the other way round.
+PowerSGD state needs it; Triton, torch's kernel language, for the optional
+fused int8 kernels, only when they are used), the standard library, each
+other and the optional C kernel ``mmcv_custom._cpu_codec``, and nothing
+else of ``mmcv_custom``, so that the registry, the MMEngine adapters and
+anyone's own training loop can all build on it, never the other way round.
 
 Modules, each with one concern:
 

@@ -23,7 +23,10 @@ hook cuts a bucket into per-parameter blocks and packs them by the rank
 that owns them, in the same single pass.
 
 Each step is a single fp32 operation in both implementations (the C file is
-compiled without fused multiply-add), hence the same bits. Symmetric
+compiled without fused multiply-add), hence the same bits. On CUDA, with
+Triton and ``MMCV_CUSTOM_INT8_FUSED=1``, a third implementation of the same
+rule runs each direction in one kernel (:mod:`.int8_fused`), opt-in until a
+GPU run has checked it bit for bit. Symmetric
 (no zero point, -127..127) so that sums of dequantised copies stay
 unbiased. Imports only torch.
 """
@@ -31,6 +34,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from . import int8_fused
 from .util import ceil_div
 
 try:
@@ -111,7 +115,15 @@ def quantize(
                                0 if residual is None else residual.data_ptr(),
                                n, block, float(prescale))
         return out, scales
+    if _fused(x):
+        int8_fused.quantize(x, block, prescale, residual, out, scales)
+        return out, scales
     return _quantize_torch(x, block, prescale, residual, out, scales)
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """Whether :mod:`.int8_fused`'s kernels are asked for and run here."""
+    return int8_fused.enabled() and int8_fused.usable(x)
 
 
 def _finite_or_zero(e: torch.Tensor) -> torch.Tensor:
@@ -154,6 +166,9 @@ def dequantize(q: torch.Tensor,
     if uses_c_kernel(out, block) and q.is_contiguous():
         _cpu_codec.int8_decode(q.data_ptr(), scales.data_ptr(), out.data_ptr(),
                                n, block, accumulate)
+        return out
+    if _fused(out) and q.is_contiguous():
+        int8_fused.dequantize(q, scales, block, out, accumulate)
         return out
     return _dequantize_torch(q, scales, block, out, accumulate)
 
@@ -321,6 +336,9 @@ def quantize_blocks(x: torch.Tensor,
             0 if residual is None else residual.data_ptr(),
             table.rows.data_ptr(), len(table), float(prescale), mode)
         return
+    if _fused(x):
+        int8_fused.quantize_table(x, table, dst, prescale, residual, mode)
+        return
     _quantize_blocks_torch(x, table, dst, prescale, residual, mode)
 
 
@@ -366,6 +384,9 @@ def dequantize_blocks(src: torch.Tensor,
         _cpu_codec.int8_decode_table(src.data_ptr(), out.data_ptr(),
                                      table.rows.data_ptr(), len(table),
                                      bool(accumulate))
+        return out
+    if _fused(out):
+        int8_fused.dequantize_table(src, table, out, accumulate)
         return out
     return _dequantize_blocks_torch(src, table, out, accumulate)
 

@@ -15,6 +15,7 @@ and within rounding where the kernels differ (PowerSGD's matmuls).
 The same case functions run on CPU in every ``make test``
 (``test_the_cases_run_on_cpu``), so what a GPU finds is the GPU's.
 """
+import os
 import os.path as osp
 import tempfile
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(
     not CUDA,
@@ -247,6 +249,44 @@ def test_each_hook_on_an_nccl_group_of_one_is_its_cpu_result():
     for name in CLOSE:
         assert _close(gpu[name], cpu[name], 1e-3), name
     assert not gpu['worker_started']
+
+
+@needs_cuda
+def test_the_fused_int8_kernels_compiled_are_the_torch_path():
+    """The Triton kernels compiled for this GPU (not interpreted): the
+    same bits as the torch path on the same GPU, every case of
+    ``tests/test_comm/int8_fused_cases.py``."""
+    import subprocess
+    import sys
+
+    from mmcv_custom.hooks import int8_fused
+    if not int8_fused.AVAILABLE:
+        pytest.skip('Triton is not installed')
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    out = subprocess.run(
+        [sys.executable, '-m', 'tests.test_comm.int8_fused_cases', 'cuda'],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ['OK'], out.stdout
+
+
+@needs_cuda
+def test_the_int8_hook_with_the_fused_kernels_is_its_cpu_result(monkeypatch):
+    """``MMCV_CUSTOM_INT8_FUSED=1``: the int8 hook's CUDA path through
+    the fused kernels, NCCL, one rank, is its CPU path bit for bit."""
+    from mmcv_custom.hooks import int8_fused
+    if not int8_fused.AVAILABLE:
+        pytest.skip('Triton is not installed')
+    monkeypatch.setenv(int8_fused.ENV, '1')
+    names = ('int8', 'int8_noef')
+    gpu = spawn(hook_steps, 'cuda', names, backend='nccl')[0]
+    cpu = spawn(hook_steps, 'cpu', names)[0]
+    for name in names:
+        assert _same(gpu[name], cpu[name]), name
 
 
 @needs_cuda

@@ -10,7 +10,9 @@ could still gain. Each figure is the median of ``--repeat`` runs after
 
 Cases: the copy; int8 quantize (with and without error feedback) and
 dequantize (:mod:`mmcv_custom.hooks.int8_codec`: its C kernels on one CPU
-thread, torch's ops elsewhere); the bf16 and fp16 casts
+thread, torch's ops elsewhere), and on a GPU with Triton the same in one
+fused kernel each (:mod:`mmcv_custom.hooks.int8_fused`); the bf16 and fp16
+casts
 (:mod:`mmcv_custom.hooks.cast`, dividing by 8 ranks on the way). Imports
 only torch and :mod:`mmcv_custom.hooks`: it runs on a GPU image without
 MMEngine (``tools/device_check.sh`` runs it there).
@@ -31,7 +33,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from mmcv_custom.hooks import cast, int8_codec
+from mmcv_custom.hooks import cast, int8_codec, int8_fused
 
 __all__ = ['CodecTiming', 'time_codecs', 'copy_bandwidth', 'main']
 
@@ -134,6 +136,17 @@ def time_codecs(size_mb: float,
         (lambda: int8_codec.dequantize(q, scales, block_size, out),
          int8 + fp32),
     }
+    if int8_fused.usable(x):  # the same, one Triton kernel per direction
+        cases.update({
+            'int8 quantize (fused)': (lambda: int8_fused.quantize(
+                x, block_size, 0.125, None, q, scales), fp32 + int8),
+            'int8 quantize + error feedback (fused)':
+            (lambda: int8_fused.quantize(x, block_size, 0.125, residual, q,
+                                         scales), 3 * fp32 + int8),
+            'int8 dequantize (fused)':
+            (lambda: int8_fused.dequantize(q, scales, block_size, out, False),
+             int8 + fp32),
+        })
     scratch = x.clone()  # the torch CPU path scales its input in place
     for dtype in (torch.bfloat16, torch.float16):
         half = torch.empty(n, dtype=dtype, device=dev)
