@@ -167,24 +167,24 @@ def _close(a, b, tol):
 
 # -- on CPU, every time: the cases themselves work ---------------------------
 def test_the_cases_run_on_cpu():
-    """The case functions the GPU tests run, on CPU: one rank (what the
-    NCCL group of one compares with) and two. The exact hooks agree with
-    the mean, the others are near it."""
+    """The case functions the GPU tests run, on 2 CPU ranks: every rank
+    alike, the first step of allreduce the mean of the targets exactly,
+    fp16 near it, and the int8 hook's CPU buckets on the comm worker (on a
+    GPU they must not be: test_each_hook_on_an_nccl_group_of_one_...)."""
     names = EXACT + CLOSE
-    one = spawn(hook_steps, 'cpu', names)[0]
     two = spawn(hook_steps, 'cpu', names, world_size=2)
-    for name in EXACT[:1]:  # allreduce of one rank: the targets themselves
-        gen = torch.Generator().manual_seed(0)
-        first = [
+    targets = []
+    for rank in range(2):
+        gen = torch.Generator().manual_seed(rank)
+        targets.append([
             torch.randn(s, generator=gen) for s in ((64, 48), (48, ), (1000, ))
-        ]
-        assert _same(one[name][:1], [first])
+        ])
+    mean = [(a + b) * 0.5 for a, b in zip(*targets)]
+    assert _same(two[0]['allreduce'][:1], [mean])
     for name in names:
-        assert _same(two[0][name], two[1][name]), name  # every rank alike
+        assert _same(two[0][name], two[1][name]), name
     assert _close(two[0]['fp16'], two[0]['allreduce'], 1e-2)
-    # CPU buckets of the int8 hook go to the comm worker (on a GPU they
-    # must not: test_each_hook_on_an_nccl_group_of_one_is_its_cpu_result).
-    assert one['worker_started']
+    assert two[0]['worker_started']
 
 
 # -- on a GPU ----------------------------------------------------------------
