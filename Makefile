@@ -19,7 +19,8 @@ CHECK_TEST_WORKERS = @case '$(TEST_WORKERS)' in ''|*[!0-9]*) echo "make: TEST_WO
 # times: the stamp's name carries a hash of setup.py and the requirements, so
 # a fresh clone beside a current environment neither rebuilds nor re-points
 # it, while a changed requirement reinstalls.
-INSTALL_FROM := setup.py requirements/runtime.txt requirements/dev.txt
+INSTALL_FROM := setup.py requirements/runtime.txt requirements/dev.txt \
+	requirements/triton.txt
 INSTALL_KEY := $(shell cat $(INSTALL_FROM) | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.installed-$(INSTALL_KEY)
 
@@ -44,6 +45,9 @@ $(STAMP):
 	# pip caches the wheel for later installs).
 	MAX_JOBS=$(NPROC) $(PIP) install --no-build-isolation mmcv==2.1.0
 	$(PIP) install -r requirements/dev.txt
+	# Beside the venv, not in it (requirements/triton.txt says why).
+	$(PIP) install --no-deps --upgrade --target $(VENV)/triton \
+		-r requirements/triton.txt
 	$(PIP) install --no-build-isolation --no-deps -e .
 	rm -f $(VENV)/.installed*
 	touch $@

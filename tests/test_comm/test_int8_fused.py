@@ -1,8 +1,12 @@
 """The fused int8 kernels (:mod:`mmcv_custom.hooks.int8_fused`) under
 Triton's interpreter, on CPU: the same bits as the torch path, the block
 table's layouts and every residual mode included. On a GPU,
-``tests/test_cuda`` runs the same cases compiled. Skipped where Triton is
-not installed (``make install`` installs it)."""
+``tests/test_cuda`` runs the same cases compiled.
+
+Triton comes from ``.venv/triton``, where ``make install`` puts it outside
+the venv (``requirements/triton.txt``), added to the path of these tests'
+own processes only; or from the environment where it is installed.
+Skipped where it is neither."""
 import os
 import subprocess
 import sys
@@ -13,12 +17,17 @@ from mmcv_custom.hooks import int8_fused
 
 ROOT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRITON_DIR = os.path.join(ROOT, '.venv', 'triton')
 needs_triton = pytest.mark.skipif(
-    not int8_fused.AVAILABLE, reason='Triton is not installed')
+    not (int8_fused.AVAILABLE
+         or os.path.isdir(os.path.join(TRITON_DIR, 'triton'))),
+    reason='Triton is not installed (make install puts it in .venv/triton)')
 
 
 def _run(code_or_module, env=None, module=False):
     env = dict(os.environ, TRITON_INTERPRET='1', **(env or {}))
+    env['PYTHONPATH'] = os.pathsep.join(
+        p for p in (env.get('PYTHONPATH'), TRITON_DIR) if p)
     args = ([sys.executable, '-m', code_or_module]
             if module else [sys.executable, '-c', code_or_module])
     return subprocess.run(
