@@ -79,6 +79,11 @@ class ShardUnit:
     root: bool = False
 
     @property
+    def gathers(self) -> int:
+        """All-gathers a step: 2 where the backward gathers it again."""
+        return 1 + (self.resharded and not self.root)
+
+    @property
     def numel(self) -> int:
         """Elements gathered: its share of the compute."""
         return sum(p.numel for p in self.gathered)
@@ -131,14 +136,8 @@ class ShardedCost(HookCost):
         if record.fsdp2_form is None:
             raise ValueError(f'{flat.name}: its HookRecord states no FSDP2 '
                              'form (fsdp2_form), so FSDP2 cannot run it')
-        self.flat = flat
+        self._form_of(flat)
         self.fsdp2_form = record.fsdp2_form
-        self.name = flat.name
-        self.settings = flat.settings
-        self.lossless = flat.lossless
-        self.overflows = flat.overflows
-        self.caveat = flat.caveat
-        self.accuracy = flat.accuracy
         self.layout = (None if ranks_per_node is None else
                        (ranks_per_node, num_nodes))
         self.form = 'flat' if self.layout is None else 'two-level'
@@ -325,44 +324,36 @@ def predict_sharded_step(hook: ShardedCost,
 
     total = sum(u.numel for u in units) or 1
     real, bound = [], []
-    codec_s = wire = node = 0.0
+    codec_s = wire = node = comm = 0.0
     count = 0
     for unit in units:
         gather = [c for c in (unit.gather(p), ) if c is not None]
         reduce = hook.reduces(unit, p)
         local = codec.seconds(hook, unit.grads, p) if reduce else 0.0
         share = unit.numel / total
-        real.append(
-            _UnitTimes(share, seconds(gather),
-                       seconds(reduce) + local, unit.resharded, unit.root))
-        bound.append(
-            _UnitTimes(share, seconds(gather, True), seconds(reduce, True),
-                       unit.resharded, unit.root))
-        gathers = 1 + (unit.resharded and not unit.root)
+        g, r = seconds(gather), seconds(reduce) + local
+        g0, r0 = seconds(gather, True), seconds(reduce, True)
+        real.append(_UnitTimes(share, g, r, unit.resharded, unit.root))
+        bound.append(_UnitTimes(share, g0, r0, unit.resharded, unit.root))
         codec_s += local
-        wire += gathers * seconds(gather, True) + seconds(reduce, True)
-        node += gathers * sum(traffic(c, cluster).node_bytes
-                              for c in gather) + sum(
-                                  traffic(c, cluster).node_bytes
-                                  for c in reduce)
-        count += gathers * len(gather) + len(reduce)
-    exposed = simulate_sharded(real, forward_s, backward_s)
-    overhead = constants.overhead_share.get(hook.name, 0.0) * compute_step_s
-    return StepPrediction(
-        hook=hook.name,
-        label=hook.label(),
-        step_s=compute_step_s + exposed + overhead,
-        exposed_s=exposed,
-        compute_step_s=compute_step_s,
-        comm_s=sum(u.reduce_s + u.gather_s * (1 + (u.resharded and not u.root))
-                   for u in real),
+        comm += unit.gathers * g + r
+        wire += unit.gathers * g0 + r0
+        node += unit.gathers * sum(
+            traffic(c, cluster).node_bytes for c in gather) + sum(
+                traffic(c, cluster).node_bytes for c in reduce)
+        count += unit.gathers * len(gather) + len(reduce)
+    return StepPrediction.of(
+        hook,
+        constants,
+        compute_step_s,
+        simulate_sharded(real, forward_s, backward_s),
+        comm_s=comm,
         codec_s=codec_s,
         wire_s=wire,
         overlap_bound_s=simulate_sharded(bound, forward_s, backward_s),
         sent_bytes=hook.sent_bytes(units, p),
         node_bytes=node,
-        collectives=count,
-        form=hook.form)
+        collectives=count)
 
 
 def gathered_bytes(units: Sequence[ShardUnit], world_size: int) -> float:
@@ -373,7 +364,7 @@ def gathered_bytes(units: Sequence[ShardUnit], world_size: int) -> float:
     for unit in units:
         c = unit.gather(world_size)
         if c is not None:
-            out += (1 + unit.resharded) * world_size * c.nbytes
+            out += unit.gathers * world_size * c.nbytes
     return out
 
 

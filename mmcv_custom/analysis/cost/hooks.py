@@ -100,6 +100,17 @@ class HookCost(ABC):
         (those off the hook's defaults). Defaults to none."""
         return {}
 
+    def _form_of(self, flat: 'HookCost') -> None:
+        """Be another form of ``flat``'s hook: its name, settings and
+        what a recommendation reads of it (its accuracy, caveat...)."""
+        self.flat = flat
+        self.name = flat.name
+        self.settings = flat.settings
+        self.lossless = flat.lossless
+        self.overflows = flat.overflows
+        self.caveat = flat.caveat
+        self.accuracy = flat.accuracy
+
 
 def _record(name: str) -> HookRecord:
     """The record of the hook registered as ``name``."""
@@ -208,16 +219,10 @@ class TwoLevelRecordCost(HookCost):
                 f'{flat.name}: its record states no two-level form it runs '
                 '(HookRecord.two_level and CostRecord.two_level), so it has '
                 'none to cost')
-        self.flat = flat
+        self._form_of(flat)
         self.ranks_per_node = ranks_per_node
         self.num_nodes = num_nodes
         self.cost = flat.record.cost.two_level
-        self.name = flat.name
-        self.settings = flat.settings
-        self.lossless = flat.lossless
-        self.overflows = flat.overflows
-        self.caveat = flat.caveat
-        self.accuracy = flat.accuracy
 
     @property
     def splits(self) -> bool:

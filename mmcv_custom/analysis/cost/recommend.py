@@ -69,6 +69,24 @@ class StepPrediction:
     collectives: int
     form: str = 'flat'
 
+    @classmethod
+    def of(cls, hook: HookCost, constants: LinkConstants,
+           compute_step_s: float, exposed_s: float,
+           **fields) -> 'StepPrediction':
+        """``hook``'s prediction: its step is ``compute_step_s``, the
+        exposed time and the hook's fitted overhead (a share of the compute
+        step); ``fields``, the rest."""
+        overhead = constants.overhead_share.get(hook.name,
+                                                0.0) * compute_step_s
+        return cls(
+            hook=hook.name,
+            label=hook.label(),
+            step_s=compute_step_s + exposed_s + overhead,
+            exposed_s=exposed_s,
+            compute_step_s=compute_step_s,
+            form=hook.form,
+            **fields)
+
 
 def predict_step(hook: HookCost,
                  buckets: Sequence[Bucket],
@@ -119,22 +137,18 @@ def predict_step(hook: HookCost,
         sent += sum(
             reduced_bytes(c.kind, c.nbytes, group_size(c, cluster))
             for c in collectives)
-    exposed = simulate_overlap(ready_s, busy, backward_s).exposed_s
-    overhead = constants.overhead_share.get(hook.name, 0.0) * compute_step_s
-    return StepPrediction(
-        hook=hook.name,
-        label=hook.label(),
-        step_s=compute_step_s + exposed + overhead,
-        exposed_s=exposed,
-        compute_step_s=compute_step_s,
+    return StepPrediction.of(
+        hook,
+        constants,
+        compute_step_s,
+        simulate_overlap(ready_s, busy, backward_s).exposed_s,
         comm_s=sum(busy),
         codec_s=codec_total,
         wire_s=wire,
         overlap_bound_s=simulate_overlap(ready_s, bound, backward_s).exposed_s,
         sent_bytes=sent,
         node_bytes=node,
-        collectives=sum(len(c) for c in per_bucket),
-        form=hook.form)
+        collectives=sum(len(c) for c in per_bucket))
 
 
 @dataclasses.dataclass(frozen=True)
