@@ -1488,17 +1488,17 @@ def test_fsdp2_s_timeline_by_hand():
     the first gather, the backward for the first gather again, and the
     last reduce-scatter runs past it: 3 s exposed. With free links,
     nothing is."""
-    from mmcv_custom.analysis.cost.fsdp2 import _UnitTimes
+    from mmcv_custom.analysis.cost.fsdp2 import UnitTimes
     units = [
-        _UnitTimes(0.5, 1.0, 1.0, True, False),
-        _UnitTimes(0.5, 1.0, 1.0, True, False),
-        _UnitTimes(0.0, 0.0, 0.0, False, True)
+        UnitTimes(0.5, 1.0, 1.0, True, False),
+        UnitTimes(0.5, 1.0, 1.0, True, False),
+        UnitTimes(0.0, 0.0, 0.0, False, True)
     ]
     assert cc.simulate_sharded(units, 2.0, 4.0) == 3.0
-    free = [_UnitTimes(u.share, 0.0, 0.0, u.resharded, u.root) for u in units]
+    free = [UnitTimes(u.share, 0.0, 0.0, u.resharded, u.root) for u in units]
     assert cc.simulate_sharded(free, 2.0, 4.0) == 0.0
     # Not resharded: the backward gathers nothing, 1 s less.
-    kept = [_UnitTimes(u.share, 1.0, 1.0, False, u.root) for u in units[:2]]
+    kept = [UnitTimes(u.share, 1.0, 1.0, False, u.root) for u in units[:2]]
     assert cc.simulate_sharded(kept + units[2:], 2.0, 4.0) == 2.0
 
 

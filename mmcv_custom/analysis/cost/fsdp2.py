@@ -49,9 +49,9 @@ from .hooks import HookCost, RecordCost
 from .recommend import Recommendation, StepPrediction
 
 __all__ = [
-    'ShardUnit', 'ShardedCost', 'sharded_costs', 'simulate_sharded',
-    'predict_sharded_step', 'recommend_sharded', 'gathered_bytes',
-    'shard_units'
+    'ShardUnit', 'ShardedCost', 'sharded_costs', 'UnitTimes',
+    'simulate_sharded', 'predict_sharded_step', 'recommend_sharded',
+    'gathered_bytes', 'shard_units'
 ]
 
 
@@ -248,8 +248,10 @@ def sharded_costs(hooks: Mapping[str, HookCost]) -> Dict[str, ShardedCost]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _UnitTimes:
-    """One unit's part in :func:`simulate_sharded`."""
+class UnitTimes:
+    """One unit's part in :func:`simulate_sharded`: its share of the
+    compute, the seconds its gather and its reduce keep the link busy, and
+    whether it is gathered again in the backward, or is the root."""
     share: float  # of the forward's and the backward's compute
     gather_s: float
     reduce_s: float
@@ -257,7 +259,7 @@ class _UnitTimes:
     root: bool
 
 
-def simulate_sharded(units: Sequence[_UnitTimes], forward_s: float,
+def simulate_sharded(units: Sequence[UnitTimes], forward_s: float,
                      backward_s: float) -> float:
     """The time past ``forward_s + backward_s`` that the step waits for
     communication (see the module docstring), units in forward order."""
@@ -333,8 +335,8 @@ def predict_sharded_step(hook: ShardedCost,
         share = unit.numel / total
         g, r = seconds(gather), seconds(reduce) + local
         g0, r0 = seconds(gather, True), seconds(reduce, True)
-        real.append(_UnitTimes(share, g, r, unit.resharded, unit.root))
-        bound.append(_UnitTimes(share, g0, r0, unit.resharded, unit.root))
+        real.append(UnitTimes(share, g, r, unit.resharded, unit.root))
+        bound.append(UnitTimes(share, g0, r0, unit.resharded, unit.root))
         codec_s += local
         comm += unit.gathers * g + r
         wire += unit.gathers * g0 + r0
