@@ -1449,9 +1449,18 @@ def test_an_fsdp2_config_is_modelled_as_fsdp2(capsys):
     text = capsys.readouterr().out
     assert ('- strategy: FSDP2Strategy, modelled as FSDP2: 7 units with '
             "parameters (shard_modules ['InternViTBlock', 'InternViT', "
-            "'UPerHead', 'FCNHead'], and the root), reshard_after_forward="
-            'True, parameters gathered in their own dtype; each step gathers '
-            '6.26 MB of parameters per rank') in text
+            "'UPerHead', 'FCNHead']; the root holds 0 of its own), "
+            'reshard_after_forward=True, parameters gathered in their own '
+            'dtype; each step gathers 6.26 MB of parameters per rank') in text
+    # The strategy's own checks, before anything is modelled.
+    with pytest.raises(SystemExit) as exited:
+        tool.main([
+            '--config', TINY_FSDP2, '--cfg-options',
+            "strategy.mp_policy.param_dtype='int8'"
+        ])
+    assert str(exited.value.code).endswith(
+        "error: FSDP2Strategy mp_policy param_dtype should be one of "
+        "['bfloat16', 'float16', 'float32'] or None, but got 'int8'")
     assert 'in 7 FSDP2 units' in text
     assert '| hook | reduce-scattered per step | per node link |' in text
     rows = [

@@ -73,11 +73,15 @@ def fsdp2_units(model, cfg) -> Tuple[list, str]:
     :class:`~.fsdp2.ShardUnit` in forward order (by the strategy's own
     :func:`~mmcv_custom.engine.fsdp2_units.select_units`), and the strategy
     in words."""
-    from mmcv_custom.engine.fsdp2_units import select_units, unit_parameters
+    from mmcv_custom.engine.fsdp2_units import (parse_mp_policy, select_units,
+                                                unit_parameters)
     from .fsdp2 import shard_units
     strategy = cfg.get('strategy') or {}
     reshard = strategy.get('reshard_after_forward', True)
-    param_dtype = (strategy.get('mp_policy') or {}).get('param_dtype')
+    # The strategy's own check of mp_policy, and its dtype's name.
+    policy = parse_mp_policy(strategy.get('mp_policy'))
+    param_dtype = (None if policy.param_dtype is None else str(
+        policy.param_dtype).replace('torch.', ''))
     layout = [(name, [
         (ParamSpec(tuple(p.shape), _dtype(p),
                    f'{name}.{n}' if name else n), p.requires_grad)
@@ -88,10 +92,12 @@ def fsdp2_units(model, cfg) -> Tuple[list, str]:
     modules = strategy.get('shard_modules')
     which = (f'shard_modules {list(modules)}'
              if modules else 'the default shard_modules')
+    root = sum(u.numel for u in units if u.root)
     return units, (
-        f'{sum(1 for u in units if u.gathered)} units with parameters '
-        f'({which}, and the root), reshard_after_forward={reshard}, '
-        f'parameters gathered in {param_dtype or "their own dtype"}')
+        f'{sum(1 for u in units if u.gathered and not u.root)} units with '
+        f'parameters ({which}; the root holds {root:,} of its own), '
+        f'reshard_after_forward={reshard}, parameters gathered in '
+        f'{param_dtype or "their own dtype"}')
 
 
 def config_params(config: str,
