@@ -36,7 +36,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
 # PYTHON if set, else the checkout's venv, else the image's python.
 if [ -z "${PYTHON:-}" ]; then
-    PYTHON=python
+    PYTHON=python3
+    command -v python >/dev/null && PYTHON=python
     [ -x .venv/bin/python ] && PYTHON=.venv/bin/python
 fi
 OUT=${OUT:-work_dirs/device_check}
