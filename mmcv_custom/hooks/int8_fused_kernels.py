@@ -31,13 +31,20 @@ def _rule(v, nan):
 
 
 @triton.jit
-def quantize_kernel(x_ptr, res_ptr, q_ptr, s_ptr, n, block, blocks, prescale,
-                    HAS_RES: tl.constexpr, ROWS: tl.constexpr,
-                    COLS: tl.constexpr):
+def _tile(n, block, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """A program's consecutive blocks of ``block`` values (one a row):
+    their numbers, each value's index, and which indices hold values."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, COLS)
     idx = rows[:, None] * block + cols[None, :]
-    mask = (cols[None, :] < block) & (idx < n)
+    return rows, idx, (cols[None, :] < block) & (idx < n)
+
+
+@triton.jit
+def quantize_kernel(x_ptr, res_ptr, q_ptr, s_ptr, n, block, blocks, prescale,
+                    HAS_RES: tl.constexpr, ROWS: tl.constexpr,
+                    COLS: tl.constexpr):
+    rows, idx, mask = _tile(n, block, ROWS, COLS)
     v = tl.load(x_ptr + idx, mask=mask, other=0.0) * prescale
     if HAS_RES:
         v = v + tl.load(res_ptr + idx, mask=mask, other=0.0)
@@ -57,10 +64,7 @@ def quantize_kernel(x_ptr, res_ptr, q_ptr, s_ptr, n, block, blocks, prescale,
 def dequantize_kernel(q_ptr, s_ptr, out_ptr, n, block, blocks,
                       ACC: tl.constexpr, ROWS: tl.constexpr,
                       COLS: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, COLS)
-    idx = rows[:, None] * block + cols[None, :]
-    mask = (cols[None, :] < block) & (idx < n)
+    rows, idx, mask = _tile(n, block, ROWS, COLS)
     q = tl.load(q_ptr + idx, mask=mask, other=0).to(tl.float32)
     s = tl.load(s_ptr + rows, mask=rows < blocks, other=0.0)
     value = q * s[:, None]
