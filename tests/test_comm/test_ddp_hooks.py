@@ -321,6 +321,18 @@ def test_bf16_check_refuses_old_nccl_with_a_clear_error():
     assert 'fp16_compress' in message
 
 
+def _fresh_python(code: str, cwd=None) -> str:
+    """What ``code`` prints in a fresh interpreter (stripped); it must
+    exit 0."""
+    out = subprocess.run([sys.executable, '-c', code],
+                         capture_output=True,
+                         text=True,
+                         timeout=120,
+                         cwd=cwd)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
 def test_the_package_imports_without_mmengine():
     """Where MMEngine is not installed (a GPU image with torch alone):
     ``import mmcv_custom.hooks`` goes through the package's ``__init__``,
@@ -337,13 +349,9 @@ def test_the_package_imports_without_mmengine():
         '    mmcv_custom.CommHookRegistrationHook\n'
         'except ImportError as e:\n'
         '    print(e)\n')
-    out = subprocess.run([sys.executable, '-c', code],
-                         capture_output=True,
-                         text=True,
-                         timeout=120,
-                         cwd=osp.dirname(osp.dirname(mmcv_custom.__file__)))
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == (
+    out = _fresh_python(
+        code, cwd=osp.dirname(osp.dirname(mmcv_custom.__file__)))
+    assert out == (
         'mmcv_custom.CommHookRegistrationHook needs MMEngine, which is not '
         'installed (pip install mmengine, or `make install` in a checkout). '
         'The hooks themselves need only torch: import them from '
@@ -367,9 +375,4 @@ def test_hook_modules_import_without_mmengine(tmp_path):
         'import mmcv_custom.hooks, mmcv_custom.hooks.powersgd_state\n'
         'import mmcv_custom.hooks.sharded, mmcv_custom.comm.records\n'
         'print(sorted(m for m in sys.modules if m.startswith("mmengine")))\n')
-    out = subprocess.run([sys.executable, '-c', code],
-                         capture_output=True,
-                         text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == '[]'
+    assert _fresh_python(code) == '[]'
