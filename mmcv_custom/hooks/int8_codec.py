@@ -248,9 +248,17 @@ class BlockTable:
         self.res_extent = extent(_RES, lengths)
         self.byte_extent = max(extent(_PAYLOAD, lengths), extent(_SCALE, 4))
         self._index: Dict[torch.device, tuple] = {}
+        self._rows: Dict[torch.device, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def rows_on(self, device: torch.device) -> torch.Tensor:
+        """:attr:`rows` on ``device``, copied there once (what a kernel
+        reads them from)."""
+        if device not in self._rows:
+            self._rows[device] = self.rows.to(device)
+        return self._rows[device]
 
     def residual_index(self, device: torch.device) -> torch.Tensor:
         """The residual offset of every value, block after block in row

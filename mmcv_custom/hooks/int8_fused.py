@@ -126,14 +126,6 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int,
         **_OPTIONS)
 
 
-def _rows_on(table, device: torch.device) -> torch.Tensor:
-    """The table's rows on ``device``, copied there once."""
-    cache = table.__dict__.setdefault('_fused_rows', {})
-    if device not in cache:
-        cache[device] = table.rows.to(device)
-    return cache[device]
-
-
 def quantize_table(x: torch.Tensor, table, dst: torch.Tensor, prescale: float,
                    residual: Optional[torch.Tensor], mode: int) -> None:
     """:func:`.int8_codec.quantize_blocks` in one kernel; ``mode`` 0, 1 or
@@ -143,7 +135,7 @@ def quantize_table(x: torch.Tensor, table, dst: torch.Tensor, prescale: float,
         x,
         x if residual is None else residual,
         dst,
-        _rows_on(table, x.device),
+        table.rows_on(x.device),
         len(table),
         float(prescale),
         MODE=mode,
@@ -159,7 +151,7 @@ def dequantize_table(src: torch.Tensor, table, out: torch.Tensor,
     _k().dequantize_table_kernel[(_cdiv(len(table), rows), )](
         src,
         out,
-        _rows_on(table, out.device),
+        table.rows_on(out.device),
         len(table),
         ACC=bool(accumulate),
         ROWS=rows,
