@@ -61,14 +61,25 @@ AUTO_DEFAULTS = dict(
 DECIDING_KEYS = ('max_loss', 'min_gain', 'candidates')
 
 
-def check_auto_cfg(cfg: dict) -> dict:
+def check_auto_cfg(cfg: dict,
+                   runnable: Optional[Callable[[dict], Any]] = None) -> dict:
     """The ``auto`` config with its defaults, every key checked.
+
+    Args:
+        cfg (dict): ``dict(type='auto', ...)``.
+        runnable (Callable, optional): ``runnable(settings)`` raises when
+            the run could try none of the candidates the checked settings
+            allow, saying what would help: under FSDP2,
+            :func:`~.sharded.sharded_auto_candidates`, where raising
+            ``max_loss`` does not always help. Defaults to None: DDP, where
+            every hook runs, and a class too low is the one reason.
 
     Raises:
         TypeError: A key ``auto`` does not take (``wrapper`` and
             ``topology`` included: it chooses them), or a value of the
             wrong type.
-        ValueError: A value out of range, e.g. ``min_gain=10`` for 10%.
+        ValueError: A value out of range, e.g. ``min_gain=10`` for 10%,
+            or candidates none of which ``max_loss`` allows.
     """
     given = dict(cfg)
     given.pop('type', None)
@@ -104,12 +115,21 @@ def check_auto_cfg(cfg: dict) -> dict:
                 f'but got {list(names)!r}; registered: '
                 f'{", ".join(COMM_HOOKS.module_dict)}')
         out['candidates'] = list(names)
-        if not auto_candidates(out['max_loss'], names=out['candidates']):
-            raise ValueError(
-                f'comm_hook auto: none of {out["candidates"]} is of class '
-                f'{out["max_loss"]!r} or below (max_loss); raise max_loss or '
-                'name other hooks')
-    return dict(type=AUTO, **out)
+    settings = dict(type=AUTO, **out)
+    (runnable or _ddp_runnable)(settings)
+    return settings
+
+
+def _ddp_runnable(settings: dict) -> None:
+    """Under DDP every registered hook runs: only ``max_loss`` can leave
+    the named candidates nothing to try."""
+    names = settings['candidates']
+    if names is not None and not auto_candidates(
+            settings['max_loss'], names=names):
+        raise ValueError(
+            f'comm_hook auto: none of {names} is of class '
+            f'{settings["max_loss"]!r} or below (max_loss); raise max_loss '
+            'or name other hooks')
 
 
 def auto_settings(pairs: Sequence[str]) -> dict:

@@ -13,7 +13,8 @@ from typing import Any, List, Optional
 import torch
 
 from ..hooks.topology import NodeClaim
-from .auto import AUTO, AutoCandidate, auto_candidates
+from .accuracy import ACCURACY_CLASSES, class_rank
+from .auto import AUTO, AutoCandidate, auto_candidates, check_auto_cfg
 from .builder import (check_comm_hook_cfg, describe_sent_as_they_are,
                       hook_record, lookup_hook)
 from .records import record_of
@@ -147,43 +148,79 @@ def sharded_auto_candidates(settings: dict) -> List[AutoCandidate]:
 
     Raises:
         ValueError: None of those ``settings`` allows has one, naming the
-            hooks that do.
+            candidates that run under FSDP2 and the ``max_loss`` each
+            needs (:func:`_no_sharded_candidate`).
     """
+    out = _sharded(
+        auto_candidates(settings['max_loss'], names=settings['candidates']))
+    if not out:
+        raise ValueError(_no_sharded_candidate(settings))
+    return out
+
+
+def _sharded(candidates: List[AutoCandidate]) -> List[AutoCandidate]:
+    """Those of ``candidates`` that have a sharded form."""
     out = []
-    for candidate in auto_candidates(
-            settings['max_loss'], names=settings['candidates']):
+    for candidate in candidates:
         try:
             build_sharded_comm(dict(candidate.config))
         except ValueError:
             continue
         out.append(candidate)
-    if not out:
-        forms = [
-            name for name, hook in COMM_HOOKS.module_dict.items()
-            if record_of(hook).fsdp2_form is not None
-        ]
-        raise ValueError(
-            f"comm_hook type='auto' under FSDP2 (FSDP2Strategy): none of "
-            f"the hooks of class {settings['max_loss']!r} or below" +
-            (f" among {settings['candidates']}" if settings['candidates'] else
-             '') + ' has a sharded form; those that have one: '
-            f'{", ".join(forms)} (int8_compress with error_feedback=False, '
-            "class 'quantized')")
     return out
+
+
+def _no_sharded_candidate(settings: dict) -> str:
+    """Why ``auto`` has nothing to try under FSDP2, and what would: raising
+    ``max_loss`` only where one of the named hooks has a sharded form in a
+    lossier class (``int8_compress`` without error feedback); else the
+    hooks to name instead, with the ``max_loss`` each needs."""
+    names, max_loss = settings['candidates'], settings['max_loss']
+    runs = _sharded(auto_candidates('any', two_level=False))
+    named = [c for c in runs if names is None or c.config['type'] in names]
+    what = f'none of {names}' if names else 'no hook'
+    allowed = ('at any max_loss'
+               if max_loss == 'any' else f'at max_loss={max_loss!r} or below')
+    says = [
+        f"comm_hook type='auto' under FSDP2 (FSDP2Strategy): {what} runs "
+        f'under FSDP2 {allowed}'
+    ]
+    if named:
+        least = min(named, key=lambda c: class_rank(c.klass))
+        says.append(f'{least.key} does from max_loss='
+                    f'{_max_loss_for(least.klass)!r} on: raise max_loss to '
+                    f'{_max_loss_for(least.klass)!r}')
+    without = sorted(set(names or ()) - {c.config['type'] for c in named})
+    if without:
+        says.append(f'{", ".join(without)} ha'
+                    f'{"s" if len(without) == 1 else "ve"} no sharded form '
+                    'at any max_loss (FSDP2 reduce-scatters; DDP '
+                    'communication hooks do not run under it)')
+    listing = ', '.join(f'{c.key} (max_loss={_max_loss_for(c.klass)!r})'
+                        for c in runs)
+    return ('; '.join(says) + '. The candidates that run under FSDP2, with '
+            f'the max_loss each needs: {listing}; name those in candidates '
+            '(or leave candidates out)')
+
+
+def _max_loss_for(klass: str) -> str:
+    """The least ``max_loss`` that allows a candidate of ``klass``."""
+    return klass if klass in ACCURACY_CLASSES else 'any'
 
 
 def check_sharded_cfg(cfg: Any) -> None:
     """A ``comm_hook`` config checked for FSDP2 without building anything:
     a named type needs a sharded form (:func:`build_sharded_comm`),
     ``auto`` at least one allowed candidate with one
-    (:func:`sharded_auto_candidates`).
+    (:func:`sharded_auto_candidates`, in place of the check for DDP,
+    whose advice to raise ``max_loss`` may not help here).
 
     Raises:
         The errors of those two and of :func:`check_comm_hook_cfg`.
     """
-    checked = check_comm_hook_cfg(cfg)
-    if checked['type'] == AUTO:
-        sharded_auto_candidates(checked)
+    if (isinstance(cfg, dict) and cfg.get('type') == AUTO
+            and AUTO not in COMM_HOOKS.module_dict):
+        check_auto_cfg(cfg, runnable=sharded_auto_candidates)
     else:
         build_sharded_comm(cfg)
 

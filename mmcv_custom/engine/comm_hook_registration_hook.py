@@ -18,6 +18,8 @@ from ..comm.sharded import (build_sharded_comm, check_sharded_cfg,
 from ..comm.telemetry import CommCounter
 from ..hooks.cast import cpu_codec
 from ..hooks.half import CompressState
+from ..hooks.int8 import Int8State
+from ..hooks.int8_codec import codec_in_use
 from ..hooks.sharded import (fsdp_modules, make_reduce_scatter,
                              set_reduce_scatter)
 from ..hooks.validation import require_int
@@ -32,6 +34,24 @@ __all__ = ['CommHookRegistrationHook', 'NonFiniteGradientsError']
 
 def _describe_cfg(cfg: dict) -> str:
     return 'dict(' + ', '.join(f'{k}={v!r}' for k, v in cfg.items()) + ')'
+
+
+def _codec(spec, param) -> str:
+    """The registration line's last part: what runs ``spec``'s int8 codec
+    (any device; DDP's hook or FSDP2's reduce-scatter), or its casts to
+    half precision on CPU; '' for neither. Called on every rank (it
+    raises on a bad ``MMCV_CUSTOM_INT8_FUSED``)."""
+    if param is None:
+        return ''
+    block = getattr(spec, 'int8_block_size', None)
+    if isinstance(spec.state, Int8State):
+        block = spec.state.block_size
+    if block is not None:
+        return f'; int8 codec: {codec_in_use(param.device, block)}'
+    if param.device.type == 'cpu' and (getattr(spec, 'wrapper', None) or
+                                       isinstance(spec.state, CompressState)):
+        return f'; CPU casts: {cpu_codec()}'
+    return ''
 
 
 class _Unknown(float):
@@ -218,14 +238,13 @@ class CommHookRegistrationHook(Hook):
                 'CommHookRegistrationHook is enabled but the config sets no '
                 "`comm_hook` (e.g. comm_hook = dict(type='bf16_compress')); "
                 'DDP keeps its default full-precision all-reduce.')
+        elif fsdp_modules(runner.model):
+            # FSDP2 (FSDP2Strategy): only types with a sharded form.
+            check_sharded_cfg(self._cfg)
         else:
             check_comm_hook_cfg(self._cfg)
-            if fsdp_modules(runner.model):
-                # FSDP2 (FSDP2Strategy): only types with a sharded form.
-                check_sharded_cfg(self._cfg)
-            else:
-                # Raises for FSDP1, DeepSpeed & co. before any heavy work.
-                self._ddp_modules(runner.model)
+            # Raises for FSDP1, DeepSpeed & co. before any heavy work.
+            self._ddp_modules(runner.model)
         self._checked = True
 
     def before_train(self, runner) -> None:
@@ -334,6 +353,9 @@ class CommHookRegistrationHook(Hook):
             self._installed.append(
                 (name, spec, counter, self._names(name, ddp)))
 
+        # On every rank: a bad MMCV_CUSTOM_INT8_FUSED stops them alike.
+        param = next(targets[0][1].module.parameters(), None)
+        casts = _codec(self._installed[0][1], param)
         if is_main_process():
             ddp = targets[0][1]
             group = ddp.process_group
@@ -342,12 +364,6 @@ class CommHookRegistrationHook(Hook):
                 where += ' submodules ' + ', '.join(
                     name for name, *_ in self._installed)
             spec = self._installed[0][1]
-            casts = ''
-            param = next(ddp.module.parameters(), None)
-            on_cpu = param is not None and param.device.type == 'cpu'
-            if on_cpu and (spec.wrapper
-                           or isinstance(spec.state, CompressState)):
-                casts = f'; CPU casts: {cpu_codec()}'
             chosen = (f' (chosen by comm_hook auto, {_describe_cfg(cfg)})'
                       if self._auto else '')
             runner.logger.info(
@@ -413,6 +429,7 @@ class CommHookRegistrationHook(Hook):
                           ids: dict) -> None:
         """Note what FSDP2 reduces with, and say it on rank 0."""
         self._installed = [('', spec, counter, ids)]
+        codec = _codec(spec, next(runner.model.parameters(), None))
         if is_main_process():
             group = torch.distributed.group.WORLD
             chosen = (f', chosen by comm_hook auto, '
@@ -422,7 +439,7 @@ class CommHookRegistrationHook(Hook):
                 'Registered the gradient reduction on the FSDP2 model '
                 f'({units} sharded modules{chosen}): {spec.describe()}; '
                 f'process group: {group.size()} ranks, backend '
-                f'{torch.distributed.get_backend(group)}.')
+                f'{torch.distributed.get_backend(group)}{codec}.')
             for note in spec.notes:
                 runner.logger.warning(note)
 

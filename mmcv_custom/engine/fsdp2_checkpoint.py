@@ -255,7 +255,8 @@ class ShardedCheckpointMixin:
         the same :class:`~mmcv_custom.integrity.CheckpointDamagedError`
         (the bad file, and the newest intact checkpoint beside it, which
         rank 0 looks for) rather than DCP's traceback from inside a
-        collective. A directory without a manifest loads, said once."""
+        collective. How it was verified is said once (INFO): against its
+        ``SHA256SUMS``, or, without one, not at all."""
         if not osp.isdir(filename):
             return
         part = ((self.rank, self.world_size) if self._distributed_now() else
@@ -267,7 +268,8 @@ class ShardedCheckpointMixin:
                 damaged_message(damaged[0], filename) if self.rank ==
                 0 else None)
             raise CheckpointDamagedError(message)
-        if results[0].status == 'no_digest':
+        if results[0].status in ('ok', 'no_digest'):
+            # Each rank hashed its part: none damaged, all of it verified.
             self.logger.info(results[0].message)
 
     def _load_sharded(self, filename: str, with_optimizer: bool) -> None:

@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 __all__ = [
     'quantize', 'dequantize', 'num_blocks', 'uses_c_kernel', 'BlockTable',
-    'quantize_blocks', 'dequantize_blocks', 'C_MAX_BLOCK'
+    'quantize_blocks', 'dequantize_blocks', 'C_MAX_BLOCK', 'codec_in_use'
 ]
 
 #: The largest block the C kernels take, as the C module says
@@ -63,6 +63,41 @@ def uses_c_kernel(x: torch.Tensor, block: int) -> bool:
     return (_cpu_codec is not None and hasattr(_cpu_codec, 'int8_encode')
             and x.device.type == 'cpu' and 1 <= block <= C_MAX_BLOCK
             and torch.get_num_threads() == 1)
+
+
+def codec_in_use(device: torch.device, block: int) -> str:
+    """Say which implementation quantizes blocks of ``block`` values on
+    ``device`` (for the log line that registers an int8 hook), chosen as
+    :func:`quantize` chooses: the C kernel, else the fused kernels where
+    asked for and able to run, else torch's ops. Where
+    ``MMCV_CUSTOM_INT8_FUSED=1`` asks for the fused kernels and they do not
+    run, it says so and why, so that the switch is never ignored without a
+    word.
+
+    Raises:
+        ValueError: ``MMCV_CUSTOM_INT8_FUSED`` holds a value other than 1
+            or 0 (:func:`.int8_fused.enabled`).
+    """
+    device = torch.device(device)
+    asked = int8_fused.enabled()
+    has_c = _cpu_codec is not None and hasattr(_cpu_codec, 'int8_encode')
+    if device.type == 'cpu' and has_c and 1 <= block <= C_MAX_BLOCK:
+        used = 'the C kernel'
+        said = f'C kernel ({_cpu_codec.isa()}) when single-threaded'
+    elif asked and int8_fused.unavailable_on(device) is None:
+        return f'fused Triton kernels ({int8_fused.ENV}=1)'
+    else:
+        used = "torch's ops"
+        said = 'torch ops'
+        if device.type == 'cpu':
+            said += (' (mmcv_custom._cpu_codec not built)' if not has_c else
+                     f" (block_size={block} is over the C kernel's "
+                     f'{C_MAX_BLOCK})')
+    if not asked:
+        return said
+    why = int8_fused.unavailable_on(device) or 'but the C kernel comes first'
+    return (f'{said}; {int8_fused.ENV}=1 asked for the fused kernels, {why}: '
+            f'{device.type.upper()} buckets use {used}')
 
 
 def _check(x: torch.Tensor, block: int) -> None:

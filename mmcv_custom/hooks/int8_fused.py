@@ -22,7 +22,8 @@ Bit for bit the torch path, by construction:
   the residual 0 where it is not finite).
 
 Used by :mod:`.int8_codec` for CUDA tensors when Triton imports and the
-environment sets ``MMCV_CUSTOM_INT8_FUSED=1``. It stays opt-in until a GPU
+environment sets ``MMCV_CUSTOM_INT8_FUSED=1`` (any other value but ``0``
+is refused, :func:`enabled`). It stays opt-in until a GPU
 run has shown it bit for bit and at speed (``tools/device_check.sh``,
 whose tests compare it with the torch path). Under ``TRITON_INTERPRET=1``
 (set before this module is imported) the kernels run on CPU tensors,
@@ -39,8 +40,8 @@ from typing import Optional
 import torch
 
 __all__ = [
-    'AVAILABLE', 'ENV', 'enabled', 'usable', 'quantize', 'dequantize',
-    'quantize_table', 'dequantize_table'
+    'AVAILABLE', 'ENV', 'enabled', 'unavailable_on', 'usable', 'quantize',
+    'dequantize', 'quantize_table', 'dequantize_table'
 ]
 
 #: The environment variable that turns the fused kernels on.
@@ -54,15 +55,36 @@ _OPTIONS = dict(enable_fp_fusion=False)
 
 
 def enabled() -> bool:
-    """Whether ``MMCV_CUSTOM_INT8_FUSED=1`` asks for the fused kernels."""
-    return os.environ.get(ENV) == '1'
+    """Whether ``MMCV_CUSTOM_INT8_FUSED=1`` asks for the fused kernels.
+
+    Raises:
+        ValueError: The variable is set to something other than ``1`` or
+            ``0`` (``yes``, ``true``, ``2``...): a switch that reads such a
+            value as "off" would leave the user believing it is on.
+    """
+    value = os.environ.get(ENV, '')
+    if value not in ('', '0', '1'):
+        raise ValueError(
+            f'{ENV} should be 1 (the int8 codec in fused Triton kernels, '
+            f'on CUDA) or 0 (not), but got {value!r}')
+    return value == '1'
+
+
+def unavailable_on(device: torch.device) -> Optional[str]:
+    """Why the kernels cannot run on ``device``, in words for the log
+    (they need CUDA, or Triton's interpreter, and Triton installed); None
+    where they can."""
+    if (torch.device(device).type != 'cuda'
+            and os.environ.get('TRITON_INTERPRET') != '1'):
+        return 'which run on CUDA only'
+    if not AVAILABLE:
+        return 'but Triton is not installed'
+    return None
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether the kernels can run on ``x``'s device: Triton installed, and
-    a CUDA tensor (or any, under Triton's interpreter)."""
-    return AVAILABLE and (x.device.type == 'cuda'
-                          or os.environ.get('TRITON_INTERPRET') == '1')
+    """Whether the kernels can run on ``x``'s device."""
+    return unavailable_on(x.device) is None
 
 
 def _k():

@@ -38,8 +38,9 @@ from .checkpoint import (DCP_METADATA_FILE, SHARDED_META_FILE,
                          UnsafeCheckpointError, is_sharded_checkpoint,
                          load_checkpoint_file, say_unverified_once)
 from .files import (MANIFEST_FILE, CheckpointDamagedError, Verification,
-                    atomic_write_text, checkpoint_candidates, file_sha256,
-                    unverified_refusal, verify_file)
+                    atomic_write_stream, atomic_write_text,
+                    checkpoint_candidates, file_sha256, unverified_refusal,
+                    verify_file)
 
 __all__ = [
     'safe_load_planner', 'safe_dcp_load', 'consolidate_sharded_checkpoint',
@@ -218,8 +219,9 @@ def verify_sharded_checkpoint(
         more = f' (and {len(bad) - 1} more files)' if len(bad) > 1 else ''
         return Verification('damaged',
                             _mismatch(path, name, actual, digests[name], more))
-    return Verification('ok', f'{path}: {len(names)} files, SHA-256 '
-                        'verified')
+    return Verification(
+        'ok', f'{path}: {len(names)} files, SHA-256 verified '
+        f'({MANIFEST_FILE})')
 
 
 def newest_intact_checkpoint(
@@ -350,13 +352,20 @@ def consolidate_sharded_checkpoint(path: str) -> dict:
             from ``SHA256SUMS`` (:func:`require_intact_sharded`).
         FileNotFoundError: ``path`` is not a complete sharded checkpoint.
     """
+    return _consolidate(path)[0]
+
+
+def _consolidate(path: str) -> Tuple[dict, Optional[Verification]]:
+    """:func:`consolidate_sharded_checkpoint`, and what verified ``path``
+    (None: not a directory, refused below)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    verified = None
     if osp.isdir(path):
         # First: a manifest names a missing .metadata or meta.pth, which
         # the completeness test below would only call incomplete.
-        require_intact_sharded(path)
+        verified = require_intact_sharded(path)
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(
             f'{path} is not a complete sharded checkpoint (a directory '
@@ -381,7 +390,7 @@ def consolidate_sharded_checkpoint(path: str) -> dict:
             k[len(prefix):]: v
             for k, v in state.items()
         },
-    }
+    }, verified
 
 
 @contextlib.contextmanager
@@ -389,11 +398,22 @@ def consolidated_file(path: str):
     """A temporary ordinary checkpoint file of the sharded checkpoint
     ``path`` (:func:`consolidate_sharded_checkpoint`), removed on exit: for
     a runner that only loads files (``load_from`` of a DDP config). Each
-    process writes its own, so no rank waits on another's file system."""
+    process writes its own, so no rank waits on another's file system.
+
+    What vouches for the weights is ``path``'s ``SHA256SUMS``, checked
+    here and said once (INFO, ``SHA-256 verified (SHA256SUMS)``; a
+    directory without one is said to load unverified). The file is written
+    with its digest: the runner's loader checks every file it reads, and
+    would otherwise call this one, which it cannot tell from a file
+    without a digest, "loaded unverified"."""
     folder = tempfile.mkdtemp(prefix='sharded_ckpt_')
     try:
         file = osp.join(folder, 'model.pth')
-        torch.save(consolidate_sharded_checkpoint(path), file)
+        checkpoint, verified = _consolidate(path)
+        atomic_write_stream(file, lambda f: torch.save(checkpoint, f))
+        if verified is not None and verified.status == 'ok':
+            from mmengine.logging import print_log
+            print_log(verified.message, logger='current')
         yield file
     finally:
         shutil.rmtree(folder, ignore_errors=True)

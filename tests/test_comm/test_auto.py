@@ -8,7 +8,7 @@ from mmcv_custom.comm.accuracy import choose_by_class, picked
 from mmcv_custom.comm.auto import (AutoTrials, auto_candidates, auto_settings,
                                    check_auto_cfg)
 from mmcv_custom.comm.builder import build_comm_hook, check_comm_hook_cfg
-from mmcv_custom.comm.sharded import (build_sharded_comm,
+from mmcv_custom.comm.sharded import (build_sharded_comm, check_sharded_cfg,
                                       sharded_auto_candidates)
 from mmcv_custom.testing import run_ranks
 
@@ -54,14 +54,57 @@ def test_auto_is_no_hook_to_build_and_under_fsdp2_tries_sharded_forms():
         c.key for c in sharded_auto_candidates(
             auto_settings(['max_loss=quantized']))
     ]
-    with pytest.raises(
-            ValueError,
-            match='has a sharded form; those that '
-            'have one: allreduce, fp16_compress'):
-        sharded_auto_candidates(
-            auto_settings(["candidates=['powerSGD']", 'max_loss=any']))
     with pytest.raises(KeyError, match=r"\(or 'auto'\)"):
         check_comm_hook_cfg(dict(type='autoo'))
+
+
+# What runs under FSDP2, and the max_loss each needs (issue 42).
+UNDER_FSDP2 = (
+    ". The candidates that run under FSDP2, with the max_loss each needs: "
+    "allreduce (max_loss='exact'), fp16_compress (max_loss='half'), "
+    "bf16_compress (max_loss='half'), int8_compress error_feedback=False "
+    "(max_loss='quantized'); name those in candidates (or leave candidates "
+    'out)')
+
+
+def _fsdp2_refusal(cfg: dict) -> str:
+    with pytest.raises(ValueError) as info:
+        check_sharded_cfg(cfg)
+    return str(info.value)
+
+
+def test_auto_under_fsdp2_names_what_runs_there_not_raise_max_loss():
+    # DDP runs every hook: raising max_loss is what lets powerSGD in.
+    with pytest.raises(ValueError, match='raise max_loss or name other'):
+        check_comm_hook_cfg(dict(type='auto', candidates=['powerSGD']))
+    # Under FSDP2 no max_loss would: it has no sharded form.
+    for cfg in (dict(type='auto', candidates=['powerSGD']),
+                dict(type='auto', candidates=['powerSGD'], max_loss='any')):
+        message = _fsdp2_refusal(cfg)
+        allowed = ('at any max_loss' if 'max_loss' in cfg else
+                   "at max_loss='quantized_ef' or below")
+        assert message == (
+            "comm_hook type='auto' under FSDP2 (FSDP2Strategy): none of "
+            f"['powerSGD'] runs under FSDP2 {allowed}" +
+            '; powerSGD has no sharded form at any max_loss (FSDP2 '
+            'reduce-scatters; DDP communication hooks do not run under it)' +
+            UNDER_FSDP2)
+        assert 'raise max_loss' not in message
+    # Where a named hook does run at a lossier class, raising max_loss
+    # is the fix, and says to what.
+    named = ['batched_powerSGD', 'int8_compress']
+    assert _fsdp2_refusal(dict(type='auto', candidates=named)) == (
+        "comm_hook type='auto' under FSDP2 (FSDP2Strategy): none of "
+        "['batched_powerSGD', 'int8_compress'] runs under FSDP2 at "
+        "max_loss='quantized_ef' or below; int8_compress "
+        "error_feedback=False does from max_loss='quantized' on: raise "
+        "max_loss to 'quantized'; batched_powerSGD has no sharded form at "
+        'any max_loss (FSDP2 reduce-scatters; DDP communication hooks do '
+        'not run under it)' + UNDER_FSDP2)
+    assert "raise max_loss to 'half'" in _fsdp2_refusal(
+        dict(type='auto', candidates=['fp16_compress'], max_loss='exact'))
+    check_sharded_cfg(
+        dict(type='auto', candidates=['int8_compress'], max_loss='quantized'))
 
 
 def test_candidates_are_the_records_settings_the_class_allows():

@@ -7,6 +7,7 @@ InternViT UperNet config trained by a real FlexibleRunner on 2 ranks
 (resume equality, checkpoint layout, errors); one end-to-end run through
 ``tools/dist_train.sh`` and ``tools/test.py``.
 """
+import glob
 import os
 import os.path as osp
 import re
@@ -498,7 +499,7 @@ def test_dist_train_then_evaluate_the_sharded_checkpoint(tmp_path):
     # fine-tuning run and a resume, each in a process and a folder of its
     # own.
     converted = str(tmp_path / 'model.pth')
-    tested, conv, tuned, resumed = _tools_at_once(
+    tested, tested_sharded, conv, tuned, resumed = _tools_at_once(
         [
             # One process, the DDP config: its consolidated weights.
             [
@@ -506,6 +507,13 @@ def test_dist_train_then_evaluate_the_sharded_checkpoint(tmp_path):
                 osp.join(ROOT, 'tools', 'test.py'), TINY_DDP, ckpt,
                 '--work-dir',
                 str(tmp_path / 'eval'), '--cfg-options', *TOY_SET
+            ],
+            # One process, the FSDP2 config: the shards, resharded.
+            [
+                sys.executable,
+                osp.join(ROOT, 'tools', 'test.py'), TINY_FSDP2, ckpt,
+                '--work-dir',
+                str(tmp_path / 'eval_sharded'), '--cfg-options', *TOY_SET
             ],
             [
                 sys.executable,
@@ -532,10 +540,17 @@ def test_dist_train_then_evaluate_the_sharded_checkpoint(tmp_path):
 
     # Validation used rank 0's BN statistics, as the checkpoint does: same
     # mIoU.
-    log = tested.stdout + tested.stderr
-    assert tested.returncode == 0, log[-3000:]
-    assert 'is a sharded checkpoint: evaluating its consolidated' in log
-    assert re.findall(r'mIoU: (\d+\.\d+)', log)[-1] == trained
+    # Either way its SHA256SUMS vouches for it, said once (issue 42: the
+    # consolidated copy was called "loaded unverified").
+    verified = f'{ckpt}: 4 files, SHA-256 verified (SHA256SUMS)'
+    for run in (tested, tested_sharded):
+        log = run.stdout + run.stderr
+        assert run.returncode == 0, log[-3000:]
+        assert log.count(verified) == 1, log[-3000:]
+        assert 'unverified' not in log
+        assert re.findall(r'mIoU: (\d+\.\d+)', log)[-1] == trained
+    assert 'is a sharded checkpoint: evaluating its consolidated' in (
+        tested.stdout + tested.stderr)
 
     assert conv.returncode == 0, conv.stderr
     assert 'saved by 2 ranks at iteration 4' in conv.stdout
@@ -545,6 +560,7 @@ def test_dist_train_then_evaluate_the_sharded_checkpoint(tmp_path):
     log = tuned.stdout + tuned.stderr
     assert tuned.returncode == 0, log[-3000:]
     assert 'is a sharded checkpoint: loading its consolidated weights' in log
+    assert log.count(verified) == 1 and 'unverified' not in log
     assert resumed.returncode == 2  # said before anything starts
     assert resumed.stderr.startswith(
         f'train.py: error: {ckpt} is a sharded checkpoint of FSDP2Strategy: '
@@ -565,6 +581,27 @@ def test_dist_train_refuses_powersgd_under_fsdp2(tmp_path):
     assert ("comm_hook type='powerSGD' has no sharded form: under FSDP2"
             in log)
     assert not osp.exists(str(tmp_path / 'w' / 'iter_4.pth'))
+
+
+def test_auto_with_no_sharded_candidate_is_refused_before_any_work(tmp_path):
+    """Issue 42: ``auto`` whose candidates have no sharded form is refused
+    by train.py's start-up check, naming what runs under FSDP2, not
+    advising a max_loss that cannot help."""
+    out = _tool([
+        sys.executable,
+        osp.join(ROOT, 'tools', 'train.py'), TINY_FSDP2, '--work-dir',
+        str(tmp_path / 'w'), '--cfg-options', 'comm_hook.type=auto',
+        'comm_hook.candidates=[powerSGD]', *TOY_SET
+    ], str(tmp_path))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.startswith(
+        "train.py: error: comm_hook type='auto' under FSDP2 (FSDP2Strategy): "
+        "none of ['powerSGD'] runs under FSDP2 at max_loss='quantized_ef' "
+        'or below; powerSGD has no sharded form at any max_loss'), out.stderr
+    assert ("The candidates that run under FSDP2, with the max_loss each "
+            "needs: allreduce (max_loss='exact'), ") in out.stderr
+    assert 'raise max_loss' not in out.stderr
+    assert not osp.exists(tmp_path / 'w')
 
 
 def _unsavable_hook():
@@ -663,6 +700,13 @@ def test_int8_without_error_feedback_trains_sharded(tmp_path):
         assert all(0.25 < ratio < 0.26 for ratio in r['comm_ratio'])
         assert r['losses'][-1] < r['losses'][0]
         assert r['comm_MB'] == [_modelled_mb('int8_compress')] * 4
+    # Which codec quantizes, as the DDP hook's line says (issue 42).
+    [log] = glob.glob(str(tmp_path / 'w' / '*' / '*.log'))
+    with open(log) as f:
+        line = next(t for t in f if 'Registered the gradient reduction' in t)
+    assert re.search(
+        r"type='int8_compress' \(FSDP2 reduce-scatter in int8, .* backend "
+        r'gloo; int8 codec: C kernel \(\w+\) when single-threaded\.$', line)
 
 
 def test_unsafe_contents_of_a_sharded_checkpoint_are_refused(tmp_path):

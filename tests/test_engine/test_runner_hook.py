@@ -1,5 +1,7 @@
 """CommHookRegistrationHook inside real MMEngine Runners on gloo ranks."""
+import os
 import os.path as osp
+import re
 import tempfile
 
 import pytest
@@ -58,6 +60,43 @@ def test_registers_once_and_logs_once_on_rank0(tmp_path, comm_hook, expected):
     assert losses0  # it trained
     if comm_hook['type'] == 'bf16_compress':
         assert name0 == 'bf16_compress_hook'
+
+
+def _registered(rank, world_size, work_dir, fused_flags):
+    """For each value of MMCV_CUSTOM_INT8_FUSED, a Runner's int8
+    registration line, or its error (registration needs no train step:
+    the hooks driven as train() drives them)."""
+    out = []
+    for i, flag in enumerate(fused_flags):
+        os.environ['MMCV_CUSTOM_INT8_FUSED'] = flag
+        runner, records = _runner(
+            osp.join(work_dir, str(i)), dict(type='int8_compress'))
+        try:
+            runner.call_hook('before_run')
+            runner.call_hook('before_train')
+        except ValueError as e:
+            out.append(str(e))
+            continue
+        out.append([m for _, m in records.lines if REGISTERED in m])
+    return out
+
+
+def test_the_line_says_which_int8_codec_runs_and_why_not_the_asked_one(
+        tmp_path):
+    """Issue 42: MMCV_CUSTOM_INT8_FUSED=1 on CPU buckets is said, not
+    ignored; a value that is neither 1 nor 0 stops every rank."""
+    flags = ['1', 'yes']
+    (lines0, refused0), (lines1, refused1) = run_ranks(_registered,
+                                                       str(tmp_path), flags)
+    assert len(lines0) == 1 and lines1 == []
+    assert "type='int8_compress' (int8_compress_hook)" in lines0[0]
+    assert re.search(
+        r'backend gloo; int8 codec: C kernel \(\w+\) when single-threaded; '
+        'MMCV_CUSTOM_INT8_FUSED=1 asked for the fused kernels, which run '
+        r'on CUDA only: CPU buckets use the C kernel\.$', lines0[0]), lines0[0]
+    assert refused0 == refused1 == (
+        'MMCV_CUSTOM_INT8_FUSED should be 1 (the int8 codec in fused Triton '
+        "kernels, on CUDA) or 0 (not), but got 'yes'")
 
 
 def _not_distributed(rank, world_size, work_dir, comm_hook):

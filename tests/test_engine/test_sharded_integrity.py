@@ -25,8 +25,8 @@ from torch import nn
 from mmcv_custom.integrity import (CheckpointDamagedError, atomic_write_bytes,
                                    verify_file)
 from mmcv_custom.integrity.sharded_checkpoint import (
-    MANIFEST_FILE, consolidate_sharded_checkpoint, read_manifest,
-    verify_sharded_checkpoint)
+    MANIFEST_FILE, consolidate_sharded_checkpoint, consolidated_file,
+    read_manifest, verify_sharded_checkpoint)
 from mmcv_custom.testing import run_ranks
 from tests.tool_utils import load_script
 
@@ -246,6 +246,40 @@ def test_a_checkpoint_older_than_manifests_still_loads(saved, tmp_path):
             match=rf'^{re.escape(shard)} is missing: \.metadata '
             'names it'):
         consolidate_sharded_checkpoint(ckpt)
+
+
+def test_a_consolidated_copy_is_verified_once_never_called_unverified(
+        saved, tmp_path):
+    """Issue 42: what a DDP config loads of a sharded checkpoint (a
+    temporary file, through MMEngine's loader) was called "loaded
+    unverified" though its SHA256SUMS had been checked."""
+    from mmengine.logging import MMLogger
+
+    from mmcv_custom.engine.checkpoint_io import load_verified
+    work = _copy(saved, tmp_path)
+    ckpt = str(work / 'iter_4.pth')
+    log = str(tmp_path / 'info.log')
+    MMLogger.get_instance('test_consolidated_copy', log_file=log)
+    with consolidated_file(ckpt) as file:
+        assert verify_file(file).status == 'ok'
+        assert load_verified(file)['meta']['iter'] == 4
+    assert not osp.exists(osp.dirname(file))
+    with open(log) as f:
+        text = f.read()
+    assert text.count(f'{ckpt}: {len(read_manifest(ckpt))} files, SHA-256 '
+                      'verified (SHA256SUMS)') == 1
+    assert 'unverified' not in text
+    # Without digests anywhere: the directory loads unverified, said of it
+    # once; the copy is not named.
+    for name in ('iter_2.pth', 'iter_4.pth'):
+        os.remove(osp.join(work, name, MANIFEST_FILE))
+    with consolidated_file(ckpt) as file:
+        load_verified(file)
+    with open(log) as f:
+        said = [line for line in f if 'unverified' in line]
+    assert len(said) == 1 and said[0].rstrip().endswith(
+        f'{ckpt} has no {MANIFEST_FILE} (written before sharded checkpoints '
+        'had digests): loaded unverified')
 
 
 def _load_all(rank, world_size, log_dir, paths):
