@@ -55,6 +55,8 @@ from mmcv_custom.launching.emulated_cluster.run import (DEFAULT_PORT,
                                                         TIMEOUT_EXIT_CODE,
                                                         NodesFailed,
                                                         run_on_nodes)
+from mmcv_custom.launching.emulated_cluster.shaping import (MAX_RATE_MBIT,
+                                                            MIN_RATE_MBIT)
 
 PROG = 'emulated_cluster.py'
 _UNSHAPED = 'unshaped'
@@ -72,6 +74,11 @@ def _bandwidth(value: str):
         raise argparse.ArgumentTypeError(
             'should be a rate in Mbit/s > 0, or 0 or "unshaped" for links '
             f'that are not shaped, but got {value!r}')
+    if mbit and not MIN_RATE_MBIT <= mbit <= MAX_RATE_MBIT:
+        raise argparse.ArgumentTypeError(
+            f'should be from {MIN_RATE_MBIT:g} to {MAX_RATE_MBIT:g} Mbit/s '
+            "(what tc's tbf shapes as given), or 0 or \"unshaped\" for "
+            f'links that are not shaped, but got {value!r}')
     return mbit or None
 
 

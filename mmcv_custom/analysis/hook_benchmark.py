@@ -14,6 +14,7 @@ flat parameter of a bucket here has none. A hook's codec
 (:attr:`~mmcv_custom.comm.records.HookRecord.codec`) is timed where its
 record names one, beside PyTorch's cast to the same half-precision format.
 """
+import importlib
 import os
 import statistics
 import time
@@ -27,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from mmcv_custom.comm import states  # noqa: F401 (registers the factories)
 from mmcv_custom.comm.records import HookRecord
 from mmcv_custom.comm.registry import COMM_HOOK_STATES
+from mmcv_custom.comm.traffic import COLLECTIVE_KINDS, sent_bytes
 from mmcv_custom.hooks import int8_codec
 from mmcv_custom.launching.bench_ranks import write_results
 from mmcv_custom.launching.running import shutdown_distributed
@@ -158,20 +160,17 @@ def _planted(rank, numel):
             -3, 3, (numel, ), generator=gen).float()
 
 
-# The collectives whose bytes are counted, by the start of the name the
-# backend gives its profiler event (``gloo:all_to_all``,
-# ``nccl:_all_gather_base``, ...).
-_COLLECTIVES = ('all_reduce', 'all_to_all', 'all_gather')
-
-
 def _collective(name):
-    """Which of :data:`_COLLECTIVES` the profiler event ``name`` is, or
-    None (not a gloo or NCCL collective we count)."""
+    """Which of the counting rule's collectives
+    (:data:`~mmcv_custom.comm.traffic.COLLECTIVE_KINDS`) the profiler
+    event ``name`` is, by the start of the name the backend gives it
+    (``gloo:all_to_all``, ``nccl:_all_gather_base``, ...), or None (not a
+    gloo or NCCL collective that moves gradients)."""
     backend, _, op = name.partition(':')
     if backend not in ('gloo', 'nccl'):
         return None
     op = op.lstrip('_')
-    return next((c for c in _COLLECTIVES if op.startswith(c)), None)
+    return next((c for c in COLLECTIVE_KINDS if op.startswith(c)), None)
 
 
 def _wire_bytes(step):
@@ -183,7 +182,8 @@ def _wire_bytes(step):
     segment included), the rank's own part of an ``all_gather``.
 
     Returns:
-        dict: Collective (:data:`_COLLECTIVES`) -> bytes.
+        dict: Collective (each of
+        :data:`~mmcv_custom.comm.traffic.COLLECTIVE_KINDS`) -> bytes.
     """
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
@@ -197,7 +197,7 @@ def _wire_bytes(step):
             experimental_config=_ExperimentalConfig(
                 profile_all_threads=True)) as p:
         step()
-    totals = dict.fromkeys(_COLLECTIVES, 0)
+    totals = dict.fromkeys(COLLECTIVE_KINDS, 0)
     for event in p.profiler.kineto_results.events():
         kind = _collective(event.name())
         if kind is None:
@@ -226,7 +226,8 @@ _DTYPE_SIZES = {
 
 
 def _time_codecs(numel, world_size, device, repeat):
-    """Median seconds of compress + decompress per method, and of a copy."""
+    """Seconds of compress + decompress per method, and of a copy, in
+    each of ``repeat`` rounds (after one untimed)."""
     source = torch.randn(numel, device=device)
     buffer = source.clone()
     copy_dst = torch.empty_like(buffer)
@@ -261,7 +262,7 @@ def _time_codecs(numel, world_size, device, repeat):
             fn()
             sync()
             times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v[1:]) for k, v in times.items()}
+    return {k: v[1:] for k, v in times.items()}
 
 
 def _progress_steps(args, hooks):
@@ -304,6 +305,9 @@ def worker(rank, world_size, folder, args):
     store = dist.FileStore(os.path.join(folder, 'store'), world_size)
     dist.init_process_group(
         args.backend, store=store, rank=rank, world_size=world_size)
+    # Spawned: a plugin's hooks are registered here anew.
+    for module in args.imports:
+        importlib.import_module(module)
     hooks = compared_hooks()
     steps = _progress_steps(args, hooks)
     # On stderr, from rank 0 only: the tables go to stdout at the end.
@@ -359,18 +363,17 @@ def _measure_size(size_mb, rank, world_size, device, args, progress, notes,
         counted = _wire_bytes(lambda: step(model))
         # The int8 hook's segments may differ in size between ranks:
         # the most any rank hands over is reported.
-        counted = torch.tensor([counted[c] for c in _COLLECTIVES],
+        counted = torch.tensor([counted[c] for c in COLLECTIVE_KINDS],
                                dtype=torch.int64,
                                device=device)
         dist.all_reduce(counted, op=dist.ReduceOp.MAX)
-        by_collective = dict(zip(_COLLECTIVES, counted.tolist()))
+        by_collective = dict(zip(COLLECTIVE_KINDS, counted.tolist()))
         entry['hooks'][name] = dict(
-            # The tensor an all-reduce of the bucket would carry: the
-            # bucket, or for int8 the quantized bucket its all_to_all
-            # scatters (the all_gather brings the same back, one
-            # owner's segment from each rank).
-            wire_bytes=(by_collective['all_reduce'] +
-                        by_collective['all_to_all']),
+            # By the one counting rule, as a training run's comm_MB: the
+            # tensor an all-reduce would carry to move the same bytes
+            # (int8's all_to_all and all_gather: its quantized bucket
+            # about once; an all_gather alone: half what it gathers).
+            wire_bytes=int(sent_bytes(by_collective.items(), world_size)),
             wire_bytes_by_collective=by_collective,
             rel_error=float(err.norm() / exact.norm()),
             max_abs_error=float(err.abs().max()),
@@ -393,7 +396,13 @@ def _measure_size(size_mb, rank, world_size, device, args, progress, notes,
         data['step_s'] = statistics.median(data['times'])
         data['hook_s'] = max(data['step_s'] - noop, 0.0)
     dist.barrier()
-    entry['codec_s'] = _time_codecs(numel, world_size, device, args.repeat)
+    # Each round's, for the verdict's spread, and their medians.
+    entry['codec_rounds'] = _time_codecs(numel, world_size, device,
+                                         args.repeat)
+    entry['codec_s'] = {
+        k: statistics.median(v)
+        for k, v in entry['codec_rounds'].items()
+    }
     progress.advance(next(notes))
     # Asked in the rank, whose thread count decides it.
     entry['int8_c_kernel'] = int8_codec.uses_c_kernel(

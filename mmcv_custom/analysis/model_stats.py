@@ -207,9 +207,12 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
         ``vit_params`` (None without a backbone, or one that is not
         InternViT), ``bf16_params`` and ``bf16_trainable``;
         ``grad_bytes`` (what DDP all-reduces per step without a hook),
-        ``hook`` (the ``comm_hook`` as text) and ``hook_bytes`` (what it
-        sends instead on ``gpus[0]`` ranks; None where that depends on
-        DDP's buckets);
+        ``hook`` (the ``comm_hook`` as text), ``hook_bytes`` (what it
+        sends instead; None where that depends on DDP's buckets),
+        ``hook_world_size`` (the ranks ``hook_bytes`` was counted on,
+        ``gpus[0]``, where the hook's record counted it; None where no
+        world size entered the count) and ``hook_flat`` (True where the
+        hook also has a two-level form, which that count is not);
         ``param_bytes`` and ``optim_bytes`` (per GPU under DDP).
         ``fsdp2`` and ``fsdp2_fp32`` map each number of GPUs to
         :func:`fsdp2_memory`'s dict (the parameters' dtypes as built, and
@@ -277,6 +280,7 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
             for n in gpus
         }
     hook = cfg.get('comm_hook')
+    out['hook_world_size'], out['hook_flat'] = None, False
     if hook is None:
         out['hook'], out['hook_bytes'] = 'none (plain all-reduce)', out[
             'grad_bytes']
@@ -288,9 +292,15 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
         return out
     record = hook_record(checked['type'])
     half = bool(checked['wrapper'] or record.half_precision)
-    # None where the traffic depends on DDP's buckets.
-    out['hook_bytes'] = (None if record.model_bytes is None else
-                         record.model_bytes(trainable, checked['state_kwargs'],
-                                            half, gpus[0]))
+    # None where the traffic depends on DDP's buckets. A record counts on a
+    # world size (an all-gather's bytes grow with it): the first of gpus,
+    # which the result names.
+    if record.model_bytes is None:
+        out['hook_bytes'] = None
+    else:
+        out['hook_world_size'], out['hook_flat'] = gpus[0], record.two_level
+        out['hook_bytes'] = record.model_bytes(trainable,
+                                               checked['state_kwargs'], half,
+                                               gpus[0])
     out['hook'] = ', '.join(f'{k}={v!r}' for k, v in hook.items())
     return out

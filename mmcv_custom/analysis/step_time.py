@@ -1,7 +1,7 @@
 """What ``tools/analysis_tools/benchmark_step_time.py`` runs on each
 emulated node: the model built from the config, one DDP model per hook,
 the timed training steps at every link rate, the buckets' ready times and
-the codecs' times on one-rank groups; and what it shows on the console
+the codecs' times (each alone); and what it shows on the console
 meanwhile (:class:`ProgressOnly`) or after a failure (:func:`log_tails`).
 The report on the results is :mod:`.step_time_report`.
 
@@ -27,7 +27,7 @@ import statistics
 import time
 from datetime import timedelta
 
-from .hook_forms import flat_form, form_config, hook_configs, hook_labels
+from .hook_forms import form_config, hook_configs, hook_labels
 
 __all__ = [
     'hook_configs', 'hook_labels', 'rate_label', 'progress_steps',
@@ -145,13 +145,9 @@ def _comm_only(model):
     return CommOnly()
 
 
-def _ddp_models(model, cfg, spec, group, forms=True):
+def _ddp_models(model, cfg, spec, group):
     """One DDP model per hook form (a hook is registered once per model),
-    each on its own copy of the same weights. ``forms=False`` builds every
-    hook in its flat form, for the codec times on one-rank groups: there
-    nothing is reduced inside a node and the forms do the same local work,
-    and a two-level form would find its one-rank group at odds with the
-    launcher's ranks per node."""
+    each on its own copy of the same weights."""
     from mmengine.optim import build_optim_wrapper
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -161,10 +157,10 @@ def _ddp_models(model, cfg, spec, group, forms=True):
 
     # What torchrun says of this rank's node: 'auto' decides on it, as in
     # a training run (CommHookRegistrationHook).
-    claim = launcher_claim() if forms else None
+    claim = launcher_claim()
     out = {}
     for name in spec['hooks']:
-        config = form_config(name if forms else flat_form(name))
+        config = form_config(name)
         module = copy.deepcopy(model)
         ddp = DDP(
             module, process_group=group, bucket_cap_mb=spec['bucket_cap_mb'])
@@ -265,7 +261,8 @@ def progress_steps(hooks, rates, rounds, steps, auto_steps=0):
     out += [(f'round {r + 1}/{rounds}, {rate_label(mbit)}',
              len(hooks) * steps + auto_steps) for r in range(rounds)
             for mbit in rates]
-    out.append(('codec times', len(hooks) * (_WARMUP + rounds * steps)))
+    # A codec pass is about a step's local work: one step a sample.
+    out.append(('codec times', len(hooks) * rounds * steps))
     return out
 
 
@@ -290,27 +287,52 @@ def _set_rate(spec, mbit):
     shape_links([tuple(link) for link in spec['links']], mbit)
 
 
-def _codec_times(model, cfg, spec, data, rank, world_size):
-    """Per hook, its step on a one-rank group minus ``noop``'s there.
+def _codec_times(spec, buckets, rank, world_size):
+    """Per hook form, its codec's seconds per step; None where its record
+    names no codec (``noop``, ``allreduce``, the PowerSGDs).
 
-    The hooks take turns step by step (not block by block), so that a rank
-    descheduled for a while (more ranks than cores) slows them all alike.
+    The codec is the record's
+    (:attr:`~mmcv_custom.comm.records.HookRecord.codec`: what the hook
+    does to every element it sends, with its default settings), run on a
+    copy of each of the step's ``buckets`` (their bytes and dtype, as DDP
+    handed them over, on ``world_size`` ranks), here and alone: what it
+    costs this rank per step, wherever the hook spends it (int8 on its
+    communication thread, beside the backward). Timed as it is, not as
+    the difference of two training steps, which read 35 ms for
+    ``allreduce`` (no codec) and below zero for int8 (its thread hidden
+    behind the backward) on a loaded host. The forms take turns, every
+    rank at once, each from a fresh copy of the gradients.
     """
+    import torch
     import torch.distributed as dist
-    solos = [dist.new_group([r]) for r in range(world_size)]
-    models = _ddp_models(model, cfg, spec, solos[rank], forms=False)
-    times = {name: [] for name in models}
-    for name, entry in models.items():
-        for _ in range(_WARMUP):
-            _step(entry, data)
+
+    from mmcv_custom.comm.builder import hook_record
+    runs = {}
+    for name in spec['hooks']:
+        config = form_config(name)
+        codec = config and hook_record(config['type']).codec
+        if codec is None:
+            continue
+        runs[name] = []
+        for bucket in buckets:
+            dtype = getattr(torch, bucket['params'][0]['dtype'])
+            numel = bucket['bytes'] // dtype.itemsize
+            source = torch.randn(numel).to(dtype)
+            copy = source.clone()
+            runs[name].append((source, copy, codec(copy, world_size, rank)))
+    times = {name: [] for name in runs}
     for _ in range(spec['rounds'] * spec['steps']):
-        for name, entry in models.items():
-            times[name].append(_step(entry, data)[0])
-    noop = statistics.median(times['noop'])
+        for name, passes in runs.items():
+            for source, copy, _ in passes:
+                copy.copy_(source)
+            dist.barrier()
+            start = time.perf_counter()
+            for _, _, run in passes:
+                run()
+            times[name].append(time.perf_counter() - start)
     return {
-        name: max(0.0,
-                  statistics.median(t) - noop)
-        for name, t in times.items()
+        name: statistics.median(times[name]) if name in times else None
+        for name in spec['hooks']
     }
 
 
@@ -490,9 +512,10 @@ def _measure(spec, rank, world_size):
     if rank == 0:
         _set_rate(spec, None)
     dist.barrier()
-    codec = _codec_times(model, cfg, spec, data, rank, world_size)
+    buckets = _bucket_records(clock)
+    codec = _codec_times(spec, buckets, rank, world_size)
     if rank == 0:
-        print(f'{PROGRESS}codec times on one-rank groups', flush=True)
+        print(f'{PROGRESS}codec times', flush=True)
     result = dict(
         rank=rank,
         steps=steps,
@@ -503,7 +526,7 @@ def _measure(spec, rank, world_size):
             for n, w in wire.items()
         },
         backward_s=statistics.median(backward),
-        buckets=_bucket_records(clock),
+        buckets=buckets,
         codec_s=codec,
         grad_bytes=grad_bytes)
     if auto is not None:

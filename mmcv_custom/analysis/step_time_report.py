@@ -12,9 +12,9 @@ from ..launching.emulated_cluster.counters import HEADER_BYTES
 from .step_time import hook_configs, hook_labels, rate_label
 
 __all__ = [
-    'overlap_bound', 'median_error', 'round_error', 'link_per_step',
-    'predicted_link_bytes', 'summarize', 'report', 'verdict', 'plot',
-    'bench_json', 'report_run'
+    'overlap_bound', 'median_error', 'round_error', 'noise_verdict',
+    'link_per_step', 'predicted_link_bytes', 'summarize', 'report', 'verdict',
+    'plot', 'bench_json', 'report_run'
 ]
 
 
@@ -85,10 +85,37 @@ def round_error(shaped, unshaped, rounds):
     return median_error(diffs)
 
 
+def noise_verdict(value, limit, noise, fmt=lambda s: f'{1e3 * s:.1f} ms'):
+    """``'PASS'`` where ``value`` is below ``limit`` by more than twice
+    its ``noise`` (a standard error, :func:`median_error`), ``'FAIL'``
+    where above it by more, else ``'within noise (+-N)'``: a verdict only
+    where the spread separates the value from the limit.
+
+    Args:
+        value (float): What was measured.
+        limit (float): The most a pass allows.
+        noise (float, optional): The standard error of ``value``; None
+            where there is no spread to take it from (one sample): no
+            verdict then.
+        fmt (Callable): Writes ``noise`` in words. Defaults to
+            milliseconds of seconds.
+    """
+    if noise is None:
+        return 'within noise (one round: no spread to judge by)'
+    if value + 2 * noise <= limit:
+        return 'PASS'
+    if value - 2 * noise > limit:
+        return 'FAIL'
+    return f'within noise (+-{fmt(noise)})'
+
+
 def _codec(results, name):
-    """A hook's codec time: the median over the ranks (each measured
-    alone; the max would pick the one a busy host slowed most)."""
-    return statistics.median(r['codec_s'].get(name, 0.0) for r in results)
+    """A hook's codec time per step: the median over the ranks (each
+    measured alone; the max would pick the one a busy host slowed most);
+    None for a hook whose record names no codec (``allreduce``, the
+    PowerSGDs: see :mod:`.step_time`)."""
+    times = [r['codec_s'].get(name) for r in results]
+    return None if None in times else statistics.median(times)
 
 
 def _form_cost(costs, name, nodes, ranks_per_node):
@@ -234,7 +261,7 @@ def summarize(results, rates, hooks, world_size, rounds=1, ranks_per_node=1):
                 row['codec_bound_s'] = overlap_bound(buckets,
                                                      rank0['backward_s'],
                                                      fraction, rate,
-                                                     row['codec_s'])
+                                                     row['codec_s'] or 0.0)
             if 'allreduce' in median[label]:
                 row['vs_allreduce'] = (
                     row['step_s'] / median[label]['allreduce'])
@@ -254,6 +281,12 @@ def _pct(part, whole):
 
 def _mb(nbytes):
     return None if nbytes is None else nbytes / 1e6
+
+
+def _codec_ms(seconds):
+    """The codec column: milliseconds per step, or a dash for a hook
+    that has no codec (nothing to time, so nothing shown as 0)."""
+    return '—' if seconds is None else f'{seconds * 1e3:.1f}'
 
 
 def _link_mb(row, key='link_tx_bytes'):
@@ -281,7 +314,10 @@ def report(summary, meta):
         '(node0/node1/...), from its counters, headers and TCP '
         'acknowledgements included; payload: the same less '
         f'{HEADER_BYTES} bytes of headers a packet (what TCP carried); '
-        'predicted: by the cost model.', '',
+        'predicted: by the cost model. codec: the compress and decompress '
+        "of the hook's record, timed alone on each rank on a copy of the "
+        "step's buckets (int8 runs it on its communication thread, beside "
+        "the backward); — where the record names none.", '',
         '| rate | hook | step (s) | x allreduce | exposed (s) | wire (s) '
         '| exposed / wire | bound / wire | bound+codec / wire | codec (ms) '
         '| link (MB/step) | payload (MB/step) | predicted (MB) |',
@@ -297,7 +333,7 @@ def report(summary, meta):
             f"| {row['rate']} | {row['hook']} | {_fmt(row['step_s'])} | "
             f"{_fmt(row.get('vs_allreduce'), '{:.2f}')} | "
             f"{_fmt(row.get('exposed_s'))} | {_fmt(wire)} | "
-            f"{' | '.join(share)} | {_fmt(row['codec_s'] * 1e3, '{:.1f}')} | "
+            f"{' | '.join(share)} | {_codec_ms(row['codec_s'])} | "
             f"{_link_mb(row)} | {_link_mb(row, 'link_payload_bytes')} | "
             f"{_fmt(_mb(row.get('predicted_link_bytes')), '{:.2f}')} |")
     return '\n'.join(lines)
@@ -309,19 +345,12 @@ def verdict(summary, slack=0.15, comm_bound=1.1):
     wire time, and at most ``comm_bound`` times the wire time (bytes
     become time, nothing added).
 
-    A row that misses a target by less than twice its noise (the
-    standard error of ``exposed``, see :func:`median_error`
-    and :func:`round_error`) is marked
-    ``within noise``: the measurement cannot tell. Small wire times (a
-    PowerSGD's few kB) are often that.
+    A row within twice its noise of a target, on either side (the
+    standard error of ``exposed``, see :func:`median_error` and
+    :func:`round_error`), is marked ``within noise`` (:func:`noise_verdict`):
+    the measurement cannot tell. Small wire times (a PowerSGD's few kB)
+    are often that.
     """
-
-    def judge(exposed, limit, noise):
-        if exposed <= limit:
-            return 'PASS'
-        if exposed <= limit + 2 * noise:
-            return f'within noise (+-{1e3 * noise:.1f} ms)'
-        return 'FAIL'
 
     out = []
     for row in summary:
@@ -335,9 +364,9 @@ def verdict(summary, slack=0.15, comm_bound=1.1):
             f"{1e3 * exposed:.1f} ms = {100 * exposed / wire:.0f}% of wire "
             f"({1e3 * wire:.1f} ms); bound+codec {100 * bound / wire:.0f}% + "
             f"{100 * slack:.0f} points: "
-            f"{judge(exposed, bound + slack * wire, noise)}; <= "
+            f"{noise_verdict(exposed, bound + slack * wire, noise)}; <= "
             f"{comm_bound}x wire: "
-            f"{judge(exposed, comm_bound * wire, noise)}")
+            f"{noise_verdict(exposed, comm_bound * wire, noise)}")
     return out
 
 
@@ -461,7 +490,9 @@ def bench_json(results, summary, meta, hooks, rates, world_size):
             name:
             dict(
                 wire_bytes=counted[name],
-                codec_s=_codec(results, name),
+                # The fit adds it to each bucket's chain: nothing for a
+                # hook without a codec.
+                codec_s=_codec(results, name) or 0.0,
                 form=forms.get(name),
                 collectives=collectives.get(name))
             for name in hooks

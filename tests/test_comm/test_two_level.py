@@ -328,6 +328,40 @@ def test_two_level_int8_counts_what_the_cost_model_derives(four):
     assert max(counted) == sent_bytes(crossing, 2)
 
 
+@pytest.mark.parametrize('case, hook, settings', [
+    ('one', 'int8_compress', dict(block_size=32)),
+    ('flat', 'int8_compress', dict(block_size=32)),
+    ('fp16', 'fp16_compress', {}),
+    ('bf16', 'bf16_compress', {}),
+    ('psgd_one', 'powerSGD', dict(powersgd_rank=2)),
+    ('batched_one', 'batched_powerSGD', dict(powersgd_rank=2)),
+])
+def test_the_cost_model_sends_what_the_run_counts(four, case, hook, settings):
+    """The cost model's "sent per step" is the bytes of the run's
+    ``comm_MB``, on 2 nodes x 2 ranks (after the PowerSGDs' warm-up):
+    for a two-level form what crosses nodes only, about half the flat
+    form's. Where its ranks' shares differ (int8's blocks go to local
+    ranks in turn, PowerSGD's whole tensors to owners), int8's is the
+    largest share, as its collectives are padded to, and PowerSGD's the
+    mean, as its shares are balanced."""
+    specs = [
+        cc.ParamSpec(tuple(p.shape), 'float32') for p in Net().parameters()
+    ]
+    cost = cc.hook_costs(**settings)[hook]
+    if case != 'flat':
+        cost = cost.two_level(2, 2)
+    predicted = cc.predict_step(cost, cc.ddp_buckets(specs, 25),
+                                cc.Cluster(2, 2, 1e9), 0.0, 0.0)
+    counted = [res['counts'][-1][1] for res in four[case]]
+    assert predicted.form == ('flat' if case == 'flat' else 'two-level')
+    share = max(counted) if hook == 'int8_compress' else (sum(counted) /
+                                                          len(counted))
+    assert predicted.sent_bytes == share
+    if case == 'one':
+        flat = [res['counts'][-1][1] for res in four['flat']]
+        assert 0.4 * max(flat) < predicted.sent_bytes < 0.6 * max(flat)
+
+
 def test_two_level_int8_resumes_bit_for_bit(four):
     for whole, resumed in zip(four['one'], four['resumed']):
         _same_bits([dict(applied=whole['applied'][3:])], [resumed])

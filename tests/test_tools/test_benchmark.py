@@ -5,6 +5,7 @@ import json
 import os
 import os.path as osp
 import re
+import statistics
 import subprocess
 import sys
 
@@ -13,6 +14,8 @@ import torch
 
 from mmcv_custom.analysis import hook_benchmark
 from mmcv_custom.analysis.hook_benchmark_report import report
+from mmcv_custom.analysis.step_time_report import median_error, noise_verdict
+from mmcv_custom.comm.traffic import sent_bytes
 from tests.tool_utils import load_script, plugin_hook, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -52,21 +55,88 @@ def _table(lines, header):
     return rows[:rows.index('')] if '' in rows else rows
 
 
-def _bench(*args, python=(sys.executable, TOOL)):
+def _bench(*args, python=(sys.executable, TOOL), env=None):
     return subprocess.run([*python, *args],
                           capture_output=True,
                           text=True,
                           timeout=300,
-                          cwd=ROOT)
+                          cwd=ROOT,
+                          env=env)
+
+
+# A plugin's hook whose only collective is an all-gather: every rank's
+# bucket gathered, then averaged (exact up to fp32 rounding).
+GATHER_PLUGIN = """
+import torch
+import torch.distributed as dist
+
+from mmcv_custom.comm import COMM_HOOKS, HookRecord
+from mmcv_custom.hooks.util import all_gather_single
+
+
+@COMM_HOOKS.register_module(
+    name='gather_mean', record=HookRecord(label='all-gather mean'))
+def gather_mean_hook(process_group, bucket):
+    buffer = bucket.buffer()
+    ranks = dist.get_world_size(process_group)
+    out = buffer.new_empty(ranks * buffer.numel())
+    all_gather_single(out, buffer, group=process_group)
+    buffer.copy_(out.view(ranks, -1).mean(0))
+    fut = torch.futures.Future()
+    fut.set_result(buffer)
+    return fut
+"""
 
 
 @pytest.mark.slow
 def test_benchmark_runs_and_measures_the_bytes(tmp_path):
-    out = _bench('--nproc', '2', '--sizes-mb', '0.25', '1', '--repeat', '2',
-                 '--warmup', '1', '--json', str(tmp_path / 'b.json'), '--plot',
-                 str(tmp_path / 'b.png'))
+    (tmp_path / 'gather_plugin.py').write_text(GATHER_PLUGIN)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(tmp_path), ROOT,
+             os.environ.get('PYTHONPATH', '')]))
+    out = _bench(
+        '--nproc',
+        '2',
+        '--sizes-mb',
+        '0.25',
+        '1',
+        '--repeat',
+        '2',
+        '--warmup',
+        '1',
+        '--import',
+        'gather_plugin',
+        '--json',
+        str(tmp_path / 'b.json'),
+        '--plot',
+        str(tmp_path / 'b.png'),
+        env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert 'wire bytes fp16/bf16 = 0.5 x fp32: PASS' in out.stdout
+    data = json.load(open(tmp_path / 'b.json'))
+    # Each time target's verdict is what the JSON's two rounds allow: the
+    # statistic per round, its spread the noise.
+    for family in ('allreduce', 'fp16', 'bf16'):
+        hook = 'allreduce_hook' if family == 'allreduce' else (
+            f'{family}_compress_hook')
+        pairs = [(e['hooks'][f'ours.{hook}'], e['hooks'][f'torch.{hook}'])
+                 for e in data['results']]
+        value = statistics.median(a['step_s'] / b['step_s'] for a, b in pairs)
+        per_round = [
+            statistics.median(size)
+            for size in zip(*[[x / y for x, y in zip(a['times'], b['times'])]
+                              for a, b in pairs])
+        ]
+        verdict = noise_verdict(value, 1.05, median_error(per_round),
+                                '{:.3f}'.format)
+        assert (f'  ours/torch {family:<9}: {value:.3f} {verdict} (<= 1.05)'
+                in out.stdout.splitlines())
+    assert re.search(
+        r'compress\+decompress <= 1\.5 x fp32 copy, every size: (PASS|FAIL|'
+        r'within noise \(\+-\d\.\d{3}\)) \((worst )?\d+\.\d\dx, ours\.',
+        out.stdout)
     assert re.search(
         r'wire bytes int8 <= 0\.27 x fp32 per phase .*: PASS '
         r'\(worst: all_to_all send 0\.2\d+ at ', out.stdout)
@@ -84,12 +154,13 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
         if re.match(r'\[\d+/\d+\] ', line)
     ]
     assert all(progress), out.stderr[-3000:]
-    # Per size: each hook's warm-up, 2 rounds, the codecs.
-    total = 2 * (len(HOOKS) + 2 + 1)
+    # Per size: each hook's warm-up (the plugin's too), 2 rounds, the
+    # codecs.
+    total = 2 * (len(HOOKS) + 1 + 2 + 1)
     assert [int(m['done']) for m in progress] == list(range(1, total + 1))
     assert {m['total'] for m in progress} == {str(total)}
     assert progress[0]['note'] == '0.25 MB, noop: warm-up and bytes'
-    assert progress[len(HOOKS)]['note'] == '0.25 MB, round 1/2'
+    assert progress[len(HOOKS) + 1]['note'] == '0.25 MB, round 1/2'
     assert progress[-1]['note'] == '1 MB, codecs'
     # An ETA from the second step on (the first carries one-off costs).
     assert progress[0]['end'] == 'ETA -:--:--'
@@ -100,22 +171,25 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
     # The two tables of docs/en/notes/benchmarks.md, row for row.
     lines = out.stdout.splitlines()
     step = [re.fullmatch(STEP_ROW, row) for row in _table(lines, STEP_HEADER)]
+    rows = HOOK_ROWS + ('gather_mean_hook', )
     assert [(m['size'], m['hook']) for m in step] == [(size, hook)
                                                       for size in ('0.25', '1')
-                                                      for hook in HOOK_ROWS]
-    data = json.load(open(tmp_path / 'b.json'))
-    wire = {
-        (f'{e["size_mb"]:g}', name[len('ours.'):]): h['wire_bytes']
+                                                      for hook in rows]
+    ours = {
+        (f'{e["size_mb"]:g}', name[len('ours.'):]): h
         for e in data['results']
         for name, h in e['hooks'].items() if name.startswith('ours.')
     }
     for m in step:
-        # The table shows what the JSON holds, in MiB to four digits.
-        assert float(
-            m['wire']) == float(f'{wire[m["size"], m["hook"]] / 2**20:.4g}')
+        counted = ours[m['size'], m['hook']]
+        # The bytes by the one counting rule, from the bytes per
+        # collective, in the JSON and the table (MiB to four digits).
+        rule = sent_bytes(counted['wire_bytes_by_collective'].items(), 2)
+        assert counted['wire_bytes'] == int(rule)
+        assert float(m['wire']) == float(f'{rule / 2**20:.4g}')
         # PyTorch has no int8 hook that runs on gloo: no time, no ratio.
-        int8 = m['hook'] == 'int8_compress_hook'
-        assert (m['theirs'] == '—') == int8 and (m['ratio'] == '—') == int8
+        alone = m['hook'] in ('int8_compress_hook', 'gather_mean_hook')
+        assert (m['theirs'] == '—') == alone and (m['ratio'] == '—') == alone
     codec = [
         re.fullmatch(TOOL_CODEC_ROW, row)
         for row in _table(lines, TOOL_CODEC_HEADER)
@@ -134,8 +208,16 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
         for name in ('ours.allreduce_hook', 'ours.bf16_compress_hook'):
             assert hooks[name]['wire_bytes_by_collective'] == dict(
                 all_reduce=hooks[name]['wire_bytes'],
+                all_gather=0,
                 all_to_all=0,
-                all_gather=0)
+                reduce_scatter=0)
+        # The plugin gathers the fp32 bucket from both ranks: half of that
+        # is what an all-reduce of the bucket moves, the bucket once.
+        gather = hooks['ours.gather_mean_hook']
+        assert gather['wire_bytes_by_collective'] == dict(
+            all_reduce=0, all_gather=fp32, all_to_all=0, reduce_scatter=0)
+        assert gather['wire_bytes'] == fp32
+        assert gather['rel_error'] < 1e-6
         # int8: 1 byte an element and a 4-byte scale a block of 256, in
         # the all_to_all's send tensor and again in the all-gathered
         # result (world_size x each rank's input): 0.2539 of fp32 each,
@@ -144,8 +226,9 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
         assert by['all_reduce'] == 0
         assert (1 + 4 / 256) / 4 <= by['all_to_all'] / fp32 <= 0.27
         assert (1 + 4 / 256) / 4 <= by['all_gather'] * 2 / fp32 <= 0.27
+        # Half each: the quantized bucket about once.
         assert hooks['ours.int8_compress_hook']['wire_bytes'] == (
-            by['all_to_all'])
+            by['all_to_all'] // 2 + by['all_gather'])
         # Errors within each format's rounding of the exact mean.
         assert hooks['ours.allreduce_hook']['rel_error'] < 1e-6
         assert hooks['ours.fp16_compress_hook']['rel_error'] < 2**-10
@@ -157,6 +240,10 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
         assert hooks['ours.int8_compress_hook']['rel_error'] < 2**-5
         assert list(
             entry['codec_s']) == ['copy_fp32'] + [key for key, _, _ in CODECS]
+        assert {
+            k: len(v)
+            for k, v in entry['codec_rounds'].items()
+        } == dict.fromkeys(entry['codec_s'], 2)
         # Asked in the ranks (one thread each): the C kernel when built.
         assert entry['int8_c_kernel'] is True
     assert (tmp_path / 'b.png').stat().st_size > 10000
@@ -176,27 +263,38 @@ def test_the_built_in_hooks_and_codecs_as_before():
     ]
 
 
-def _results(hooks, codecs):
-    """One bucket size's results as the ranks gather them, made up."""
+def _results(hooks, codecs, times=(0.01, 0.01), theirs=None, codec=None):
+    """One bucket size's results as the ranks gather them, made up: each
+    hook's step ``times`` per round (PyTorch's hooks' ``theirs``, where
+    given), every codec's ``codec`` per round, the copy's 1e-4."""
     numel = 2**18
     by = dict(all_reduce=numel * 2, all_to_all=0, all_gather=0)
+    codec = codec or [1e-4] * len(times)
+
+    def hook(name):
+        own = theirs if theirs and name.startswith('torch.') else times
+        return dict(
+            times=list(own),
+            step_s=statistics.median(own),
+            hook_s=0.005,
+            wire_bytes=numel * 2,
+            wire_bytes_by_collective=by,
+            rel_error=1e-3)
+
+    rounds = {key: list(codec) for key in codecs}
+    rounds['copy_fp32'] = [1e-4] * len(codec)
     return [
         dict(
             size_mb=1.0,
             numel=numel,
             int8_c_kernel=True,
-            hooks={
-                name:
-                dict(
-                    step_s=0.01,
-                    hook_s=0.005,
-                    wire_bytes=numel * 2,
-                    wire_bytes_by_collective=by,
-                    rel_error=1e-3)
-                for name in hooks
-            },
-            codec_s={key: 1e-4
-                     for key in ['copy_fp32', *codecs]})
+            hooks={name: hook(name)
+                   for name in hooks},
+            codec_rounds=rounds,
+            codec_s={
+                k: statistics.median(v)
+                for k, v in rounds.items()
+            })
     ]
 
 
@@ -218,6 +316,68 @@ def test_a_plugin_hook_with_a_record_is_compared_under_its_label():
         assert f'| 1 MB | `{name}_hook` |' in text
         assert f'| ours {record.label} |' in text
     assert f'ours.{name}_hook' not in hook_benchmark.compared_hooks()
+
+
+def test_a_verdict_only_where_the_spread_keeps_clear_of_the_limit():
+    ms = '{:.1f}'.format
+    # Clear of the limit by more than twice the noise: a verdict.
+    assert noise_verdict(1.00, 1.05, 0.02, ms) == 'PASS'
+    assert noise_verdict(1.10, 1.05, 0.02, ms) == 'FAIL'
+    # Within twice the noise, on either side: none.
+    assert noise_verdict(1.04, 1.05, 0.02, ms) == 'within noise (+-0.0)'
+    assert noise_verdict(1.08, 1.05, 0.02,
+                         '{:.3f}'.format) == 'within noise (+-0.020)'
+    # No spread at all (one round): no verdict either.
+    one_round = noise_verdict(0.5, 1.05, None)
+    assert one_round == 'within noise (one round: no spread to judge by)'
+    # Step time's default: the noise in milliseconds of seconds.
+    assert noise_verdict(0.3, 0.29, 0.01) == 'within noise (+-10.0 ms)'
+
+
+def _verdicts(**kwargs):
+    """The target lines of a report on made-up results."""
+    hooks = hook_benchmark.compared_hooks()
+    codecs = [key for key, _, _ in hook_benchmark.codec_columns()]
+    text = report(_results(hooks, codecs, **kwargs), 2, 'gloo')
+    return text.split('Targets (')[1].splitlines()
+
+
+def test_the_time_targets_judge_by_the_rounds_spread():
+    # Ours 2% faster in each of four rounds, the copy's spread nil: PASS.
+    lines = _verdicts(times=[0.98] * 4, theirs=[1.0] * 4)
+    assert '  ours/torch fp16     : 0.980 PASS (<= 1.05)' in lines
+    # Two rounds read 0.9 and 1.3: the median 1.10 misses 1.05, but the
+    # rounds cannot tell.
+    lines = _verdicts(times=[0.9, 1.3], theirs=[1.0, 1.0])
+    assert '  ours/torch fp16     : 1.100 within noise (+-0.263) (<= 1.05)' \
+        in lines
+    # One round: nothing to judge the spread by.
+    lines = _verdicts(times=[2.0], theirs=[1.0])
+    assert ('  ours/torch bf16     : 2.000 within noise (one round: no '
+            'spread to judge by) (<= 1.05)') in lines
+    # The codec against the copy (ours fp16 and bf16 alike here): 3x in
+    # every round fails, 1.2x and 2.0x is noise.
+    codec = '  compress+decompress <= 1.5 x fp32 copy, every size: '
+    assert codec + 'FAIL (worst 3.00x, ours.fp16 at 1 MB)' in _verdicts(
+        times=[1.0] * 3, codec=[3e-4] * 3)
+    assert codec + ('within noise (+-0.526) (worst 1.60x, ours.fp16 at 1 '
+                    'MB)') in _verdicts(
+                        times=[1.0] * 2, codec=[1.2e-4, 2e-4])
+    # fp16 at 1.7x in both rounds fails, though bf16's 2.2x (1.2x and
+    # 3.2x) is the worst: it is noise.
+    hooks = hook_benchmark.compared_hooks()
+    results = _results(hooks,
+                       [key for key, _, _ in hook_benchmark.codec_columns()])
+    rounds = dict(results[0]['codec_rounds'])
+    rounds.update({'ours.fp16': [1.7e-4] * 2, 'ours.bf16': [1.2e-4, 3.2e-4]})
+    results[0].update(
+        codec_rounds=rounds,
+        codec_s={
+            k: statistics.median(v)
+            for k, v in rounds.items()
+        })
+    assert codec + ('FAIL (1.70x, ours.fp16 at 1 MB; worst 2.20x, ours.bf16 '
+                    'at 1 MB)') in report(results, 2, 'gloo').splitlines()
 
 
 def test_benchmarks_page_shows_the_tables_the_tool_prints():
@@ -260,6 +420,9 @@ def bench_args(monkeypatch, capsys):
           ], '--json /nonexistent/b.json: cannot write there (No such file or '
          'directory)'),
         (['--plot', '.'], '--plot .: is a directory, not a file'),
+        (['--import', 'no_such_plugin'
+          ], "--import no_such_plugin: cannot import it (No module "
+         "named 'no_such_plugin')"),
         # More than the machine holds: the ranks would die of it mid-run.
         (['--backend', 'gloo', '--sizes-mb', '1', '1e9'
           ], '--sizes-mb 1e+09: 2 ranks would hold 2e+09 MB at least, more '
@@ -267,7 +430,7 @@ def bench_args(monkeypatch, capsys):
     ],
     ids=[
         'nproc', 'sizes', 'repeat', 'json-dir-missing', 'plot-is-a-dir',
-        'sizes-beyond-memory'
+        'import', 'sizes-beyond-memory'
     ])
 def test_bad_arguments_are_usage_errors_before_any_rank_starts(
         bench_args, args, message):

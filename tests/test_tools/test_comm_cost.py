@@ -1374,6 +1374,19 @@ def test_cli_projects_internvit_6b_and_recommends(capsys):
     assert 'against' in recommend[0] and 'with allreduce' in recommend[0]
     assert all('`comm_hook = dict(type=' in line for line in recommend)
     assert '(two-level): the hook\'s node-aware form' in text
+    # "sent" is the run's comm_MB: a two-level form's is what crosses
+    # nodes, each rank's 1/8 share of the flat form's.
+    assert ("sent: what one rank sends, as the run's comm_MB counts it "
+            '(these bytes over 2**20;') in text
+    assert 'across nodes only for a two-level form' in text
+    sent = {
+        cells[0]: float(cells[1].split()[0])
+        for cells in (line.strip('| ').split(' | ')
+                      for line in text.splitlines())
+        if cells[0].startswith('int8_compress') and cells[1].endswith(' GB')
+    }
+    assert sent['int8_compress (block 256)'] == 6.49
+    assert sent['int8_compress (block 256) (two-level)'] == 0.81
     assert '> - no propagation delay' in text
     assert ("estimated: 3 x the forward's 44.3 TFLOP (2 x 504 x 504 per GPU "
             'through the backbone and 2 head(s), counted on the meta '
@@ -1432,6 +1445,57 @@ def test_from_log_takes_the_run_s_median_step_less_its_wait(
           '1'], '--from-log and --backward-s both set the compute: give one'),
     ]:
         assert tool_args(args) == (2, f'comm_cost_model.py: error: {message}')
+
+
+_EXPECTED_LOG = ('expected an MMEngine JSON log of a training run '
+                 '(work_dirs/RUN/TIMESTAMP/vis_data/TIMESTAMP.json or '
+                 'scalars.json)')
+
+
+def test_from_log_on_a_binary_file_names_the_option_and_the_log(tmp_path):
+    """Issue 42: a binary file gave a bare "'utf-8' codec can't decode
+    ...". Through the real command line: one line naming the option, the
+    file and what it should have been; a usage error."""
+    weights = tmp_path / 'latest.pth'
+    weights.write_bytes(b'PK\x03\x04\x14\x00\x08\x08\xff\xfe' * 8)
+    done = subprocess.run([sys.executable, TOOL, '--from-log',
+                           str(weights)],
+                          capture_output=True,
+                          text=True,
+                          timeout=120,
+                          cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stdout == ''
+    assert done.stderr.splitlines()[-1] == (
+        f'comm_cost_model.py: error: --from-log {weights}: not a text file '
+        f'(byte 8 is not UTF-8); {_EXPECTED_LOG}')
+
+
+def test_from_log_on_what_is_not_a_json_log(tmp_path, tool_args):
+    """A directory, an empty file, MMEngine's text log beside the JSON
+    one and a ``time`` that is not a number: each one line naming
+    ``--from-log``, the file and what it expected."""
+    run = tmp_path / '20260101_000000'
+    (run / 'vis_data').mkdir(parents=True)
+    empty = run / 'vis_data' / 'scalars.json'
+    empty.write_text('\n')
+    text_log = run / '20260101_000000.log'
+    text_log.write_text('2026/01/01 00:00:00 - mmengine - INFO - Iter(train) '
+                        '[ 10/200]  lr: 1.0e-02  time: 0.5\n')
+    bad_time = _log(tmp_path / 'bad_time.json', [
+        dict(lr=0.1, loss=1.0, time=0.5, iter=1),
+        dict(lr=0.1, loss=1.0, time=None, iter=2)
+    ])
+    for path, what in [
+        (run, 'is a directory'),
+        (empty, 'the file is empty'),
+        (text_log, 'line 1 is not JSON'),
+        (bad_time, 'line 2 has time None, not a number of seconds'),
+    ]:
+        assert tool_args([
+            '--from-log', str(path)
+        ]) == (2, f'comm_cost_model.py: error: --from-log {path}: {what}; '
+               f'{_EXPECTED_LOG}')
 
 
 def test_an_fsdp2_config_is_modelled_as_fsdp2(capsys):

@@ -35,6 +35,7 @@ def test_the_cpu_half_leaves_its_log_and_summary(tmp_path):
         summary = json.load(f)
     assert summary['mode'] == 'cpu'
     assert (summary['tests_rc'], summary['bench_rc']) == (0, 0)
+    assert summary['problems'] == []
     assert summary['failed'] == 0 and summary['skipped'] >= 10
     assert summary['device'].startswith('CPU')
     assert {
@@ -43,6 +44,34 @@ def test_the_cpu_half_leaves_its_log_and_summary(tmp_path):
     } <= set(summary['codec'])
     log = (out / 'device_check.log').read_text()
     assert 'no CUDA device: tools/device_check.sh runs these' in log
+
+
+def test_without_a_cuda_device_it_says_nothing_was_checked(tmp_path):
+    """Issue 42: without a GPU it exited 1 saying "tests exited with 0"
+    (the CUDA tests had all skipped). Now it runs neither step and says
+    why, in its last line and its summary, and still exits 1."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip('a CUDA device is present')
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    done = subprocess.run(['bash', SCRIPT],
+                          env=env,
+                          capture_output=True,
+                          text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    reason = (f'no CUDA device (torch {torch.__version__} cuda '
+              f'{torch.version.cuda} available False): nothing was checked '
+              'on a GPU; tests/test_cuda and the codec benchmark did not run '
+              '(tools/device_check.sh --cpu runs the CPU half)')
+    assert done.stderr.splitlines()[-1] == (
+        f'device_check.sh: {reason} (see {tmp_path}/device_check.log)')
+    assert sorted(
+        os.listdir(tmp_path)) == ['device_check.json', 'device_check.log']
+    with open(tmp_path / 'device_check.json') as f:
+        summary = json.load(f)
+    assert summary == dict(
+        mode='cuda', tests_rc=None, bench_rc=None, problems=[reason])
 
 
 def test_a_wrong_argument_is_a_usage_error(tmp_path):

@@ -234,6 +234,11 @@ def test_model_stats_prints_fsdp2_lines():
         'memory per GPU', 'FSDP2 units', 'FSDP2 per GPU', '2 GPUs', '4 GPUs',
         'FSDP2 per GPU', '2 GPUs', '4 GPUs'
     ]
+    # Issue 42: the traffic is counted on the first of --gpus, and the
+    # line says so (bf16_compress has a two-level form, not counted).
+    assert lines[4] == (
+        "with comm_hook    : 1.487 MiB per step (type='bf16_compress'; its "
+        'flat form on 2 ranks, the first of --gpus)')
     assert lines[6] == (
         'FSDP2 units       : 1 FCNHead, 1 UPerHead, 4 InternViTBlock, 1 '
         'InternViT, 1 EncoderDecoder (the last: the root, with what the '
@@ -245,6 +250,29 @@ def test_model_stats_prints_fsdp2_lines():
     assert lines[8].strip().startswith('2 GPUs       : ')
     assert 'parameters 1.489 MiB, gradients 1.489 MiB, AdamW moments ' \
         '2.978 MiB' in lines[8]
+
+
+def test_model_stats_names_the_ranks_a_hook_s_traffic_is_counted_on(
+        model_stats, monkeypatch, capsys):
+    """Issue 42: a hook's traffic was counted on the first of --gpus
+    (documented for FSDP2 only) without a word. A hook without a
+    two-level form: the ranks alone (the tool's own main, in this
+    process); one whose traffic depends on DDP's buckets is counted on no
+    world size, and names none."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, 'argv', [
+        STATS,
+        osp.join('configs', 'intern_vit', TINY), '--gpus', '4', '16',
+        '--cfg-options', 'comm_hook.type=allreduce'
+    ])
+    load_script(STATS, '_model_stats_world').main()
+    assert capsys.readouterr().out.splitlines()[4] == (
+        "with comm_hook    : 2.973 MiB per step (type='allreduce'; on 4 "
+        'ranks, the first of --gpus)')
+    int8 = _stats(
+        model_stats, TINY, gpus=(4, ), comm_hook=dict(type='int8_compress'))
+    assert (int8['hook_bytes'], int8['hook_world_size'],
+            int8['hook_flat']) == (None, None, False)
 
 
 def test_model_stats_bad_gpus_is_a_usage_error():

@@ -23,12 +23,15 @@ alike. Compared:
 * a hook that communicates nothing, whose time is subtracted from every
   other one, so that "time per bucket" is the hook's own cost.
 
-For each hook it also reports the bytes each rank hands to its collectives
-as input, read from the profiler's record of each collective (shape and
-dtype; gloo and NCCL record the input tensor only), the most of any rank:
-the tensor given to ``all_reduce``, or for the int8 hook the send tensor of
-its ``all_to_all`` (the segments for every rank, its own included) plus the
-input of its ``all_gather`` (its own segment). It also reports the error of
+For each hook it also reports the bytes it sends, by the one counting rule
+of a training run's ``comm_MB`` (:mod:`mmcv_custom.comm.traffic`), from
+what each rank hands to its collectives as input, read from the
+profiler's record of each collective (shape and dtype; gloo and NCCL
+record the input tensor only), the most of any rank: the tensor given to
+``all_reduce``; half the send tensor of an ``all_to_all`` and half what an
+``all_gather`` gathers (for the int8 hook, its pair: about its quantized
+bucket once). A plugin's hooks are compared too, when ``--import``
+names the modules that register them. It also reports the error of
 the averaged gradient against the exact mean (computed in float64 from
 every rank's known gradient). Finally, on each rank at once, it times
 compress + decompress against a plain copy of the same fp32 bucket: how
@@ -50,6 +53,7 @@ Examples:
         --repeat 3  # quick
 """
 import argparse
+import importlib
 import json
 import math
 import os
@@ -87,6 +91,14 @@ def parse_args(argv=None):
         choices=['auto', 'gloo', 'nccl'],
         default='auto',
         help='auto: NCCL when every rank has a GPU, else gloo')
+    parser.add_argument(
+        '--import',
+        dest='imports',
+        nargs='+',
+        default=[],
+        metavar='MODULE',
+        help='modules to import first, as a config\'s custom_imports: '
+        'the hooks they register are compared too')
     parser.add_argument('--json', help='write the results here')
     parser.add_argument('--plot', help='draw a PNG here (needs matplotlib)')
     args = parser.parse_args(argv)
@@ -101,6 +113,12 @@ def parse_args(argv=None):
         if int(size * MB) // 4 < 1:
             parser.error(f'--sizes-mb {size:g} is less than one fp32 '
                          'gradient (4 bytes)')
+    for module in args.imports:
+        # Here for the check; each rank imports them again (spawned).
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            parser.error(f'--import {module}: cannot import it ({e})')
     if args.repeat < 1:
         parser.error(f'--repeat should be at least 1, but got {args.repeat}')
     if args.warmup < 1:

@@ -26,10 +26,10 @@ Reported per rate and hook:
   each bucket over (measured on the ``noop`` steps) and the order it
   does: buckets go one after another over one link, each no sooner than
   it is ready; what is left after the backward pass ends is exposed;
-* ``codec``: the hook's local work per step (its step on a one-rank
-  group, where the collectives move nothing, minus ``noop``'s);
+* ``codec``: its record's codec per step, timed alone on a copy of the
+  step's buckets (``—`` where the record names none);
 * ``bound+codec``: the same bound when each bucket's share of the codec
-  runs in its chain, before its bytes (as PowerSGD's products must), on
+  runs in its chain, before its bytes, on
   the shaped link minus on an unshaped one: where a hook's codec already
   runs past the end of the backward pass, every byte it adds is exposed.
   On a host with a core per rank, the codec cannot hide behind the
@@ -68,7 +68,6 @@ Examples:
         int8_compress:two_level --rates 50 unshaped
 """
 import argparse
-import math
 import os
 import os.path as osp
 import sys
@@ -85,19 +84,20 @@ from mmcv_custom.analysis.step_time import (hook_configs, log_tails,
                                             run_on_cluster)
 from mmcv_custom.analysis.step_time_report import report_run
 from mmcv_custom.comm.auto import auto_settings
-from mmcv_custom.launching.emulated_cluster import MAX_NODES
+from mmcv_custom.launching.emulated_cluster import MAX_NODES, shaping
 
 _DEFAULT_CONFIG = osp.join(
     'configs', 'intern_vit',
     'upernet_intern-vit-tiny_2xb8-200iter_toy-shapes-56x56.py')
 
 # -- the command line --------------------------------------------------------
-# 0 is refused, not read as 'unshaped': a link of 0 Mbit/s carries nothing,
-# and a user who typed it did not ask for the unshaped link.
+# 0 is refused, not read as 'unshaped' (a 0 Mbit/s link carries nothing),
+# as is a rate tc's tbf cannot hold: here, not by tc on the nodes.
+_RATES = f'{shaping.MIN_RATE_MBIT:g} to {shaping.MAX_RATE_MBIT:g}'
 _mbit = checked_type(
-    float, lambda v: math.isfinite(v) and v > 0,
-    "a rate: give Mbit/s > 0, or 'unshaped' for a link that is "
-    'not shaped')
+    float, lambda v: shaping.MIN_RATE_MBIT <= v <= shaping.MAX_RATE_MBIT,
+    f"a rate: give Mbit/s from {_RATES} (what tc's tbf shapes as given), "
+    "or 'unshaped' for a link that is not shaped")
 
 
 def _rate(text):
@@ -140,7 +140,7 @@ def parse_args(argv=None):
         type=_rate,
         nargs='+',
         default=[50.0, 200.0, 1000.0, None],
-        help="link rates in Mbit/s (> 0), and 'unshaped' "
+        help=f"link rates in Mbit/s ({_RATES}), and 'unshaped' "
         '(default: 50 200 1000 unshaped)')
     parser.add_argument(
         '--hooks',

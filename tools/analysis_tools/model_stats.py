@@ -6,7 +6,8 @@ The model is built on the meta device, so InternViT-6B needs no memory:
         configs/intern_vit/upernet_intern-vit-6b_8xb2-80k_ade20k-504x504.py
 
 Prints the gradient bytes each rank all-reduces per optimizer step and what
-the configured ``comm_hook`` sends instead, the memory per GPU under DDP,
+the configured ``comm_hook`` sends instead (counted on the first of
+``--gpus`` ranks, which the line names), the memory per GPU under DDP,
 and under FSDP2 (``FSDP2Strategy``, for ``--gpus N [N ...]``) the fullest
 rank's shards plus the units gathered at once, for the parameters' dtypes
 as the config builds them (the 6B recipes' backbone in bf16, their heads in
@@ -56,7 +57,8 @@ def parse_args(argv=None):
         nargs='+',
         default=[8],
         metavar='N',
-        help='numbers of GPUs to print the memory per GPU under FSDP2 for '
+        help='numbers of GPUs: the memory per GPU under FSDP2 is printed '
+        "for each, and the comm_hook's traffic is counted on the first "
         '(default: 8)')
     args = parser.parse_args(argv)
     bad = [n for n in args.gpus if n < 1]
@@ -102,7 +104,12 @@ def main():
     print(f'gradients         : {_size(s["grad_bytes"])} per step ({kind})')
     hook_bytes = ('depends on the DDP buckets' if s['hook_bytes'] is None else
                   f'{_size(s["hook_bytes"])} per step')
-    print(f'with comm_hook    : {hook_bytes} ({s["hook"]})')
+    counted = ''
+    if s['hook_world_size'] is not None:
+        # The hook's record counts on a world size: say which.
+        counted = (f'; {"its flat form " if s["hook_flat"] else ""}on '
+                   f'{s["hook_world_size"]} ranks, the first of --gpus')
+    print(f'with comm_hook    : {hook_bytes} ({s["hook"]}{counted})')
     total = s['param_bytes'] + s['grad_bytes'] + s['optim_bytes']
     print(f'memory per GPU    : {_size(total)} under DDP (parameters '
           f'{_size(s["param_bytes"])}, gradients {_size(s["grad_bytes"])}, '

@@ -5,6 +5,7 @@ the fit (:mod:`.fit`) and the catalogue check
 (:func:`step_from_log`, ``--from-log``). Standard library only."""
 import dataclasses
 import json
+import math
 import statistics
 from typing import List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -245,17 +246,29 @@ def step_from_log(path: str) -> LoggedStep:
     without its exposed communication.
 
     Raises:
-        ValueError: The file cannot be read, or holds no training line
-            with ``time`` (naming the file and what it should be).
+        ValueError: The file cannot be read, is not text, is empty, holds
+            a line that is not JSON or a ``time`` that is not a number, or
+            holds no training line with ``time`` (each one line naming
+            the file and what it should be).
     """
     what = ('an MMEngine JSON log of a training run (work_dirs/RUN/'
             'TIMESTAMP/vis_data/TIMESTAMP.json or scalars.json)')
     try:
-        with open(path) as f:
+        with open(path, encoding='utf-8') as f:
             text = f.read()
+    except IsADirectoryError:
+        raise ValueError(f'--from-log {path}: is a directory; expected '
+                         f'{what}') from None
     except OSError as e:
         raise ValueError(
             f'--from-log {path}: cannot read it ({e.strerror})') from None
+    except UnicodeDecodeError as e:
+        # A checkpoint, an image: not the text of a log.
+        raise ValueError(f'--from-log {path}: not a text file (byte '
+                         f'{e.start} is not UTF-8); expected {what}') from None
+    if not text.strip():
+        raise ValueError(f'--from-log {path}: the file is empty; expected '
+                         f'{what}')
     steps, waits = [], 0
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -268,12 +281,18 @@ def step_from_log(path: str) -> LoggedStep:
         if not isinstance(entry, dict) or 'time' not in entry or (
                 'loss' not in entry and 'lr' not in entry):
             continue  # a validation or test line
+        time = entry['time']
+        if isinstance(time, bool) or not isinstance(
+                time, (int, float)) or not math.isfinite(time):
+            raise ValueError(f'--from-log {path}: line {number} has time '
+                             f'{time!r}, not a number of seconds; expected '
+                             f'{what}')
         wait = entry.get('comm_wait')
-        if isinstance(wait, (int, float)) and wait == wait:
+        if isinstance(wait, (int, float)) and math.isfinite(wait):
             waits += 1
         else:
             wait = 0.0
-        steps.append(float(entry['time']) - float(wait))
+        steps.append(float(time) - float(wait))
     if not steps:
         raise ValueError(f'--from-log {path}: no training line with a '
                          f'`time` in it; expected {what}')

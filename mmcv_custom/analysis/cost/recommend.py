@@ -40,16 +40,18 @@ class StepPrediction:
         overlap_bound_s (float): The exposed time with ``alpha = 0``,
             ``eta = 1`` and no codec: what no implementation beats on
             these links with this bucket order.
-        sent_bytes (float): Bytes the hook reduces per step, as the size
-            of the tensors an all-reduce would carry (what
-            :class:`~mmcv_custom.registry.CommCounter` counts as
-            ``bytes_sent``), by the one counting rule,
-            :func:`mmcv_custom.comm.traffic.sent_bytes`: all-reduced
-            tensors as they are, an all-to-all and an all-gather by what
-            they move against an all-reduce (int8's pair: its quantized
-            bucket about once).
-            A two-level form's collectives are counted each in its own
-            group (a node's ``G`` ranks, or one rank per node).
+        sent_bytes (float): What the run's ``comm_MB`` counts per step
+            (:class:`~mmcv_custom.comm.telemetry.CommCounter`'s
+            ``bytes_sent``; ``comm_MB`` is it over ``2**20``): by the one
+            counting rule, :func:`mmcv_custom.comm.traffic.sent_bytes`,
+            the size of the tensors an all-reduce would carry to move the
+            same bytes (all-reduced tensors as they are, an all-to-all
+            and an all-gather by what they move against an all-reduce:
+            int8's pair about its quantized bucket once). A two-level form
+            counts what crosses nodes only, as its ``comm_MB`` does: its
+            ``'cross'`` collectives, among one rank of each node (what
+            stays inside the node is in neither; where the ranks' shares
+            differ a little, int8's largest and PowerSGD's mean).
         node_bytes (float): Bytes through each node link per direction.
         collectives (int): Collectives per step.
         form (str): ``'flat'`` or ``'two-level'``
@@ -134,9 +136,10 @@ def predict_step(hook: HookCost,
         codec_total += local
         wire += ideal
         node += sum(t.node_bytes for t in loads)
+        # As the run's comm_MB: inside the node, nothing is counted.
         sent += sum(
             reduced_bytes(c.kind, c.nbytes, group_size(c, cluster))
-            for c in collectives)
+            for c in collectives if c.level != 'intra')
     return StepPrediction.of(
         hook,
         constants,

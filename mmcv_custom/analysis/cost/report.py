@@ -385,8 +385,11 @@ def _step_table(settings, recs, fsdp2=False) -> list:
         ('reduce-scattered: the inputs one rank sends, as the run\'s '
          'comm_MB counts them (across nodes only, for a two-level form); '
          'per node link: bytes through it each way, all-gathers included'
-         if fsdp2 else 'sent: the tensors one rank reduces; per node link: '
-         'bytes through it each way')
+         if fsdp2 else 'sent: what one rank sends, as the run\'s comm_MB '
+         'counts it (these bytes over 2**20; the one counting rule: the '
+         'tensor an all-reduce would carry to move the same bytes), across '
+         'nodes only for a two-level form; per node link: bytes through it '
+         'each way')
     ]
     if any(p.form == 'two-level' for p in first.values()):
         lines += [

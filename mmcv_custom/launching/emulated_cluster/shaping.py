@@ -7,8 +7,9 @@ from typing import Optional, Sequence, Tuple
 from .namespaces import run_command
 
 __all__ = [
-    'TBF_BURST_BYTES', 'TBF_BURST_MS', 'TBF_LATENCY_MS', 'check_bandwidth',
-    'shape_links', 'tbf_burst_bytes', 'format_mbit'
+    'TBF_BURST_BYTES', 'TBF_BURST_MS', 'TBF_LATENCY_MS', 'MIN_RATE_MBIT',
+    'MAX_RATE_MBIT', 'check_bandwidth', 'shape_links', 'tbf_burst_bytes',
+    'format_mbit'
 ]
 
 #: The least tbf may send at once (its bucket): one full-size TSO segment
@@ -23,11 +24,22 @@ TBF_BURST_MS = 2
 #: queue a switch port might have. TCP needs a queue of about one
 #: bandwidth-delay product to fill the link.
 TBF_LATENCY_MS = 50
+#: The link rates, in Mbit/s, that tc's tbf holds as given with the bucket
+#: and queue above (iproute2 6.1, measured by reading the qdisc back).
+#: Below about 0.0019 Mbit/s the 64 KiB bucket takes longer to fill than
+#: tc's 32-bit count of 64 ns ticks holds (275 s), and tc silently keeps
+#: another bucket; below 8 bit/s it refuses the rate (0 bytes a second).
+#: Above about 660,000 Mbit/s the queue (:data:`TBF_LATENCY_MS` of the
+#: rate, plus the bucket) overflows its 32-bit limit in bytes.
+MIN_RATE_MBIT = 0.002
+MAX_RATE_MBIT = 600_000
 
 
 def check_bandwidth(bandwidth_mbit) -> Optional[float]:
     """``bandwidth_mbit`` as a float, or None (not shaped); a
-    ``TypeError`` or ``ValueError`` naming the bad value."""
+    ``TypeError`` or ``ValueError`` naming the bad value (a
+    ``ValueError`` too outside :data:`MIN_RATE_MBIT` to
+    :data:`MAX_RATE_MBIT`, before tc refuses it or keeps another)."""
     if bandwidth_mbit is None:
         return None
     if isinstance(bandwidth_mbit,
@@ -39,6 +51,11 @@ def check_bandwidth(bandwidth_mbit) -> Optional[float]:
     if not (math.isfinite(bandwidth_mbit) and bandwidth_mbit > 0):
         raise ValueError(
             'bandwidth_mbit should be a finite number of Mbit/s > 0, or '
+            f'None for links that are not shaped, but got {bandwidth_mbit}')
+    if not MIN_RATE_MBIT <= bandwidth_mbit <= MAX_RATE_MBIT:
+        raise ValueError(
+            f'bandwidth_mbit should be from {MIN_RATE_MBIT:g} to '
+            f'{MAX_RATE_MBIT:g} Mbit/s (what tc\'s tbf shapes as given), or '
             f'None for links that are not shaped, but got {bandwidth_mbit}')
     return float(bandwidth_mbit)
 
