@@ -6,9 +6,7 @@ entry says why a user of the tools cannot act on it. The list is
 :data:`mmcv_custom.launching.warning_noise.TOOL_NOISE`, which the console of
 the training and test tools reads too.
 """
-import warnings
-
-from ..launching.warning_noise import TOOL_NOISE
+from ..launching.warning_noise import TOOL_NOISE, ignore
 
 __all__ = ['filter_tool_warnings']
 
@@ -19,6 +17,4 @@ def filter_tool_warnings() -> None:
     Called first thing by each analysis tool's ``main``, and by each rank it
     starts (a spawned process begins with Python's default filters).
     """
-    for message, category, module, _ in TOOL_NOISE:
-        warnings.filterwarnings(
-            'ignore', message=message, category=category, module=module)
+    ignore(TOOL_NOISE)

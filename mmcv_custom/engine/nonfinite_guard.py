@@ -128,7 +128,9 @@ class NonFiniteGuard:
     @staticmethod
     def _stop(runner, advice: str, message: str) -> None:
         message = f'{message} {advice}'
-        # Every rank stops (they see the same averages); one says why.
+        # Every rank stops (they see the same averages); one says why,
+        # in the log file (the tools' failure report prints it once:
+        # failure_cause keeps the record off their console).
         if is_main_process():
-            runner.logger.error(message)
+            runner.logger.error(message, extra={'failure_cause': True})
         raise NonFiniteGradientsError(message)

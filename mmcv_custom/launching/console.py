@@ -18,7 +18,9 @@ console (``--verbose`` prints them again):
   runner's logger exists (:meth:`ToolConsole.building` hands the runner's
   logger its filter before the runner logs its first line);
 * a failure goes into the log file with its traceback, and its cause is
-  printed once, by the first rank that failed (:meth:`ToolConsole.fail`).
+  printed once, by the first rank that failed (:meth:`ToolConsole.fail`);
+  a record logged as that cause (``extra={'failure_cause': True}``)
+  goes into the log file only.
 
 The records themselves are MMEngine's: nothing here changes the runner.
 """
@@ -37,6 +39,7 @@ from typing import List, Optional, Tuple
 from mmengine.logging import MMLogger
 from mmengine.logging.logger import MMFormatter
 
+from ..integrity import link_of
 from .torchrun import format_report, write_error_file
 from .warning_noise import TOOL_NOISE
 
@@ -69,22 +72,16 @@ _FILE_ONLY = [re.compile(pattern) for pattern, _ in FILE_ONLY]
 #: Python warnings kept off the console (the log file has them):
 #: (message regex, category, issuing module regex, why). The analysis
 #: tools' list (:data:`~mmcv_custom.launching.warning_noise.TOOL_NOISE`)
-#: where it fits a training or test run, and two more.
-RUN_NOISE = tuple(
-    entry
-    for entry in TOOL_NOISE if 'Multi-processing start method' not in entry[0]
-) + (
-    (r'The draw is False, it means that the hook for '
-     r'visualization will not take effect', UserWarning,
-     r'mmseg\.engine\.hooks\.visualization_hook',
-     "the default of MMSegmentation's runtime config; "
-     'tools/test.py --show-dir turns drawing on'),
-    # Reported from importlib when a config's mmseg::
-    # base makes MMEngine import pkg_resources.
-    (r'pkg_resources is deprecated as an API', UserWarning,
-     r'(mmengine\.utils\.package_utils|importlib)',
-     'MMEngine finds the mmseg:: configs with it'),
-)
+#: where it fits a training or test run, and one more. (MMEngine's
+#: pkg_resources warning is silenced where it arises, around the config's
+#: reading: :data:`~mmcv_custom.launching.warning_noise.CONFIG_NOISE`.)
+RUN_NOISE = tuple(entry for entry in TOOL_NOISE
+                  if 'Multi-processing start method' not in entry[0]) + (
+                      (r'The draw is False, it means that the hook for '
+                       r'visualization will not take effect', UserWarning,
+                       r'mmseg\.engine\.hooks\.visualization_hook',
+                       "the default of MMSegmentation's runtime config; "
+                       'tools/test.py --show-dir turns drawing on'), )
 
 
 def _is_noise(message, category, filename: str) -> bool:
@@ -109,8 +106,9 @@ class ConsoleFilter(logging.Filter):
 
 
 class _Hold(logging.Filter):
-    """Last filter of a console handler: while the console is closed,
-    keeps the record for :meth:`ToolConsole.open` instead."""
+    """Last filter of a console handler: keeps a record for
+    :meth:`ToolConsole.open` while the console is closed; leaves one of a
+    failure's cause to its report (:meth:`ToolConsole.fail`) and the file."""
 
     def __init__(self, console: 'ToolConsole',
                  handler: logging.Handler) -> None:
@@ -118,6 +116,8 @@ class _Hold(logging.Filter):
         self.console, self.handler = console, handler
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, 'failure_cause', False):
+            return False
         if self.console.is_open:
             return True
         self.console._held.append((self.handler, record))
@@ -406,10 +406,8 @@ class ToolConsole:
             f'{callstack}')
         self.open()
         code = 130 if interrupted else 1
-        if plain:
-            line = str(error)
-        else:
-            line = type(error).__name__ + (f': {error}' if str(error) else '')
+        line = str(error) if plain else type(error).__name__ + (
+            f': {error}' if str(error) else '')
         report = dict(
             prog=self.prog,
             error='interrupted' if interrupted else line,
@@ -462,6 +460,8 @@ class ToolConsole:
 
     @staticmethod
     def _append(path: str, records) -> bool:
+        if link_of(path) is not None:
+            return False  # never appended to through a link
         try:
             handler = logging.FileHandler(path, 'a')
         except OSError:

@@ -195,6 +195,35 @@ def test_under_torchrun_the_agent_reports(start_console, tmp_path, capsys,
     assert 'RuntimeError: boom' in (tmp_path / 'run' / 'run.log').read_text()
 
 
+@pytest.mark.parametrize('verbose', [False, True])
+def test_a_logged_cause_is_printed_once_by_the_report(start_console, tmp_path,
+                                                      capsys, monkeypatch,
+                                                      verbose):
+    """A hook that logs why it stops the run, then raises it (the fp16
+    range guard): the console shows the report alone; the log file keeps
+    the record and the traceback."""
+    for name in ('RANK', 'WORLD_SIZE', 'TORCHELASTIC_ERROR_FILE'):
+        monkeypatch.delenv(name, raising=False)
+    console = start_console(verbose)
+    with console.building():
+        logger = _runner_logger(tmp_path)
+    console.open('tool.py config.py', logger)
+    logger.error('Iteration 3: stopped', extra={'failure_cause': True})
+    logger.error('an error of its own')
+    assert console.fail(RuntimeError('Iteration 3: stopped')) == 1
+    out, err = capsys.readouterr()
+    assert 'an error of its own' in out
+    assert (out + err).count('Iteration 3: stopped') == 1
+    assert err.splitlines() == [
+        'tool.py: error: RuntimeError: Iteration 3: stopped',
+        f'tool.py: the traceback is in {tmp_path}/run/run.log'
+    ]
+    text = (tmp_path / 'run' / 'run.log').read_text()
+    assert re.search(r' - ERROR - \S+ - \S+ - \d+ - Iteration 3: stopped\n',
+                     text), text
+    assert 'RuntimeError: Iteration 3: stopped' in text
+
+
 class _Failure:
 
     def __init__(self, timestamp, report=None, exitcode=1):
@@ -411,31 +440,42 @@ def test_a_training_prints_a_header_progress_and_a_summary(tmp_path):
 
 @pytest.mark.slow
 def test_a_failure_on_every_rank_is_reported_once(tmp_path):
-    """A value the optimizer refuses, after the runner exists: both ranks
-    fail; the console says why once, names the log file and the exit
-    code, and ends there."""
+    """fp16 gradients the all-reduce overflows (a loss weighted 1e9): the
+    fp16 range guard stops both ranks at iteration 1, rank 0 logging why.
+    The console says why once (the report, not the guard's ERROR record
+    too), names the log file and the exit code, and ends there; the log
+    file keeps the record and the tracebacks."""
     out = _run([
         'bash',
         osp.join(TOOLS, 'dist_train.sh'), FCN, '2', '--work-dir', 'work',
-        '--cfg-options', *SHORT, 'optim_wrapper.optimizer.lr=-1'
+        '--cfg-options', *SHORT, 'comm_hook.type=fp16_compress',
+        'model.decode_head.loss_decode.loss_weight=1e9'
     ], tmp_path)
     console = out.stdout + out.stderr
     assert out.returncode == 1, console[-3000:]
     assert len(console.splitlines()) <= 15, console
-    assert console.count('Invalid learning rate: -1') == 1
+    cause = ('Iteration 1: the optimizer applied non-finite gradients, and '
+             'the parameters backbone.stem.0.weight, ')
+    assert console.count(cause) == 1, console
     report = out.stderr.splitlines()
     assert re.fullmatch(
-        r'train\.py: error on rank [01]: ValueError: Invalid learning rate: '
-        r'-1', report[0]), out.stderr
+        r'train\.py: error on rank [01]: NonFiniteGradientsError: '
+        + re.escape(cause) + r'.* so training cannot recover\. Stopped '
+        r'before saving a checkpoint of these weights\. fp16 already '
+        r'divides by the world size before the all-reduce, .*', report[0]), \
+        out.stderr
     log = _log_file(out.stderr)
     assert report[1:] == [
         f'train.py: the traceback is in {log}', 'dist_train.sh: exit code 1'
     ]
     for gone in ('Traceback', 'ChildFailedError', 'To enable traceback',
-                 'closing signal', 'OMP_NUM_THREADS'):
+                 'closing signal', 'OMP_NUM_THREADS', ' - ERROR - '):
         assert gone not in console, gone
     text = (tmp_path / log).read_text()
     assert re.search(
+        r' - ERROR - \S+nonfinite_guard\.py - _stop - \d+ - ' +
+        re.escape(cause), text)
+    assert re.search(
         r'ERROR - train\.py - main - 0 - train\.py failed on '
         r'rank [01] of 2:\nTraceback', text)
-    assert 'ValueError: Invalid learning rate: -1' in text
+    assert 'NonFiniteGradientsError: ' + cause in text

@@ -221,6 +221,53 @@ def test_nodes_reach_each_other_and_nothing_else(tmp_path):
     ]
 
 
+_LOOKUP = r"""
+import socket, sys
+for address in sys.argv[1:]:
+    where = (address, 0, 0, 0) if ':' in address else (address, 0)
+    try:
+        found = socket.getnameinfo(where, socket.NI_NAMEREQD)[0]
+    except OSError as e:
+        found = f'not found ({e.errno})'
+    print(address, found, flush=True)
+"""
+
+
+@needs_netns
+def test_nodes_find_each_other_by_name_and_nothing_else():
+    """Issue 42: torch's TCPStore names each peer by a reverse lookup,
+    which inside a node went to DNS servers it cannot reach, and every
+    connection warned "[c10d] The hostname of the client socket cannot be
+    retrieved. err=-3". Each node's hosts file answers for every node, as
+    IPv4 and as the IPv4-mapped IPv6 address torchrun's store sees; any
+    other address is still not found, and the files go with the cluster."""
+    stream = io.StringIO()
+    addresses = [
+        '198.18.0.1', '::ffff:198.18.0.2', '::ffff:127.0.0.1', '198.18.0.9'
+    ]
+    with ec.EmulatedCluster(2) as cluster:
+        files = [
+            osp.join(ec.namespaces.NETNS_ETC, n.namespace, 'hosts')
+            for n in cluster.nodes
+        ]
+        assert all(osp.isfile(f) for f in files)
+        result = ec.run_on_nodes(
+            cluster, [sys.executable, '-c', _LOOKUP] + addresses,
+            port=12346,
+            stream=stream,
+            timeout=60)
+    assert result.returncode == 0, stream.getvalue()
+    found = {}
+    for line in stream.getvalue().splitlines():
+        node, address, name = line.split(' ', 2)
+        found.setdefault(address, set()).add(name)
+    assert found['198.18.0.1'] == {'node0'}
+    assert found['::ffff:198.18.0.2'] == {'node1'}
+    assert found['::ffff:127.0.0.1'] == {'localhost'}
+    assert found['198.18.0.9'] == {'not found (-3)'}, found
+    assert not any(osp.exists(f) or osp.exists(osp.dirname(f)) for f in files)
+
+
 @needs_netns
 def test_nodes_get_the_multi_node_environment():
     stream = io.StringIO()
@@ -372,6 +419,10 @@ def test_a_failure_while_creating_removes_what_was_made(monkeypatch):
         (dict(nodes=2, bandwidth_mbit=-5), ValueError,
          'bandwidth_mbit should be a finite number of Mbit/s > 0, or None for '
          'links that are not shaped, but got -5'),
+        (dict(nodes=2, bandwidth_mbit=1e-9), ValueError,
+         "bandwidth_mbit should be from 0.002 to 600000 Mbit/s (what tc's tbf "
+         'shapes as given), or None for links that are not shaped, but got '
+         '1e-09'),
         (dict(nodes=2, bandwidth_mbit='100'), TypeError,
          "bandwidth_mbit should be a number of Mbit/s or None (not shaped), "
          "but got str '100'"),
@@ -382,8 +433,8 @@ def test_a_failure_while_creating_removes_what_was_made(monkeypatch):
          'ranks_per_node should be an int >= 1, but got float 2.0'),
     ],
     ids=[
-        'one-node', 'bool', 'negative-rate', 'rate-as-str', 'no-ranks',
-        'ranks-as-float'
+        'one-node', 'bool', 'negative-rate', 'rate-tbf-cannot-hold',
+        'rate-as-str', 'no-ranks', 'ranks-as-float'
     ])
 def test_bad_cluster_arguments_are_refused_before_anything_is_made(
         kwargs, error, message):
@@ -411,6 +462,10 @@ def tool_args(monkeypatch, capsys):
         (['--bandwidth', 'inf', '--', 'true'
           ], 'argument --bandwidth: should be a rate in Mbit/s > 0, or 0 or '
          "\"unshaped\" for links that are not shaped, but got 'inf'"),
+        (['--bandwidth', '1e-9', '--', 'true'
+          ], "argument --bandwidth: should be from 0.002 to 600000 Mbit/s "
+         "(what tc's tbf shapes as given), or 0 or \"unshaped\" for links "
+         "that are not shaped, but got '1e-9'"),
         (['--nodes', '1', '--', 'true'],
          '--nodes should be an int from 2 to 1024 (one network namespace per '
          'node), but got 1'),
@@ -435,7 +490,7 @@ def tool_args(monkeypatch, capsys):
           ], "argument --ranks-per-node: invalid int value: '1.5'"),
     ],
     ids=[
-        'negative-rate', 'word-rate', 'infinite-rate', 'one-node',
+        'negative-rate', 'word-rate', 'infinite-rate', 'tiny-rate', 'one-node',
         'nodes-not-int', 'no-command', 'no-separator', 'timeout', 'port',
         'log-dir', 'no-ranks', 'ranks-not-int'
     ])
@@ -539,6 +594,10 @@ def test_ranks_of_a_node_talk_inside_it_and_only_the_rest_crosses(tmp_path):
                                      ['1', '0', '2', '4'],
                                      ['1', '1', '3', '4']]
     assert all(r[7:] == ['2', '4'] for r in rows)  # the sums
+    # Each node finds its peers by name (issue 42): torch's store has
+    # nothing to warn of (no log level is changed: its other warnings show).
+    assert 'The hostname of the client socket cannot be retrieved' not in \
+        proc.stdout + proc.stderr
     size = 2**20 * 4
     for _, _, _, _, inside, across, payload, _, _ in rows:
         # Barriers only: a few hundred bytes, no part of the 4 MiB.
@@ -667,6 +726,9 @@ def test_a_killed_tools_nodes_and_namespaces_go_with_it():
         proc.kill()
     assert proc.returncode == -signal.SIGKILL
     assert 'not reached' not in rest
+    # The nodes' hosts files went with them.
+    assert not any(
+        osp.exists(osp.join(ec.namespaces.NETNS_ETC, n)) for n in names)
     # Each node's bash and sleep, less those their death signal ended.
     tag = sorted(names)[0].rsplit('-', 1)[0]
     assert re.fullmatch(

@@ -7,6 +7,7 @@ import os
 import os.path as osp
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -261,6 +262,103 @@ def test_a_work_dir_under_a_file_is_reported(tmp_path):
     assert preflight(cfg, 'test')[0].what.endswith('so the work dir cannot '
                                                    'be used')
     assert os.listdir(tmp_path) == ['plain']  # nothing left behind
+    # A folder the system will not make: its own words, what to do.
+    cfg.work_dir = '/proc/nope'
+    assert preflight(cfg, 'test') == [
+        Problem(
+            "work_dir '/proc/nope': cannot be made: making a folder in /proc "
+            'fails (No such file or directory: /proc exists, but its file '
+            'system takes no new folders)',
+            'choose another --work-dir, one you can write to')
+    ]
+
+
+def _mkdir_error(path):
+    """The OSError this system raises for making ``path``, or None."""
+    try:
+        os.mkdir(path)
+    except OSError as e:
+        return e
+    os.rmdir(path)
+    return None
+
+
+OUT_DIR = 'default_hooks.checkpoint.out_dir'
+# Every key other than the work dir is set alike.
+OUT_DIR_FIX = (f'. Fix: set {OUT_DIR} to another folder, one you can '
+               f'write to (--cfg-options {OUT_DIR}=PATH)')
+
+
+@pytest.mark.parametrize('out_dir, expected', [
+    ('/proc/nope', "'/proc/nope': cannot be made: making a folder in /proc "
+     'fails (No such file or directory: /proc exists, but its file system '
+     'takes no new folders)'),
+    ('/proc', "'/proc': cannot write in it (No such file or directory: "
+     '/proc exists, but its file system takes no new folders)'),
+    ('/sys/nope', "'/sys/nope': cannot be made: making a folder in /sys "
+     'fails ({sys})'),
+    ('{tmp}/plain/ckpt', "'{tmp}/plain/ckpt': {tmp}/plain is a file, not a "
+     'folder, so the folder cannot be made. Fix: set '
+     f'{OUT_DIR} to another folder (--cfg-options {OUT_DIR}=PATH)'),
+])
+def test_an_out_dir_that_cannot_be_made_says_why(out_dir, expected, tmp_path):
+    """Through tools/train.py, before any training: the key, the path, the
+    error the system gives (EACCES, EROFS, EPERM, ENOENT on /proc) and
+    what to do; not that the folder "kept disappearing"."""
+    sys_error = _mkdir_error('/sys/nope')
+    if '{sys}' in expected and sys_error is None:
+        pytest.skip('/sys takes new folders here')
+    (tmp_path / 'plain').write_text('')
+    out_dir = out_dir.format(tmp=tmp_path)
+    expected = expected.format(
+        tmp=tmp_path, sys=sys_error and sys_error.strerror)
+    if 'Fix:' not in expected:
+        expected += OUT_DIR_FIX
+    work = tmp_path / 'work'
+    code, out, err, _, _ = _run_measured([
+        sys.executable,
+        osp.join(TOOLS, 'train.py'), MLP, '--work-dir',
+        str(work), '--cfg-options', f'{OUT_DIR}={out_dir}'
+    ], str(tmp_path))
+    assert code == 2, err[-3000:]
+    message = f'train.py: error: {OUT_DIR} {expected}'
+    assert _lines(err, 'train.py') == [message]
+    assert 'Traceback' not in err and 'disappearing' not in err
+    assert not work.exists()  # a refused start leaves nothing behind
+
+
+def test_a_folder_that_vanishes_while_checked(tmp_path, monkeypatch):
+    """"Kept disappearing" only when it did: a folder removed between
+    finding it and writing in it (another rank's refused lock) is looked
+    for again."""
+    made = tempfile.mkdtemp
+    work = tmp_path / 'work'
+    vanishing = []
+
+    def remove_then_make(prefix, dir):
+        if vanishing:
+            vanishing.pop()
+            os.rmdir(dir)  # what the other process does meanwhile
+        return made(prefix=prefix, dir=dir)
+
+    cfg = load_config(MLP, work_dir=str(work))
+    monkeypatch.setattr(work_dir_check.tempfile, 'mkdtemp', remove_then_make)
+    # Once: found again (its parent), nothing to say.
+    work.mkdir()
+    vanishing[:] = [1]
+    assert work_dir_check.work_dir_problems(cfg, 'test') == []
+    # Every time: said as it is.
+    vanishing[:] = [1] * work_dir_check._VANISHING_TRIES
+    for _ in vanishing:
+        work.mkdir()
+        work = work / 'again'
+    cfg.work_dir = str(work)
+    assert work_dir_check.work_dir_problems(cfg, 'test') == [
+        Problem(
+            f"work_dir '{work}': it kept disappearing while it was checked "
+            '(another process makes and removes it)',
+            'choose another --work-dir')
+    ]
 
 
 def test_what_one_save_writes(tmp_path):
@@ -400,7 +498,7 @@ def test_custom_hooks_are_checked_with_the_rest(tmp_path):
     cfg = load_config(
         FCN,
         dict(custom_hooks=[
-            "dict(type='EMAHook')",
+            'dict(type=EMAHook)',
             dict(type='CommHookRegistrationHoook'),
             dict(type='EMAHook'),
             dict(priority='LOW'),
@@ -408,11 +506,12 @@ def test_custom_hooks_are_checked_with_the_rest(tmp_path):
         ]),
         work_dir=str(tmp_path / 'work'))
     assert [str(p) for p in preflight(cfg, 'train')] == [
-        'custom_hooks[0] should be a hook config such as dict(type=\'...\'), '
-        'but got "dict(type=\'EMAHook\')". Fix: --cfg-options cannot write '
-        'a dict inside a list (it stays a string): set custom_hooks in a '
-        "config that inherits this one (_base_ = ['...'] and custom_hooks "
-        "= [dict(type='...')])",
+        "custom_hooks[0] should be a hook config such as dict(type='...'), "
+        "but got 'dict(type=EMAHook)'. Fix: --cfg-options reads a dict "
+        'inside a list only with quoted values and one key (custom_hooks='
+        '"[dict(type=\'EMAHook\')]"); otherwise it stays a string: set '
+        "custom_hooks in a config that inherits this one (_base_ = ['...'] "
+        "and custom_hooks = [dict(type='...')])",
         "custom_hooks[1]: 'CommHookRegistrationHoook' is not a registered "
         "hook (did you mean 'CommHookRegistrationHook'?). Fix: correct the "
         'type, or import the module that registers it in custom_imports',
@@ -480,10 +579,12 @@ def test_the_tools_name_a_config_they_cannot_read(tmp_path):
         (['test.py', str(broken), 'x.pth'],
          f'test.py: error: config {broken}: cannot read it as a config '
          "(SyntaxError: '(' was never closed"),
-        (['train.py', MLP, '--cfg-options', "custom_hooks=[dict(type='X')]"],
+        (['train.py', MLP, '--cfg-options', 'custom_hooks=[dict(type=X)]'],
          "train.py: error: custom_hooks[0] should be a hook config such as "
-         "dict(type='...'), but got \"dict(type='X')\". Fix: --cfg-options "
-         'cannot write a dict inside a list'),
+         "dict(type='...'), but got 'dict(type=X)'. Fix: --cfg-options "
+         'reads a dict inside a list only with quoted values and one key'),
+        (['train.py', MLP, '--cfg-options', "custom_hooks=[dict(type='X')]"],
+         "train.py: error: custom_hooks[0]: 'X' is not a registered hook."),
     ]
     env = {
         k: v

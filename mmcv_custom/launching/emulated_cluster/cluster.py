@@ -18,7 +18,7 @@ from .availability import USERNS_ENV, ClusterUnavailable, missing_programs
 from .leftovers import remove_leftovers
 from .namespaces import (DISMISSED, KEEPER_FLAG, NAME_PREFIX, ClusterError,
                          kill_namespace_pids, namespace_exists, one_line,
-                         run_command)
+                         remove_hosts, run_command, write_hosts)
 from .programs import program_argv
 from .shaping import (TBF_LATENCY_MS, check_bandwidth, format_mbit,
                       shape_links, tbf_burst_bytes)
@@ -321,6 +321,10 @@ class EmulatedCluster:
         run_command(sw + ['link', 'set', _BRIDGE, 'up'])
         for node in self.nodes:
             self._add_node(node)
+        # Every node's address by name in every node (see write_hosts).
+        hosts = [(n.address, f'node{n.rank}') for n in self.nodes]
+        for node in self.nodes:
+            write_hosts(node.namespace, hosts)
 
     def _add_namespace(self, name: str) -> None:
         if namespace_exists(name):
@@ -412,4 +416,5 @@ class EmulatedCluster:
                     _LOG.warning(
                         'could not delete network namespace %s: '
                         '%s', ns, one_line(done.stderr))
+            remove_hosts(ns)
         self._namespaces.clear()

@@ -15,12 +15,13 @@ import signal
 import subprocess
 import sys
 import time
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 __all__ = [
-    'NAME_PREFIX', 'NETNS_DIR', 'KEEPER_FLAG', 'DISMISSED', 'ClusterError',
-    'one_line', 'run_command', 'namespace_exists', 'namespace_pids',
-    'kill_namespace_pids', 'stop_namespaces', 'delete_namespaces'
+    'NAME_PREFIX', 'NETNS_DIR', 'NETNS_ETC', 'KEEPER_FLAG', 'DISMISSED',
+    'ClusterError', 'one_line', 'run_command', 'namespace_exists',
+    'namespace_pids', 'kill_namespace_pids', 'stop_namespaces',
+    'delete_namespaces', 'write_hosts', 'remove_hosts'
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -31,6 +32,9 @@ _LOG = logging.getLogger(__name__)
 NAME_PREFIX = 'mmcvc-'
 #: Where ``ip netns add`` puts a named namespace.
 NETNS_DIR = '/run/netns'
+#: Where ``ip netns exec NAME`` finds the namespace's own files, each
+#: bind-mounted over its namesake in ``/etc`` (iproute2's convention).
+NETNS_ETC = '/etc/netns'
 #: This file run as a cluster's keeper.
 KEEPER_FLAG = '--keeper'
 #: What a maker that closed its cluster itself tells its keeper.
@@ -94,13 +98,66 @@ def kill_namespace_pids(
     return pids
 
 
+def write_hosts(name: str, hosts: Sequence[Tuple[str, str]]) -> bool:
+    """Give namespace ``name`` a hosts file of its own: localhost and
+    ``hosts`` (address, host name), in ``/etc/netns/NAME/hosts``, which
+    ``ip netns exec`` puts over ``/etc/hosts``.
+
+    Why: torch's TCPStore names each peer by a reverse lookup of its
+    address, and inside a node the DNS servers of ``/etc/resolv.conf``
+    cannot be reached, so every connection warned ``[c10d] The hostname
+    of the client socket cannot be retrieved. err=-3``; answered from the
+    file, the lookups succeed. False, and nothing written, where
+    ``/etc/netns`` cannot be written (a user namespace, a read-only
+    ``/etc``): the lookups then fail, and warn, as before.
+    """
+    folder = os.path.join(NETNS_ETC, name)
+    # Each IPv4 address also as IPv6 maps it: torchrun's store listens on
+    # both, and sees its IPv4 peers as ::ffff:a.b.c.d.
+    lines = [
+        f'{prefix}{address}\t{host}'
+        for address, host in [('127.0.0.1', 'localhost')] + list(hosts)
+        for prefix in ('', '::ffff:')
+    ] + ['::1\tlocalhost ip6-localhost']
+    try:
+        os.makedirs(NETNS_ETC, mode=0o755, exist_ok=True)
+        if os.path.islink(NETNS_ETC):
+            return False  # nothing written through a link
+        os.mkdir(folder, 0o755)  # the name is this run's: never there
+    except OSError:
+        return False
+    try:
+        fd = os.open(
+            os.path.join(folder, 'hosts'),
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, 'w') as f:
+            f.write('\n'.join(lines) + '\n')
+    except OSError:
+        remove_hosts(name)
+        return False
+    return True
+
+
+def remove_hosts(name: str) -> None:
+    """Remove what :func:`write_hosts` wrote for ``name`` (and
+    ``/etc/netns`` once empty); nothing there, nothing done."""
+    folder = os.path.join(NETNS_ETC, name)
+    for path, remove in ((os.path.join(folder, 'hosts'), os.unlink),
+                         (folder, os.rmdir), (NETNS_ETC, os.rmdir)):
+        try:
+            remove(path)
+        except OSError:  # gone, or another cluster's files are there
+            pass
+
+
 def delete_namespaces(names: Sequence[str]) -> List[str]:
-    """``ip netns del`` each of ``names``, the switch last; the names
-    deleted."""
+    """``ip netns del`` each of ``names``, the switch last, with its hosts
+    file (:func:`write_hosts`); the names deleted."""
     deleted = []
     for name in sorted(names, key=lambda n: n.endswith('-sw')):
         if run_command(['ip', 'netns', 'del', name],
                        check=False).returncode == 0:
+            remove_hosts(name)
             deleted.append(name)
     return deleted
 

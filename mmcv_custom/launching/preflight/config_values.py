@@ -55,9 +55,10 @@ def comm_hook_problems(cfg: Config) -> List[Problem]:
 
 
 _CLI_DICT_FIX = (
-    '--cfg-options cannot write a dict inside a list (it stays a string): '
-    "set custom_hooks in a config that inherits this one (_base_ = ['...'] "
-    "and custom_hooks = [dict(type='...')])")
+    "--cfg-options reads a dict inside a list only with quoted values and "
+    "one key (custom_hooks=\"[dict(type='EMAHook')]\"); otherwise it stays "
+    "a string: set custom_hooks in a config that inherits this one "
+    "(_base_ = ['...'] and custom_hooks = [dict(type='...')])")
 
 
 def custom_hooks_problems(cfg: Config, registered: bool) -> List[Problem]:
