@@ -161,3 +161,18 @@ class FillDiskHook(Hook):
                     f.flush()
                 except OSError:
                     break
+
+
+@HOOKS.register_module()
+class KillInValidationHook(Hook):
+    """SIGKILL rank ``rank`` after its first validation batch, in the first
+    run only: the file ``marker`` records that it happened."""
+
+    def __init__(self, rank: int, marker: str):
+        self.rank, self.marker = rank, marker
+
+    def after_val_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+        if get_rank() == self.rank and not osp.exists(self.marker):
+            with open(self.marker, 'w') as f:
+                f.write(f'killed rank {self.rank} in a validation\n')
+            os.kill(os.getpid(), signal.SIGKILL)

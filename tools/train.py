@@ -65,9 +65,10 @@ from mmcv_custom.launching.lifetime import die_with_launcher
 from mmcv_custom.launching.preflight import (PreflightError, Problem,
                                              check_preflight, checked_config,
                                              exit_on_problems)
+from mmcv_custom.launching.preflight.work_dir import take_work_dir
 from mmcv_custom.launching.run_start import apply_start_plan, plan_start
 from mmcv_custom.launching.running import run_runner
-from mmcv_custom.launching.work_dir_lock import WorkDirBusy, WorkDirLock
+from mmcv_custom.launching.work_dir_lock import WorkDirLock
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
 
@@ -78,9 +79,14 @@ def parse_args():
     parser.add_argument('--work-dir', help='the dir to save logs and models')
     parser.add_argument(
         '--resume',
-        action='store_true',
+        nargs='?',
+        const=True,
         default=False,
-        help='resume from the latest checkpoint in the work_dir automatically')
+        metavar='PATH',
+        help='resume from the newest intact checkpoint in the work_dir; with '
+        'PATH, from that checkpoint (the only way to continue another '
+        "run's checkpoint: a last_checkpoint naming a file outside the "
+        'work dir is not followed)')
     parser.add_argument(
         '--overwrite',
         action='store_true',
@@ -133,13 +139,15 @@ def _hook_type(hook) -> str:
 
 
 def add_random_state_hook(cfg: Config) -> None:
-    """Keep every rank's random generators with the checkpoints (see
-    :mod:`mmcv_custom.engine.random_state`), unless the config has it."""
-    hooks = cfg.get('custom_hooks') or []
-    if not any(
-            _hook_type(h) in ('RandomStateHook', 'mmcv_custom.RandomStateHook')
-            for h in hooks):
-        cfg.custom_hooks = list(hooks) + [dict(type='RandomStateHook')]
+    """Keep every rank's random generators (see
+    :mod:`mmcv_custom.engine.random_state`) and the run's identity (see
+    :mod:`mmcv_custom.engine.run_identity`) with the checkpoints, unless
+    the config has those hooks."""
+    for name in ('RandomStateHook', 'RunIdentityHook'):
+        hooks = cfg.get('custom_hooks') or []
+        if not any(
+                _hook_type(h) in (name, f'mmcv_custom.{name}') for h in hooks):
+            cfg.custom_hooks = list(hooks) + [dict(type=name)]
 
 
 def add_comm_hook_runner_hook(cfg: Config) -> None:
@@ -194,12 +202,14 @@ def main():
     # Where the run starts (its own newest checkpoint wins over load_from;
     # a new run does not overwrite an older one): read the same way on
     # every rank, before the process group exists.
-    plan = plan_start(cfg, args.resume, restart_count(), args.overwrite)
+    named = args.resume if isinstance(args.resume, str) else None
+    plan = plan_start(cfg, bool(args.resume), restart_count(), args.overwrite,
+                      named)
     # One run per work dir, held by global rank 0 (which writes it) until
     # the run ends.
     lock = WorkDirLock(cfg.work_dir) if is_launch_rank0() else None
     try:
-        busy = _take(lock)
+        busy = take_work_dir(lock)
         # Data, pretrained files, the checkpoint to load and the work dir,
         # all named at once, before the model, the process group or the
         # runner exists.
@@ -237,19 +247,6 @@ def _sharded_resume(cfg: Config, plan) -> list:
             'sharded)', 'to start this config from its weights, use '
             f'--cfg-options load_from={checkpoint} without --resume')
     ]
-
-
-def _take(lock: Optional[WorkDirLock]) -> Optional[Problem]:
-    """Take the work dir's lock; the problem when another run holds it."""
-    if lock is None:
-        return None
-    try:
-        lock.acquire()
-    except WorkDirBusy as e:
-        return Problem(
-            str(e), 'wait for that run to end or stop it, or choose another '
-            '--work-dir')
-    return None
 
 
 def _lock_notes(lock: Optional[WorkDirLock], restart: int) -> list:

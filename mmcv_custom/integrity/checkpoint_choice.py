@@ -16,6 +16,8 @@ import os
 import os.path as osp
 from typing import List, NamedTuple, Optional, Tuple
 
+import torch
+
 from .checkpoint import (DCP_METADATA_FILE, SHARDED_META_FILE,
                          UnsafeCheckpointError, check_checkpoint,
                          is_sharded_checkpoint, readable_checkpoint)
@@ -26,8 +28,13 @@ from .sharded_checkpoint import (newest_intact_checkpoint,
 __all__ = [
     'check_checkpoint_file', 'resolve_resume_checkpoint', 'checkpoint_folder',
     'newest_intact', 'unusable_reason', 'ResumeChoice',
-    'find_resume_checkpoint', 'choose_resume_checkpoint'
+    'find_resume_checkpoint', 'choose_resume_checkpoint', 'recorded_outside',
+    'outside_note', 'RUN_KEY', 'run_of', 'foreign_checkpoint'
 ]
+
+#: The key of a checkpoint's ``meta`` that says which run saved it
+#: (:class:`mmcv_custom.engine.run_identity.RunIdentityHook`).
+RUN_KEY = 'run'
 
 
 def check_checkpoint_file(path: str, source: str) -> None:
@@ -88,7 +95,8 @@ def resolve_resume_checkpoint(
     there: a moved one fails to load, and a copied one silently continues
     the *original* run. A checkpoint of that name inside the run's
     checkpoint folder is what the user means, so it wins when the recorded
-    one lies elsewhere.
+    one lies elsewhere; without one, the recorded file is another run's and
+    is not taken (``None``, with a note saying how to name it).
 
     Args:
         work_dir (str): The run's work dir (holds ``last_checkpoint``).
@@ -116,15 +124,33 @@ def resolve_resume_checkpoint(
     if same_dir or '://' in recorded:
         return recorded, None
     if not osp.exists(local):
-        # A CheckpointHook with its own out_dir, or a copy whose newest
-        # checkpoint is gone: MMEngine's choice, but not silently.
-        return recorded, (f'{recorded_file} names {recorded}, outside this '
-                          f'work dir, which has no {osp.basename(recorded)}'
-                          f'; resuming from {recorded}.')
+        # Another run's checkpoint (a work dir copied without its newest
+        # file, or a last_checkpoint copied in): never continued unnamed.
+        return None, outside_note(recorded_file, recorded, folder)
     how = ('was moved' if not osp.exists(recorded) else
            'is a copy of another run (which is left alone)')
     return local, (f'{recorded_file} names {recorded}, outside this work dir; '
                    f'the work dir {how}, so resuming from {local}.')
+
+
+def recorded_outside(work_dir: str, folder: str) -> Optional[str]:
+    """The checkpoint ``<work_dir>/last_checkpoint`` names when it lies
+    outside ``folder`` with no checkpoint of its name there; else None."""
+    path, note = resolve_resume_checkpoint(work_dir, folder=folder)
+    if path is not None or note is None:
+        return None
+    with open(osp.join(work_dir, 'last_checkpoint')) as f:
+        return f.read().strip()
+
+
+def outside_note(recorded_file: str, recorded: str, folder: str) -> str:
+    """What is said of a ``last_checkpoint`` that names another run's
+    checkpoint: it is not resumed without being named."""
+    return (f'{recorded_file} names {recorded}, outside this run\'s '
+            f'checkpoint folder {folder}, which has no '
+            f'{osp.basename(recorded)}: that is another run\'s checkpoint '
+            '(or this work dir was moved without it), and it is not '
+            f'continued unless named: --resume {recorded}')
 
 
 def checkpoint_folder(cfg) -> str:
@@ -205,7 +231,7 @@ def find_resume_checkpoint(work_dir: str,
     path, moved = resolve_resume_checkpoint(work_dir, folder=folder)
     if moved:
         notes.append(moved)
-    if path is None and osp.isfile(recorded_file):
+    if path is None and moved is None and osp.isfile(recorded_file):
         notes.append(f'{recorded_file} is empty (a save interrupted while '
                      'writing it?)')
     elif path is not None and '://' not in path:
@@ -239,3 +265,55 @@ def choose_resume_checkpoint(
     """:func:`find_resume_checkpoint` as ``(path or None, notes)``."""
     choice = find_resume_checkpoint(work_dir, folder)
     return choice.path, choice.notes
+
+
+def run_of(path: str) -> Optional[dict]:
+    """The identity of the run that saved ``path`` (``meta['run']``), read
+    without loading its tensors (memory-mapped); None for a checkpoint
+    saved without one or that cannot be read."""
+    if is_sharded_checkpoint(path):
+        path = osp.join(path, SHARDED_META_FILE)
+    try:
+        checkpoint = torch.load(
+            path, map_location='cpu', weights_only=True, mmap=True)
+    except Exception:
+        return None
+    meta = checkpoint.get('meta') if isinstance(checkpoint, dict) else None
+    found = meta.get(RUN_KEY) if isinstance(meta, dict) else None
+    if isinstance(found, dict) and isinstance(found.get('id'), str):
+        return found
+    return None
+
+
+def _described(run: dict) -> str:
+    return (f"run {run['id'][:8]} (seed {run.get('seed')}, config "
+            f"{run.get('config')}, started {run.get('started')})")
+
+
+def foreign_checkpoint(chosen: str, saved: List[str]) -> Optional[str]:
+    """Why ``chosen`` belongs to another run than the other checkpoints in
+    ``saved`` (its folder's, newest first), or None.
+
+    None also where nothing can tell: ``chosen`` or every other checkpoint
+    saved without an identity, or ``chosen`` alone in its folder (a copied
+    work dir continues the copy).
+    """
+    mine = run_of(chosen)
+    if mine is None:
+        return None
+    others = {}
+    for path in saved:
+        if osp.abspath(path) == osp.abspath(chosen):
+            continue
+        run = run_of(path)
+        if run is None:
+            continue
+        if run['id'] == mine['id']:
+            return None
+        others.setdefault(run['id'], (path, run))
+    if not others:
+        return None
+    path, run = next(iter(others.values()))
+    return (f'{chosen} belongs to another run than the other checkpoints in '
+            f'{osp.dirname(osp.abspath(chosen))}: it was saved by '
+            f'{_described(mine)}, {osp.basename(path)} by {_described(run)}')

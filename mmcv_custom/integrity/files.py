@@ -35,7 +35,17 @@ nothing can tell its bytes from damaged ones.
 What the digests protect against: accidents (bit rot, a truncated or
 partial copy, a torn write, a swapped file). They do not protect against
 someone who can write the files: whoever can change a checkpoint can write
-its digest too. Only the standard library is used here.
+its digest too.
+
+* **Never through a link.** A work dir copied with ``cp -rs``, a sync
+  tool's link farm, or anyone who can write the folder can leave a
+  symbolic link (or a second hard link) under a name the run writes. Every
+  write here replaces the *name* (:func:`os.replace`), never the file it
+  points to, and the temporary file is created with ``O_EXCL |
+  O_NOFOLLOW``; a file that must be written in place (the work dir's lock)
+  is opened with :func:`open_own_file`, which refuses a link.
+
+Only the standard library is used here.
 """
 import hashlib
 import os
@@ -43,6 +53,7 @@ import os.path as osp
 import re
 import secrets
 import shutil
+import stat
 from typing import Callable, Iterable, List, NamedTuple, Optional
 
 __all__ = [
@@ -51,7 +62,8 @@ __all__ = [
     'digest_path', 'write_digest', 'file_sha256', 'verify_file',
     'require_intact', 'temporary_name', 'is_temporary_name',
     'remove_stale_temporaries', 'checkpoint_candidates', 'MANIFEST_FILE',
-    'digest_kept_beside', 'unverified_refusal', 'process_alive'
+    'digest_kept_beside', 'unverified_refusal', 'process_alive',
+    'LinkedFileError', 'open_own_file', 'link_of'
 ]
 
 #: What a digest file's name adds to the file it vouches for.
@@ -64,6 +76,74 @@ _TMP_RE = re.compile(r'^\..+\.\d+-[0-9a-f]{8}\.tmp$')
 
 class CheckpointDamagedError(RuntimeError):
     """A checkpoint file does not match its digest, or cannot be read."""
+
+
+class LinkedFileError(OSError):
+    """A name the run writes is a link to another file, or not a plain
+    file: writing it would change what the link points to."""
+
+
+def link_of(path: str) -> Optional[str]:
+    """Why writing ``path`` in place would write another file, or None.
+
+    A symbolic link (whatever it points to, even nothing), a file with
+    more than one name (a hard link: the other name sees every byte), or
+    something that is not a plain file (a folder, a FIFO, a device).
+    Missing: None.
+    """
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = '?'
+        return f'{path} is a symbolic link to {target}'
+    if not stat.S_ISREG(st.st_mode):
+        return f'{path} is not a plain file ({_kind(st.st_mode)})'
+    if st.st_nlink > 1:
+        return (f'{path} is a hard link: the same file has '
+                f'{st.st_nlink} names')
+    return None
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, 'a folder'), (stat.S_ISFIFO, 'a FIFO'),
+                       (stat.S_ISSOCK, 'a socket'), (stat.S_ISCHR,
+                                                     'a character device'),
+                       (stat.S_ISBLK, 'a block device')):
+        if test(mode):
+            return name
+    return 'an unknown kind of file'
+
+
+def open_own_file(path: str, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags, mode)`` that never writes through a link.
+
+    ``O_NOFOLLOW`` refuses a symbolic link at the last component (folders
+    above it may be links: a work dir on ``/scratch`` through a link is
+    fine); what was opened is then checked to be a plain file with one
+    name, so a hard link to another file is refused too.
+
+    Raises:
+        LinkedFileError: ``path`` is a link or not a plain file (the
+            message says which, and what it points to).
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError:
+        why = link_of(path)
+        if why is not None:
+            raise LinkedFileError(why) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        os.close(fd)
+        raise LinkedFileError(
+            link_of(path) or f'{path} is not a plain file with one name')
+    return fd
 
 
 class Verification(NamedTuple):
@@ -182,7 +262,12 @@ def _write_then_rename(path: str, write: Callable[[object], None]) -> None:
     remove_stale_temporaries(path)
     tmp = temporary_name(path)
     try:
-        with open(tmp, 'wb') as f:
+        # A fresh name: O_EXCL refuses anything (a link included) that
+        # stands there already.
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+            | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        with os.fdopen(fd, 'wb') as f:
             write(f)
             f.flush()
             if _sync_to_disk():

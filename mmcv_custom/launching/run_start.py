@@ -32,6 +32,28 @@ overwrote its own newer checkpoints, with exit code 0. The rules here:
 * **Nothing to resume from is an error**: when every checkpoint is damaged,
   the run stops (exit 2) naming each one and why, instead of training from
   iteration 0 over them.
+* **Another run's weights only when named.** A ``last_checkpoint`` that
+  names a file outside the run's checkpoint folder (copied in, or a work
+  dir copied without its newest checkpoint) is never followed: the run's
+  own newest intact checkpoint is resumed, or, without one, the start is
+  refused offering both ways. ``--resume PATH`` names the checkpoint to
+  continue: taken where the run has saved nothing yet; where it has, the
+  run's own newer checkpoints are not overwritten (refused, or moved aside
+  with ``--overwrite``); a restart continues the run's own newest.
+* **One run per work dir.** Every checkpoint says which run saved it
+  (:mod:`mmcv_custom.engine.run_identity`); the checkpoint ``--resume``
+  would take is refused, naming both runs (their ids, seeds, configs and
+  start times), when it is another run's than the folder's other
+  checkpoints (one copied in with its digest).
+* **Never through a link.** MMEngine opens two names of the work dir for
+  writing in place: ``last_checkpoint`` (at every save) and the config it
+  dumps (``<config name>.py``, at start). Where either is a symbolic or
+  hard link (a work dir copied with ``cp -rs``), that would overwrite the
+  file it points to: it is replaced by a file of the run's own with the
+  same contents (what it pointed to is left as it is), and the log says
+  so. Everything else the project writes there goes through a temporary
+  name and a rename (:mod:`mmcv_custom.integrity.files`), which replaces
+  a link rather than writing through it.
 
 :func:`plan_start` only reads the file system, the same way on every rank
 before the process group exists; :func:`apply_start_plan` moves files, on
@@ -44,9 +66,12 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-from ..integrity import checkpoint_candidates
+from ..engine.validation_record import RECORD_FILE
+from ..integrity import atomic_write_text, checkpoint_candidates, link_of
 from ..integrity.checkpoint_choice import (checkpoint_folder,
-                                           find_resume_checkpoint)
+                                           find_resume_checkpoint,
+                                           foreign_checkpoint,
+                                           recorded_outside)
 from .preflight import Problem
 
 __all__ = ['StartPlan', 'plan_start', 'apply_start_plan', 'SUPERSEDED_PREFIX']
@@ -73,6 +98,8 @@ class StartPlan:
         superseded_dir (str, optional): Where they go.
         load_from_after (str, optional): ``load_from`` once moved (when it
             is one of the superseded checkpoints).
+        own_copies (list[str]): Links under names the run writes
+            (``last_checkpoint``), to replace by files of the run's own.
     """
     load_from: Optional[str] = None
     resume: bool = False
@@ -81,6 +108,7 @@ class StartPlan:
     supersede: List[str] = field(default_factory=list)
     superseded_dir: Optional[str] = None
     load_from_after: Optional[str] = None
+    own_copies: List[str] = field(default_factory=list)
 
     def note(self, text: str, level: int = logging.WARNING) -> None:
         self.notes.append((level, text))
@@ -110,26 +138,29 @@ def _belongings(folder: str, checkpoint: str) -> List[str]:
 
 def _supersede(plan: StartPlan, cfg, folder: str,
                checkpoints: List[str]) -> None:
-    """Plan to move ``checkpoints`` (newest first) and ``last_checkpoint``
-    into ``superseded_<newest>/``, a name every rank computes alike."""
+    """Plan to move ``checkpoints`` (newest first), ``last_checkpoint``
+    and ``last_validation`` into ``superseded_<newest>/``, a name every
+    rank computes alike."""
     base = SUPERSEDED_PREFIX + osp.splitext(
         osp.basename(osp.normpath(checkpoints[0])))[0]
     target, n = osp.join(folder, base), 2
-    while osp.exists(target):
+    while osp.lexists(target):
         target, n = osp.join(folder, f'{base}_{n}'), n + 1
     paths = [p for c in checkpoints for p in _belongings(folder, c)]
-    last = osp.join(cfg.work_dir, 'last_checkpoint')
-    if osp.isfile(last):
-        paths.append(last)
+    records = [
+        name for name in ('last_checkpoint', RECORD_FILE)
+        if osp.lexists(osp.join(cfg.work_dir, name))
+    ]
+    paths += [osp.join(cfg.work_dir, name) for name in records]
     plan.supersede, plan.superseded_dir = paths, target
     names = [osp.basename(osp.normpath(c)) for c in checkpoints]
     shown = (', '.join(names)
              if len(names) <= 4 else f'{names[-1]} ... {names[0]}')
+    its = f' and its {" and ".join(records)}' if records else ''
     plan.note(f'--overwrite: moved {len(names)} checkpoint'
               f'{"s" if len(names) > 1 else ""} of this work dir ({shown}, '
-              'with their digests and hook state files) and its '
-              f'last_checkpoint into {target}; delete that folder when you '
-              'no longer need them')
+              f'with their digests and hook state files){its} into '
+              f'{target}; delete that folder when you no longer need them')
 
 
 def _fresh_start_problem(cfg, folder: str, newest: str) -> Problem:
@@ -142,6 +173,15 @@ def _fresh_start_problem(cfg, folder: str, newest: str) -> Problem:
         'continue that run with --resume; or choose another --work-dir; '
         'or add --overwrite to start again there (its checkpoints are '
         f'then moved into {folder}/{SUPERSEDED_PREFIX}...)')
+
+
+def _foreign_problem(cfg, folder: str, chosen: str, why: str) -> Problem:
+    name = osp.basename(osp.normpath(chosen))
+    return Problem(
+        f'--resume: {why}: continuing it here would mix two runs in one work '
+        'dir', f'to continue this work dir\'s own run, move {name} (with '
+        f'its {name}.* files) out of {folder}; to continue the other run, '
+        f'give it a work dir of its own: --work-dir NEW --resume {chosen}')
 
 
 def _damaged_problem(folder: str, refused) -> Problem:
@@ -157,7 +197,8 @@ def _damaged_problem(folder: str, refused) -> Problem:
 def plan_start(cfg,
                resume: bool,
                restart: int = 0,
-               overwrite: bool = False) -> StartPlan:
+               overwrite: bool = False,
+               resume_from: Optional[str] = None) -> StartPlan:
     """Decide where the run of ``cfg`` starts (see the module's rules).
 
     Reads files only, so every rank decides alike before the process
@@ -170,14 +211,18 @@ def plan_start(cfg,
         restart (int): How many times the run was restarted after a
             failure (:func:`mmcv_custom.engine.process_group.restart_count`).
         overwrite (bool): ``--overwrite`` was given.
+        resume_from (str, optional): The checkpoint ``--resume PATH``
+            names (implies ``resume``).
 
     Returns:
         StartPlan: With :attr:`StartPlan.problems` set when the run must
         not start.
     """
+    resume = resume or bool(resume_from)
     load_from = cfg.get('load_from') or None
     folder = checkpoint_folder(cfg)
     plan = StartPlan(load_from=load_from, resume=False)
+    _own_names(plan, cfg)
     saved = checkpoint_candidates(folder)
     if restart:
         plan.note(
@@ -194,6 +239,8 @@ def plan_start(cfg,
                 plan.load_from_after = osp.join(plan.superseded_dir,
                                                 osp.basename(load_from))
         return plan
+    if resume_from and not (saved and restart):
+        return _resume_named(plan, cfg, folder, saved, resume_from, overwrite)
     if not saved:
         return _resume_without_checkpoints(plan, cfg, folder, resume)
     if resume and overwrite and load_from and not restart:
@@ -202,15 +249,26 @@ def plan_start(cfg,
     if choice.path is None:
         plan.problems.append(_damaged_problem(folder, choice.refused))
         return plan
+    foreign = foreign_checkpoint(choice.path, saved)
+    if foreign is not None:
+        plan.problems.append(
+            _foreign_problem(cfg, folder, choice.path, foreign))
+        return plan
     for text in choice.notes:
         plan.note(text)
     plan.load_from, plan.resume = choice.path, True
-    if load_from and not _same(load_from, choice.path):
+    named = resume_from or load_from
+    if named and not _same(named, choice.path):
+        if resume_from:
+            what, why = (f'--resume {named} was for the first start',
+                         'it is taken while the run has saved nothing')
+        else:
+            what, why = (f'load_from={named!r} is not used',
+                         'load_from seeds a run at its start only')
         plan.note(
-            f'load_from={load_from!r} is not used: this run continues '
-            f'from its own newest checkpoint {choice.path} (load_from seeds '
-            'a run at its start only; to go back to it, add --overwrite '
-            'with --resume: the checkpoints after it are moved aside)',
+            f'{what}: this run continues from its own newest checkpoint '
+            f'{choice.path} ({why}; to go back to it, add --overwrite with '
+            '--resume: the checkpoints after it are moved aside)',
             logging.INFO if restart else logging.WARNING)
     if overwrite and not restart:
         plan.note('--overwrite has nothing to move: --resume continues '
@@ -219,11 +277,77 @@ def plan_start(cfg,
     return plan
 
 
+def _own_names(plan: StartPlan, cfg) -> None:
+    """Plan to replace the links under the names MMEngine writes in place
+    in the work dir (see the module's rules); a folder there stops the
+    start."""
+    filename = getattr(cfg, 'filename', None)
+    dumped = osp.basename(filename) if filename else None
+    for name, what in (('last_checkpoint', 'MMEngine writes the name of '
+                        'the newest checkpoint into that file at every '
+                        'save'), (dumped, 'MMEngine writes the run\'s config '
+                                  'there when the run starts')):
+        path = osp.join(cfg.work_dir, name) if name else None
+        why = link_of(path) if path else None
+        if why is None:
+            continue
+        if osp.isdir(path):
+            plan.problems.append(
+                Problem(
+                    f'{why}: {what}', 'move that folder out of the work '
+                    'dir, or choose another --work-dir'))
+            continue
+        plan.own_copies.append(path)
+        plan.note(f'{why}: {what}, which would overwrite what it points to, '
+                  'so it was replaced by a file of this run\'s own with the '
+                  'same contents (what it pointed to is left as it is)')
+
+
+def _resume_named(plan: StartPlan, cfg, folder: str, saved: List[str],
+                  named: str, overwrite: bool) -> StartPlan:
+    """``--resume PATH`` on a first start, or on a restart before the run
+    saved anything."""
+    plan.resume, plan.load_from = True, named
+    if cfg.get('load_from') and not _same(cfg.load_from, named):
+        plan.note(
+            f'load_from={cfg.load_from!r} is not used: --resume names '
+            f'{named}', logging.INFO)
+    if not saved or _same(named, saved[0]):
+        return plan
+    if overwrite:
+        return _go_back(plan, cfg, folder, saved, named)
+    where = ('' if _same(folder, cfg.work_dir) else
+             f' (its checkpoint folder {folder})')
+    newest = osp.basename(osp.normpath(saved[0]))
+    plan.problems.append(
+        Problem(
+            f'--resume {named}: work_dir {cfg.work_dir!r}{where} holds '
+            f'checkpoints of its own run (the newest: {newest}), which '
+            f'continuing {named} there would overwrite or mix with',
+            f'--resume alone continues {newest}; add --overwrite to continue '
+            f'{named} there (the checkpoints of this work dir are then moved '
+            f'into {folder}/{SUPERSEDED_PREFIX}...); or choose another '
+            '--work-dir'))
+    return plan
+
+
 def _resume_without_checkpoints(plan: StartPlan, cfg, folder: str,
                                 resume: bool) -> StartPlan:
     """A restart or ``--resume`` where the run has saved nothing yet."""
     if not resume:
         # A restart before the first save: as the run started.
+        return plan
+    elsewhere = recorded_outside(cfg.work_dir, folder)
+    if elsewhere and not plan.load_from:
+        last = osp.join(cfg.work_dir, 'last_checkpoint')
+        plan.problems.append(
+            Problem(
+                f'--resume: {folder} holds no checkpoint of this run, but '
+                f'{last} names {elsewhere}, outside it: another run\'s '
+                'checkpoint, or this work dir was moved without its '
+                'checkpoints', f'to continue from it, name it: --resume '
+                f'{elsewhere}; to start a new run here at iteration 0, '
+                f'remove {last}'))
         return plan
     if plan.load_from:
         plan.resume = True
@@ -247,9 +371,12 @@ def _go_back(plan: StartPlan, cfg, folder: str, saved: List[str],
     the checkpoints after it moved aside."""
     plan.resume = True
     step = _step(load_from)
+    # Another folder's checkpoint: this folder's go aside, whatever their
+    # steps (one work dir holds one run).
+    inside = _same(osp.dirname(osp.normpath(load_from)), folder)
     later = [
         c for c in saved if not _same(c, load_from) and (
-            step is None or _step(c) is None or _step(c) > step)
+            not inside or step is None or _step(c) is None or _step(c) > step)
     ]
     if later:
         _supersede(plan, cfg, folder, later)
@@ -265,6 +392,9 @@ def apply_start_plan(plan: StartPlan, main_process: bool) -> None:
     rank go on once it is done (a barrier when a process group exists).
     ``plan.load_from`` then names where ``load_from`` is."""
     import torch.distributed as dist
+    if main_process:
+        for path in plan.own_copies:
+            _replace_link(path)
     if plan.supersede and main_process:
         os.makedirs(plan.superseded_dir)
         for path in plan.supersede:
@@ -273,3 +403,15 @@ def apply_start_plan(plan: StartPlan, main_process: bool) -> None:
         dist.barrier()
     if plan.load_from_after:
         plan.load_from = plan.load_from_after
+
+
+def _replace_link(path: str) -> None:
+    """Put a file of its own under ``path`` (a link), with what it read;
+    a link that leads nowhere is removed."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        os.remove(path)
+        return
+    atomic_write_text(path, text)

@@ -3,16 +3,19 @@
 :func:`run_runner` is what ``tools/train.py`` and ``tools/test.py`` share
 after the checks and the start-up: the runner built from the config, the
 console's header and summary around the run, a finished run resumed at its
-end stopped with one line, and the runner and the process group freed in an
-order that cannot hang (:func:`shutdown_distributed`), also when the run
-fails.
+end stopped with one line (after its final validation, when it stopped
+during that: :mod:`mmcv_custom.engine.validation_record`), the metrics'
+result parts kept in the work dir, and the runner and the process group
+freed in an order that cannot hang (:func:`shutdown_distributed`), also
+when the run fails.
 """
+import ast
 import contextlib
 import logging
 import os
 import time
 import traceback
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 from mmengine.config import Config
@@ -20,12 +23,49 @@ from mmengine.hooks import Hook
 
 from ..engine.load_report import load_from_min_match, report_load_from
 from ..engine.process_group import is_launch_rank0
+from ..engine.validation_record import (ValidationRecordHook,
+                                        run_lost_validation)
 from .console import current_console, header_text, progress_text, summary_text
+from .warning_noise import CONFIG_NOISE, quiet
 
 __all__ = [
-    'load_config', 'build_runner', 'run_runner', 'NothingToTrain',
-    'shutdown_distributed'
+    'load_config', 'read_dicts', 'build_runner', 'run_runner',
+    'NothingToTrain', 'shutdown_distributed'
 ]
+
+
+def _dict_literal(text: str) -> Optional[dict]:
+    """``text`` as the dict it writes (``dict(type='X')`` or
+    ``{'type': 'X'}``, literal values only), else None."""
+    try:
+        node = ast.parse(text.strip(), mode='eval').body
+        if isinstance(node, ast.Dict):
+            return ast.literal_eval(node)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == 'dict' and not node.args
+                and all(k.arg for k in node.keywords)):
+            return {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+    except (SyntaxError, ValueError):
+        pass
+    return None
+
+
+def read_dicts(value: Any) -> Any:
+    """A ``--cfg-options`` value with each string that writes a dict read
+    as that dict, in lists and tuples too.
+
+    MMEngine's ``DictAction`` reads numbers, booleans, lists and tuples but
+    keeps ``dict(...)`` as a string, which the config's user then refuses
+    (``visualizer.vis_backends=[dict(type='TensorboardVisBackend')]``: a
+    ``TypeError`` from the visualizer). It splits on every comma, so a
+    dict written this way holds one key.
+    """
+    if isinstance(value, (list, tuple)):
+        return type(value)(read_dicts(v) for v in value)
+    if isinstance(value, str):
+        parsed = _dict_literal(value)
+        return value if parsed is None else parsed
+    return value
 
 
 def load_config(path: str,
@@ -33,12 +73,19 @@ def load_config(path: str,
                 work_dir: Optional[str] = None) -> Config:
     """Read a config as MMSegmentation's tools do.
 
-    ``--cfg-options`` are merged in, and the work dir is the command line's,
-    else the config's, else ``./work_dirs/<config name>``.
+    ``--cfg-options`` are merged in (a ``dict(...)`` among them read as a
+    dict: :func:`read_dicts`), and the work dir is the command line's,
+    else the config's, else ``./work_dirs/<config name>``. MMEngine's
+    reading warns of its own use of pkg_resources (:data:`CONFIG_NOISE`):
+    silenced here, where it arises.
     """
-    cfg = Config.fromfile(path)
+    with quiet(CONFIG_NOISE):
+        cfg = Config.fromfile(path)
     if cfg_options is not None:
-        cfg.merge_from_dict(cfg_options)
+        cfg.merge_from_dict({
+            key: read_dicts(value)
+            for key, value in cfg_options.items()
+        })
     if work_dir is not None:
         cfg.work_dir = work_dir
     elif cfg.get('work_dir', None) is None:
@@ -78,10 +125,14 @@ class _NothingLeftHook(Hook):
         else:
             done, key = runner.iter >= loop.max_iters, 'max_iters'
         if done:
+            # Its final validation first, when the run stopped during it.
+            ran = run_lost_validation(runner)
             raise NothingToTrain(
                 f'Nothing left to train ({progress_text(runner)}): the run '
                 f'is finished. To train it further, raise train_cfg.{key} '
-                f'(--cfg-options train_cfg.{key}=...) and --resume again.')
+                f'(--cfg-options train_cfg.{key}=...) and --resume again.' +
+                (' (Its final validation, lost when it stopped, ran now.)'
+                 if ran else ''))
 
 
 def run_runner(cfg: Config, method: str, notes=()) -> None:
@@ -125,6 +176,8 @@ def run_runner(cfg: Config, method: str, notes=()) -> None:
             report_load_from(runner, load_from, min_match)
         if method == 'train':
             runner.register_hook(_NothingLeftHook())
+        if not any(isinstance(h, ValidationRecordHook) for h in runner.hooks):
+            runner.register_hook(ValidationRecordHook())
         try:
             result = getattr(runner, method)()
         except NothingToTrain as e:

@@ -29,6 +29,13 @@ pid, host, start time and command, which the holder writes into the file.
   (``ENOLCK``, ``EOPNOTSUPP``: NFS mounted ``nolock``, Lustre without
   flock), the run goes on unlocked and says once that two runs on this work
   dir would not be refused.
+* **Never through a link.** The holder writes its details into the file,
+  so a ``train.lock`` that is a symbolic or hard link (a work dir copied
+  with ``cp -rs``, a sync tool's link farm) would have the run overwrite
+  the file it points to. It is opened with ``O_NOFOLLOW`` and checked to
+  be a plain file with one name
+  (:func:`~mmcv_custom.integrity.open_own_file`); otherwise the start is
+  refused, naming the link and its target, and nothing is written.
 
 Standard library only.
 """
@@ -41,7 +48,7 @@ import sys
 import time
 from typing import Optional
 
-from ..integrity import process_alive
+from ..integrity import LinkedFileError, open_own_file, process_alive
 
 __all__ = ['LOCK_FILE', 'WorkDirBusy', 'WorkDirLock']
 
@@ -107,6 +114,8 @@ class WorkDirLock:
 
         Raises:
             WorkDirBusy: Another process holds it.
+            LinkedFileError: The lock file is a symbolic or hard link, or
+                not a plain file (nothing was written).
             OSError: The work dir cannot be made or written (the preflight
                 has said why before this is called).
         """
@@ -122,7 +131,17 @@ class WorkDirLock:
         self._made = missing
         import fcntl
         for _ in range(10):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = open_own_file(self.path, os.O_RDWR | os.O_CREAT)
+            except LinkedFileError as e:
+                raise LinkedFileError(
+                    f"{e}: the work dir's lock file is never written "
+                    'through a link (the run writes its pid and command '
+                    'into it, which would overwrite what the link points '
+                    'to)') from None
+            except OSError:
+                self._remove_made()
+                raise
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -176,7 +195,12 @@ class WorkDirLock:
         except OSError:
             pass
         os.close(fd)
-        for folder in self._made:
+        self._remove_made()
+
+    def _remove_made(self) -> None:
+        """Remove the folders :meth:`acquire` made, while still empty."""
+        made, self._made = self._made, []
+        for folder in made:
             try:
                 os.rmdir(folder)  # only if still empty
             except OSError:

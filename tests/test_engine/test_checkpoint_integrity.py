@@ -25,12 +25,16 @@ FAST = [
 ]
 
 
-def _train(work_dir, *extra, resume=False, cwd=None):
+def _train(work_dir, *extra, resume=False, cwd=None, fast=FAST):
+    """``tools/train.py`` on the MLP demo; ``resume``: True for
+    ``--resume``, a path for ``--resume PATH``."""
     args = [sys.executable, TRAIN, MLP, '--work-dir', str(work_dir)]
-    if resume:
+    if resume is True:
         args.append('--resume')
+    elif resume:
+        args += ['--resume', str(resume)]
     out = subprocess.run(
-        args + ['--cfg-options', *FAST, *extra],
+        args + ['--cfg-options', *fast, *extra],
         cwd=cwd or ROOT,
         capture_output=True,
         text=True,

@@ -105,11 +105,11 @@ def test_a_new_run_does_not_overwrite_an_older_one(tmp_path):
     assert code == 0, log[-3000:]
     assert (f'--overwrite: moved 3 checkpoints of this work dir (iter_6.pth, '
             'iter_4.pth, iter_2.pth, with their digests and hook state '
-            f'files) and its last_checkpoint into {work}/'
-            'superseded_iter_6') in log
+            'files) and its last_checkpoint and last_validation into '
+            f'{work}/superseded_iter_6') in log
     assert sorted(os.listdir(work / 'superseded_iter_6')) == sorted(
         [f'iter_{s}.pth{x}' for s in (2, 4, 6)
-         for x in ('', '.sha256')] + ['last_checkpoint'])
+         for x in ('', '.sha256')] + ['last_checkpoint', 'last_validation'])
     for step in (2, 4, 6):
         assert integrity.verify_file(str(work / f'iter_{step}.pth')).status \
             == 'ok'

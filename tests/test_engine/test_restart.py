@@ -53,7 +53,13 @@ def _config(tmp_path,
     return str(path)
 
 
-def _dist_train(config, work_dir, restarts, *extra, fast=FAST, timeout=180):
+def _dist_train(config,
+                work_dir,
+                restarts,
+                *extra,
+                fast=FAST,
+                timeout=180,
+                cwd=ROOT):
     env = dict(
         os.environ,
         PYTHON=sys.executable,
@@ -63,7 +69,7 @@ def _dist_train(config, work_dir, restarts, *extra, fast=FAST, timeout=180):
         'bash', DIST_TRAIN, config, '2', '--work-dir',
         str(work_dir), '--cfg-options', *fast, *extra
     ],
-                         cwd=ROOT,
+                         cwd=cwd,
                          env=env,
                          capture_output=True,
                          text=True,

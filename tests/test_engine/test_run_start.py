@@ -389,3 +389,82 @@ def test_bytes_written_without_a_digest_keep_no_old_one(tmp_path):
     integrity.atomic_write_bytes(path, b'unchecked', digest=False)
     assert sorted(os.listdir(tmp_path)) == ['model.pth']
     assert integrity.verify_file(path).status == 'no_digest'
+
+
+# -- links -------------------------------------------------------------------
+def test_every_writer_replaces_a_link_and_never_writes_through_it(tmp_path):
+    """Checkpoints and digests (MMEngine's backend), hook state files and
+    the validation record all go through these writers: a symbolic or
+    hard link under the name is replaced, what it points to is not
+    touched."""
+    from mmcv_custom.engine.checkpoint_io import AtomicLocalBackend
+    victim = tmp_path / 'victim'
+    work = tmp_path / 'work'
+    work.mkdir()
+    writes = {
+        'iter_2.pth':
+        lambda p: AtomicLocalBackend().put(b'weights', p),
+        'state.pth':
+        lambda p: integrity.atomic_write_bytes(p, b'state'),
+        'last_validation':
+        lambda p: integrity.atomic_write_text(p, '{}'),
+        'streamed.pth':
+        lambda p: integrity.atomic_write_stream(p, lambda f: f.write(
+            b'streamed')),
+    }
+    for link in (os.symlink, os.link):
+        for name, write in writes.items():
+            victim.write_text('the user\'s\n')
+            path = str(work / name)
+            for each in (path, integrity.digest_path(path)):
+                if osp.lexists(each):
+                    os.remove(each)
+                link(victim, each)
+            write(path)
+            assert victim.read_text() == 'the user\'s\n', (link, name)
+            assert integrity.link_of(path) is None
+            if name != 'last_validation':
+                assert integrity.verify_file(path).status == 'ok'
+                assert integrity.link_of(integrity.digest_path(path)) is None
+    assert integrity.link_of(str(tmp_path / 'absent')) is None
+    fifo = str(tmp_path / 'fifo')
+    os.mkfifo(fifo)
+    assert integrity.link_of(fifo) == f'{fifo} is not a plain file (a FIFO)'
+    with pytest.raises(integrity.LinkedFileError, match='a FIFO'):
+        integrity.open_own_file(fifo, os.O_RDWR)
+
+
+def test_resume_path_with_overwrite_sets_this_runs_checkpoints_aside(tmp_path):
+    other = tmp_path / 'other' / 'iter_8.pth'
+    _save(str(other), 8)
+    work = tmp_path / 'work'
+    _run(str(work), steps=(2, 4))
+    plan = plan_start(
+        _cfg(work), resume=True, overwrite=True, resume_from=str(other))
+    assert (plan.problems, plan.load_from, plan.resume) == ([], str(other),
+                                                            True)
+    assert sorted(osp.basename(p) for p in plan.supersede) == sorted([
+        'iter_2.pth', 'iter_2.pth.sha256', 'iter_2.pth.comm_hook_rank0.pth',
+        'iter_2.pth.comm_hook_rank0.pth.sha256',
+        'iter_2.pth.comm_hook_rank1.pth',
+        'iter_2.pth.comm_hook_rank1.pth.sha256', 'iter_4.pth',
+        'iter_4.pth.sha256', 'iter_4.pth.comm_hook_rank0.pth',
+        'iter_4.pth.comm_hook_rank0.pth.sha256',
+        'iter_4.pth.comm_hook_rank1.pth',
+        'iter_4.pth.comm_hook_rank1.pth.sha256', 'last_checkpoint'
+    ])
+    # Nothing saved here: taken as named. A restart: the run's own newest.
+    fresh = tmp_path / 'fresh'
+    fresh.mkdir()
+    assert plan_start(
+        _cfg(fresh), resume=True,
+        resume_from=str(other)).load_from == str(other)
+    again = plan_start(
+        _cfg(work), resume=True, restart=1, resume_from=str(other))
+    assert again.load_from == str(work / 'iter_4.pth')
+    assert again.notes[-1] == (
+        logging.INFO, f'--resume {other} was for the first start: this run '
+        f'continues from its own newest checkpoint {work}/iter_4.pth '
+        '(it is taken while the run has saved nothing; to go back to it, add '
+        '--overwrite with --resume: the checkpoints after it are moved '
+        'aside)')

@@ -2,6 +2,7 @@
 ``--out`` on several ranks, ``load_from`` checks, model wrappers on CPU, and
 model_stats' labels and errors. Real processes through the real entry
 points; what can fail before any work starts is checked to do so."""
+import glob
 import os
 import os.path as osp
 import re
@@ -28,6 +29,9 @@ TINY = [
     'default_hooks.checkpoint.interval=2',
     'default_hooks.logger.interval=1',
 ] + toy_set(16, 8)
+# TensorBoard beside the JSON logs, as the hooks guide gives it at launch.
+TENSORBOARD = ("visualizer.vis_backends=[dict(type='LocalVisBackend'),"
+               "dict(type='TensorboardVisBackend')]")
 
 
 def _run(args, cwd, env=None, timeout=600):
@@ -98,14 +102,14 @@ def test_python_overrides_the_venv(bare_shell, tmp_path):
 def trained(bare_shell, tmp_path_factory):
     """The FCN trained for 2 iterations on 2 gloo ranks by
     ``bash tools/dist_train.sh`` in a fresh shell (no PYTHON, no torch on
-    PATH), in a folder of its own."""
+    PATH), in a folder of its own, with TensorBoard."""
     if not os.access(VENV_PYTHON, os.X_OK):
         pytest.skip(f'{VENV_PYTHON} does not exist (make install builds it)')
     cwd = tmp_path_factory.mktemp('fcn')
     out = _run([
         'bash',
         osp.join(TOOLS, 'dist_train.sh'), FCN, '2', '--work-dir', 'work',
-        '--cfg-options', *TINY
+        '--cfg-options', *TINY, TENSORBOARD
     ],
                str(cwd),
                env=bare_shell)
@@ -118,6 +122,22 @@ def test_dist_train_uses_the_venv_in_a_fresh_shell(trained):
     assert out.returncode == 0, out.stderr[-3000:]
     assert 'process group: 2 ranks, backend gloo' in out.stdout + out.stderr
     assert (cwd / 'work' / 'iter_2.pth').is_file()
+
+
+@pytest.mark.slow
+def test_tensorboard_is_turned_on_from_the_command_line(trained):
+    """Issue 42: MMEngine's ``--cfg-options`` kept each ``dict(...)`` a
+    string and the visualizer raised ``TypeError``. Read as dicts, the
+    run writes TensorBoard's events beside the JSON logs the tools read."""
+    cwd, out = trained
+    assert out.returncode == 0, out.stderr[-3000:]
+    vis_data = glob.glob(str(cwd / 'work' / '*' / 'vis_data'))
+    assert len(vis_data) == 1, vis_data
+    assert glob.glob(osp.join(vis_data[0], 'events.out.tfevents.*'))
+    assert osp.isfile(osp.join(vis_data[0], 'scalars.json'))
+    page = osp.join(ROOT, 'docs', 'en', 'user_guides', 'comm_hooks.md')
+    with open(page) as f:
+        assert f'--cfg-options "{TENSORBOARD}"' in f.read()
 
 
 @pytest.mark.slow
@@ -267,14 +287,15 @@ def test_model_stats_names_a_vit_only_where_there_is_one():
         r'^parameters        : [\d,]+ \(backbone [\d,]+, of which the '
         r'pre-trained ViT [\d,]+\)$', vit.stdout, re.M), vit.stdout
     # --cfg-options as in tools/train.py.
-    assert "(type='fp16_compress')" in vit.stdout
+    assert "(type='fp16_compress'; " in vit.stdout
     # No backbone at all; a small model reads in MiB, not 0.000 GiB.
     mlp = _stats(MLP)
     assert mlp.returncode == 0, mlp.stderr[-3000:]
     assert re.search(r'^parameters        : 142,088$', mlp.stdout, re.M)
     assert re.search(
         r'^with comm_hook    : 0\.271 MiB per step '
-        r"\(type='bf16_compress'\)$", mlp.stdout, re.M)
+        r"\(type='bf16_compress'; its flat form on 8 ranks, the first of "
+        r'--gpus\)$', mlp.stdout, re.M)
 
 
 @pytest.mark.slow
@@ -326,12 +347,13 @@ def test_resume_checkpoint_is_the_work_dirs_own(tmp_path):
     there.mkdir()
     assert resolve_resume_checkpoint(str(here)) == (None, None)
     (here / 'last_checkpoint').write_text(f'{there}/iter_8.pth\n')
-    # Not here: MMEngine's choice, said out loud.
+    # Not here: another run's, not followed unless named.
     assert resolve_resume_checkpoint(str(here)) == (
-        f'{there}/iter_8.pth',
-        f'{here}/last_checkpoint names {there}/iter_8.pth, outside this '
-        f'work dir, which has no iter_8.pth; resuming from '
-        f'{there}/iter_8.pth.')
+        None, f"{here}/last_checkpoint names {there}/iter_8.pth, outside "
+        f"this run's checkpoint folder {here}, which has no iter_8.pth: "
+        "that is another run's checkpoint (or this work dir was moved "
+        'without it), and it is not continued unless named: --resume '
+        f'{there}/iter_8.pth')
     # Here and there (a copy): this work dir's own.
     (here / 'iter_8.pth').write_bytes(b'')
     (there / 'iter_8.pth').write_bytes(b'')
@@ -351,12 +373,12 @@ def test_resume_checkpoint_is_the_work_dirs_own(tmp_path):
 
 
 def test_train_adds_its_hooks_once_whatever_form_the_config_gives():
-    """train.py adds RandomStateHook, and the runner hook when comm_hook
-    is set, unless custom_hooks has them: by name, by class or as Hook
-    objects (all of which MMEngine takes)."""
+    """train.py adds RandomStateHook and RunIdentityHook, and the runner
+    hook when comm_hook is set, unless custom_hooks has them: by name, by
+    class or as Hook objects (all of which MMEngine takes)."""
     from mmengine.config import Config
 
-    from mmcv_custom.engine import CommHookRegistrationHook
+    from mmcv_custom.engine import CommHookRegistrationHook, RunIdentityHook
     from mmcv_custom.engine.random_state import RandomStateHook
     from tests.tool_utils import load_script
     train = load_script(osp.join(TOOLS, 'train.py'), 'train_tool')
@@ -370,13 +392,22 @@ def test_train_adds_its_hooks_once_whatever_form_the_config_gives():
 
     assert added([]) == [
         dict(type='CommHookRegistrationHook'),
-        dict(type='RandomStateHook')
+        dict(type='RandomStateHook'),
+        dict(type='RunIdentityHook')
+    ]
+    assert added([dict(type='RandomStateHook')]) == [
+        dict(type='CommHookRegistrationHook'),
+        dict(type='RunIdentityHook')
     ]
     for hooks in ([
             dict(type='RandomStateHook'),
+            dict(type='mmcv_custom.RunIdentityHook'),
             dict(type='mmcv_custom.CommHookRegistrationHook')
-    ], [dict(type=RandomStateHook),
-            dict(type=CommHookRegistrationHook)],
-                  [RandomStateHook(),
-                   CommHookRegistrationHook()]):
+    ], [
+            dict(type=RandomStateHook),
+            dict(type=RunIdentityHook),
+            dict(type=CommHookRegistrationHook)
+    ], [RandomStateHook(),
+            RunIdentityHook(),
+            CommHookRegistrationHook()]):
         assert added(hooks) == []

@@ -11,10 +11,12 @@ from typing import List, Optional, Tuple
 from mmengine.config import Config
 
 from ...engine.process_group import LAUNCH_ENV
+from ...integrity import LinkedFileError
+from ..work_dir_lock import WorkDirBusy, WorkDirLock
 from .checkpoint_size import checkpoint_size, format_size
 from .problems import Problem
 
-__all__ = ['work_dir_problems']
+__all__ = ['work_dir_problems', 'take_work_dir']
 
 # How often a folder that another rank made and removed meanwhile is
 # looked for again.
@@ -29,13 +31,20 @@ def _world_size(launcher: str) -> int:
     return int(value) if value.strip().isdigit() else 1
 
 
+def _fix(key: str, which: str = '') -> str:
+    """What to do about an unusable folder: another ``--work-dir``, or
+    another value of ``key``; ``which`` says what it needs."""
+    if key == 'work_dir':
+        return f'choose another --work-dir{which}'
+    return f'set {key} to another folder{which} (--cfg-options {key}=PATH)'
+
+
 def _folder_problems(key: str,
                      folder: str) -> Tuple[List[Problem], Optional[str]]:
     """Whether ``folder`` (a work dir, or the checkpoint folder) can be
     made and written; returns the problems and its nearest existing
     folder (None with a problem)."""
-    fix = ('choose another --work-dir' if key == 'work_dir' else
-           f'set {key} to another folder (--cfg-options {key}=PATH)')
+    fix = _fix(key)
     what = 'work dir' if key == 'work_dir' else 'folder'
     for _ in range(_VANISHING_TRIES):
         existing = _nearest_existing(folder)
@@ -50,22 +59,36 @@ def _folder_problems(key: str,
         try:
             # A real write (read-only mounts, ACLs), removed at once.
             os.rmdir(tempfile.mkdtemp(prefix='.preflight-', dir=existing))
-        except FileNotFoundError:
-            # Another rank's lock made the folder and removed it again
-            # (its start was refused): look again.
-            continue
         except OSError as e:
-            return [
-                Problem(
-                    f'{key} {folder!r}: cannot write in {existing} '
-                    f'({e.strerror})', f'{fix} (one you can write to)')
-            ], None
+            if isinstance(e, FileNotFoundError) and not osp.isdir(existing):
+                # Another rank's lock made the folder and removed it
+                # again (its start was refused): look again.
+                continue
+            return [_unwritable(key, folder, existing, e)], None
         return [], existing
     return [
         Problem(
             f'{key} {folder!r}: it kept disappearing while it was checked '
             '(another process makes and removes it)', fix)
     ], None
+
+
+def _unwritable(key: str, folder: str, existing: str,
+                error: OSError) -> Problem:
+    """The problem of a folder nothing can be written in: ``folder``
+    itself, or ``existing``, where the missing part of it would be made."""
+    cause = error.strerror or str(error)
+    if isinstance(error, FileNotFoundError):
+        # "No such file or directory" for a folder that is there: a
+        # virtual file system (/proc) that makes no new entries.
+        cause += (f': {existing} exists, but its file system takes no new '
+                  'folders')
+    if existing == osp.abspath(folder):
+        what = f'cannot write in it ({cause})'
+    else:
+        what = f'cannot be made: making a folder in {existing} fails ({cause})'
+    return Problem(f'{key} {folder!r}: {what}',
+                   _fix(key, ', one you can write to'))
 
 
 def _nearest_existing(folder: str) -> str:
@@ -123,3 +146,28 @@ def work_dir_problems(cfg: Config,
             f'one checkpoint of this run takes about '
             f'{format_size(need.total)} ({need.describe()})', fix)
     ]
+
+
+def take_work_dir(lock: Optional[WorkDirLock]) -> Optional[Problem]:
+    """Take the work dir's lock (global rank 0; None elsewhere): the
+    problem when another run holds it, the lock file is a link, or the
+    work dir cannot be made or written (said as the preflight says it:
+    the lock is taken before the other checks, so that no run looks at
+    the work dir's checkpoints while another writes them)."""
+    if lock is None:
+        return None
+    try:
+        lock.acquire()
+    except WorkDirBusy as e:
+        return Problem(
+            str(e), 'wait for that run to end or stop it, or choose another '
+            '--work-dir')
+    except LinkedFileError as e:
+        return Problem(
+            str(e), f'remove it (rm {lock.path}: what it points to is left '
+            'as it is), or choose another --work-dir')
+    except OSError as e:
+        problems, _ = _folder_problems('work_dir', lock.work_dir)
+        return problems[0] if problems else _unwritable(
+            'work_dir', lock.work_dir, lock.work_dir, e)
+    return None
