@@ -56,18 +56,27 @@ class ValidationRecordHook(Hook):
     (:func:`mmcv_custom.launching.running.run_runner`); with
     MMSegmentation's own tools, add ``dict(type='ValidationRecordHook')``
     to ``custom_hooks``.
+
+    Args:
+        remove_leftovers (bool): Remove what earlier, killed launches left
+            in the parts folder when this one starts. A training owns its
+            work dir (it holds the lock); ``tools/test.py`` evaluating a
+            checkpoint while that run trains in the same work dir passes
+            False, so that neither removes the other's parts mid-gather.
+            Defaults to True.
     """
 
     # Its before_train runs last: a lost validation runs once every other
     # hook has set up the run.
     priority = 'VERY_LOW'
 
-    def __init__(self) -> None:
+    def __init__(self, remove_leftovers: bool = True) -> None:
         self._resumed = False
+        self._remove_leftovers = remove_leftovers
 
     # -- the result parts ------------------------------------------------
     def before_run(self, runner) -> None:
-        if is_main_process():
+        if self._remove_leftovers and is_main_process():
             _remove_leftovers(
                 osp.join(runner.work_dir, PARTS_FOLDER), runner.timestamp)
 

@@ -177,7 +177,8 @@ def run_runner(cfg: Config, method: str, notes=()) -> None:
         if method == 'train':
             runner.register_hook(_NothingLeftHook())
         if not any(isinstance(h, ValidationRecordHook) for h in runner.hooks):
-            runner.register_hook(ValidationRecordHook())
+            runner.register_hook(
+                ValidationRecordHook(remove_leftovers=method == 'train'))
         try:
             result = getattr(runner, method)()
         except NothingToTrain as e:
