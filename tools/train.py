@@ -9,7 +9,10 @@ Same arguments as MMSegmentation 1.x's ``tools/train.py``. Additionally:
   restart (``MAX_RESTARTS=N tools/dist_train.sh``, ``tools/slurm_train.sh``'s
   loop, a Slurm requeue) or ``--resume`` continues from the run's own
   newest intact checkpoint, whatever ``load_from`` says (it seeds a run at
-  its start only); a new run where checkpoints are saved is refused unless
+  its start only); ``--resume PATH`` names a checkpoint to continue (the
+  only way to continue another run's: a ``last_checkpoint`` naming one is
+  not followed, and one copied in is refused naming both runs); a new run
+  where checkpoints are saved is refused unless
   ``--overwrite`` (they are moved aside); ``--resume`` with nothing
   resumable stops, naming each checkpoint; global rank 0 holds the work
   dir's lock (:mod:`mmcv_custom.launching.work_dir_lock`) until the run
