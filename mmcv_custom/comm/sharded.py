@@ -6,6 +6,11 @@ FSDP2's reduce-scatter (:mod:`mmcv_custom.hooks.sharded`), in two levels
 where the record has a two-level form and ``topology`` calls for it
 (:class:`~mmcv_custom.hooks.sharded.TwoLevelReduceScatter`; decided as for
 DDP, by :func:`~.topology.resolve_topology`).
+
+Under hybrid sharding (``FSDP2Strategy(sharding='hybrid')``) only the exact
+reduction runs for now (``allreduce``, or no ``comm_hook``): the
+reduce-scatter inside the node, FSDP2's own all-reduce across nodes in the
+gradients' dtype (:data:`HYBRID_TYPES`, :func:`check_sharded_cfg`).
 """
 import dataclasses
 from typing import Any, List, Optional
@@ -23,8 +28,11 @@ from .topology import Topology, resolve_topology
 
 __all__ = [
     'ShardedCommSpec', 'build_sharded_comm', 'sharded_topology',
-    'sharded_auto_candidates', 'check_sharded_cfg'
+    'sharded_auto_candidates', 'check_sharded_cfg', 'HYBRID_TYPES'
 ]
+
+#: The ``comm_hook`` types that run under hybrid sharding today.
+HYBRID_TYPES = ('allreduce', )
 
 
 @dataclasses.dataclass
@@ -208,29 +216,58 @@ def _max_loss_for(klass: str) -> str:
     return klass if klass in ACCURACY_CLASSES else 'any'
 
 
-def check_sharded_cfg(cfg: Any) -> None:
+def check_sharded_cfg(cfg: Any, hybrid: bool = False) -> None:
     """A ``comm_hook`` config checked for FSDP2 without building anything:
     a named type needs a sharded form (:func:`build_sharded_comm`),
     ``auto`` at least one allowed candidate with one
     (:func:`sharded_auto_candidates`, in place of the check for DDP,
     whose advice to raise ``max_loss`` may not help here).
 
+    Args:
+        cfg: The ``comm_hook`` config.
+        hybrid (bool): Under hybrid sharding, where only
+            :data:`HYBRID_TYPES` run for now. Defaults to False.
+
     Raises:
-        The errors of those two and of :func:`check_comm_hook_cfg`.
+        ValueError: Under hybrid sharding, a type not in
+            :data:`HYBRID_TYPES` (``auto`` included). Besides the errors of
+            those two and of :func:`check_comm_hook_cfg`.
     """
     if (isinstance(cfg, dict) and cfg.get('type') == AUTO
             and AUTO not in COMM_HOOKS.module_dict):
         check_auto_cfg(cfg, runnable=sharded_auto_candidates)
     else:
         build_sharded_comm(cfg)
+    if hybrid and cfg['type'] not in HYBRID_TYPES:
+        runs = ', '.join(f"type={t!r}" for t in HYBRID_TYPES)
+        raise ValueError(
+            f"comm_hook type={cfg['type']!r} does not run under hybrid "
+            "sharding (FSDP2Strategy sharding='hybrid', or 'auto' on "
+            'several nodes of several ranks): there FSDP2 '
+            'reduce-scatters inside the node and all-reduces the shards '
+            'across nodes uncompressed, which runs with comm_hook '
+            f'{runs} or no comm_hook; a compressed cross-node all-reduce is '
+            f"not there yet. Use comm_hook=dict({runs}), remove comm_hook, "
+            "or keep this hook with sharding='full'.")
 
 
 def sharded_topology(spec: ShardedCommSpec,
-                     claim: Optional[NodeClaim] = None) -> Topology:
+                     claim: Optional[NodeClaim] = None,
+                     replicas: int = 1) -> Topology:
     """Flat or two-level for ``spec``, decided on every rank together, as
     for DDP (:func:`~.topology.resolve_topology`, over the whole world:
     FSDP2Strategy shards over every rank), and recorded in
-    ``spec.topology_used``. Collective."""
+    ``spec.topology_used``. Collective, except under hybrid sharding
+    (``replicas`` > 1, the nodes FSDP2 replicates across), where the
+    reduce-scatter is flat inside the node and FSDP2 all-reduces across
+    nodes."""
+    if replicas > 1:
+        spec.topology_used = (
+            'hybrid sharding: flat inside the node, then FSDP2\'s own '
+            f'all-reduce across the {replicas} nodes in the gradients\' '
+            'dtype; comm_MB counts the reduce-scatter inside the node only, '
+            'not the all-reduce across nodes')
+        return Topology(None, spec.topology_used)
     topology = resolve_topology(spec.topology, hook_record(spec.type), None,
                                 claim)
     spec.topology_used = topology.describe

@@ -20,7 +20,7 @@ from ..hooks.cast import cpu_codec
 from ..hooks.half import CompressState
 from ..hooks.int8 import Int8State
 from ..hooks.int8_codec import codec_in_use
-from ..hooks.sharded import (fsdp_modules, make_reduce_scatter,
+from ..hooks.sharded import (fsdp_modules, fsdp_replicas, make_reduce_scatter,
                              set_reduce_scatter)
 from ..hooks.validation import require_int
 from .auto_comm import CHECKPOINT_KEY as AUTO_CHECKPOINT_KEY
@@ -239,8 +239,10 @@ class CommHookRegistrationHook(Hook):
                 "`comm_hook` (e.g. comm_hook = dict(type='bf16_compress')); "
                 'DDP keeps its default full-precision all-reduce.')
         elif fsdp_modules(runner.model):
-            # FSDP2 (FSDP2Strategy): only types with a sharded form.
-            check_sharded_cfg(self._cfg)
+            # FSDP2 (FSDP2Strategy): only types with a sharded form (and
+            # under hybrid sharding, only those that run there).
+            check_sharded_cfg(
+                self._cfg, hybrid=fsdp_replicas(runner.model) > 1)
         else:
             check_comm_hook_cfg(self._cfg)
             # Raises for FSDP1, DeepSpeed & co. before any heavy work.
@@ -393,6 +395,7 @@ class CommHookRegistrationHook(Hook):
         names = {p: n for n, p in model.named_parameters()}
         counter = CommCounter() if self._telemetry else None
         ids = {id(p): n for p, n in names.items()}
+        replicas = fsdp_replicas(model)
         cfg = self._cfg
         if cfg['type'] == AUTO:
             settings = check_comm_hook_cfg(cfg)
@@ -402,7 +405,8 @@ class CommHookRegistrationHook(Hook):
                 self._counters = [counter]
 
                 def build(config):
-                    spec, comm = self._sharded_comm(config, names, counter)
+                    spec, comm = self._sharded_comm(config, names, counter,
+                                                    replicas)
                     return spec, comm, spec.topology_used.startswith(
                         'two-level')
 
@@ -412,16 +416,20 @@ class CommHookRegistrationHook(Hook):
                 self._installed = [('', self._auto.active()[0], counter, ids)]
                 return
             cfg = decision.config
-        spec, comm = self._sharded_comm(cfg, names, counter)
+        spec, comm = self._sharded_comm(cfg, names, counter, replicas)
         self._register_sharded(runner, spec, set_reduce_scatter(model, comm),
                                counter, ids)
 
     @staticmethod
-    def _sharded_comm(cfg: dict, names: dict, counter) -> tuple:
-        """``(spec, reduce-scatter)`` of ``cfg`` under FSDP2. Collective:
-        the topology is decided on every rank together."""
+    def _sharded_comm(cfg: dict,
+                      names: dict,
+                      counter,
+                      replicas: int = 1) -> tuple:
+        """``(spec, reduce-scatter)`` of ``cfg`` under FSDP2, sharded over
+        each node with ``replicas`` > 1 (hybrid). Collective: the topology
+        is decided on every rank together."""
         spec = build_sharded_comm(cfg, param_names=names)
-        topology = sharded_topology(spec, launcher_claim())
+        topology = sharded_topology(spec, launcher_claim(), replicas)
         return spec, make_reduce_scatter(spec.sent_dtype, counter,
                                          spec.int8_block_size, topology.groups)
 

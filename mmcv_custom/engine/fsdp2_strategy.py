@@ -27,8 +27,9 @@ manifest first and reads non-tensor entries with torch's safe loader
 ``docs/en/user_guides/fsdp2.md``.
 
 This module holds the strategy; what it shards (units, ``mp_policy``) is
-in :mod:`~mmcv_custom.engine.fsdp2_units` and its checkpoints'
-save and load in :mod:`~mmcv_custom.engine.fsdp2_checkpoint`.
+in :mod:`~mmcv_custom.engine.fsdp2_units`, over which ranks (full or
+hybrid sharding) in :mod:`~mmcv_custom.engine.fsdp2_mesh`, and its
+checkpoints' save and load in :mod:`~mmcv_custom.engine.fsdp2_checkpoint`.
 """
 from typing import Optional, Sequence, Union
 
@@ -40,6 +41,7 @@ from mmengine.registry import STRATEGIES
 from torch import nn
 
 from .fsdp2_checkpoint import ShardedCheckpointMixin
+from .fsdp2_mesh import check_sharding, hybrid_mesh, plan_sharding
 from .fsdp2_units import (broadcast_rank0_buffers, parse_mp_policy,
                           select_units, unit_parameters)
 from .process_group import init_gloo
@@ -92,6 +94,18 @@ class FSDP2Strategy(ShardedCheckpointMixin, DDPStrategy):
             per-rank BN (CPUs, where SyncBN is unavailable) the ranks'
             statistics would drift apart, and validation would not use
             what the checkpoint keeps. Defaults to True.
+        sharding (str): ``'full'``: every parameter sharded over every
+            rank. ``'hybrid'``: sharded over the ranks of each node and
+            replicated across nodes (FSDP2's HSDP): the all-gathers stay
+            on the node's fast link and only the gradient shards cross
+            nodes, in one all-reduce. ``'auto'``: hybrid on several nodes
+            of several ranks, else full. The nodes are the launcher's
+            (torchrun, Slurm, Open MPI) or ``ranks_per_node``'s; the log
+            line says which sharding runs and why. Defaults to 'full'.
+        ranks_per_node (int, optional): The ranks each node runs, for
+            ``'hybrid'`` and ``'auto'`` where the launcher does not say
+            (consecutive ranks share a node); checked against the
+            launcher where it does. Defaults to None.
         **kwargs: Of MMEngine's ``DDPStrategy`` (``sync_bn``...).
     """
 
@@ -101,6 +115,8 @@ class FSDP2Strategy(ShardedCheckpointMixin, DDPStrategy):
                  reshard_after_forward: bool = True,
                  mp_policy: Optional[dict] = None,
                  broadcast_buffers: bool = True,
+                 sharding: str = 'full',
+                 ranks_per_node: Optional[int] = None,
                  **kwargs) -> None:
         if 'model_wrapper' in kwargs:
             raise TypeError(
@@ -122,6 +138,9 @@ class FSDP2Strategy(ShardedCheckpointMixin, DDPStrategy):
         if not isinstance(broadcast_buffers, bool):
             raise TypeError('FSDP2Strategy broadcast_buffers should be True '
                             f'or False, but got {broadcast_buffers!r}')
+        check_sharding(sharding, ranks_per_node)
+        self.sharding = sharding
+        self.ranks_per_node = ranks_per_node
         self.broadcast_buffers = broadcast_buffers
         self.shard_modules = shard_modules
         self.reshard_after_forward = reshard_after_forward
@@ -165,9 +184,13 @@ class FSDP2Strategy(ShardedCheckpointMixin, DDPStrategy):
             name = type(module).__name__
             counts[name] = counts.get(name, 0) + 1
         root = type(model).__name__
+        plan = plan_sharding(self.sharding, self.ranks_per_node)
+        # None: FSDP2's default, a 1-D mesh over every rank.
+        mesh = hybrid_mesh(plan, get_device()) if plan.hybrid else None
         for _, module in units:
             fully_shard(
                 module,
+                mesh=mesh,
                 mp_policy=self.mp_policy,
                 reshard_after_forward=self.reshard_after_forward)
             # MMSegmentation's segmentor calls its heads' loss() and
@@ -180,13 +203,17 @@ class FSDP2Strategy(ShardedCheckpointMixin, DDPStrategy):
         # at once: resharding it after forward would only gather the heads
         # a second time.
         fully_shard(
-            model, mp_policy=self.mp_policy, reshard_after_forward=False)
+            model,
+            mesh=mesh,
+            mp_policy=self.mp_policy,
+            reshard_after_forward=False)
         if self.broadcast_buffers and any(True for _ in model.buffers()):
             model.register_forward_pre_hook(broadcast_rank0_buffers)
         shown = ''.join(f'{n} {k}, ' for k, n in counts.items())
-        self.logger.info(
-            f'FSDP2Strategy: sharded {shown}and the whole {root} over '
+        log = self.logger.warning if plan.warn else self.logger.info
+        log(f'FSDP2Strategy: sharded {shown}and the whole {root} over '
             f'{self.world_size} ranks ({dist.get_backend()}); '
+            f'{plan.describe}; '
             f'reshard_after_forward={self.reshard_after_forward}, '
             'param_dtype='
             f'{self.mp_policy.param_dtype or "as the parameters"}.')

@@ -21,6 +21,13 @@ FSDP2 must hand over the plain sum: :func:`install_reduce_scatter` sets
 FSDP neither divides nor asks for an averaging reduce op, and this object
 divides once.
 
+Under hybrid sharding (HSDP: a 2-D ``(replicate, shard)`` mesh, see
+:func:`fsdp_replicas`) FSDP2 reduce-scatters over the node and then sums
+the shards across nodes with its own all-reduce: the reduce-scatter
+averages over the node, and FSDP2 divides the all-reduce's sum by the
+number of nodes (its divide factor), so the result is the mean over every
+rank.
+
 :class:`Int8ReduceScatter` is the ``int8_compress`` form, without error
 feedback: the average of each rank's share is sent as blockwise int8 with
 one fp32 scale per block (:mod:`mmcv_custom.hooks.int8_codec`), scattered with
@@ -62,7 +69,7 @@ except ImportError:  # pragma: no cover - older torch
 __all__ = [
     'AveragingReduceScatter', 'Int8ReduceScatter', 'TwoLevelReduceScatter',
     'install_reduce_scatter', 'make_reduce_scatter', 'set_reduce_scatter',
-    'fsdp_modules'
+    'fsdp_modules', 'fsdp_replicas'
 ]
 
 
@@ -354,6 +361,18 @@ def fsdp_modules(model: nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def fsdp_replicas(model: nn.Module) -> int:
+    """How many replicas of each shard ``model`` keeps: the size of the
+    ``replicate`` dimension of its parameters' 2-D device mesh under hybrid
+    sharding (HSDP: one replica per node), else 1 (full sharding, or not
+    sharded)."""
+    for param in model.parameters():
+        mesh = getattr(param, 'device_mesh', None)  # a DTensor's
+        if mesh is not None:
+            return mesh.size(0) if mesh.ndim == 2 else 1
+    return 1
+
+
 def make_reduce_scatter(wire_dtype: Optional[torch.dtype] = None,
                         counter=None,
                         int8_block_size: Optional[int] = None,
@@ -374,17 +393,20 @@ def make_reduce_scatter(wire_dtype: Optional[torch.dtype] = None,
 def set_reduce_scatter(model: nn.Module, comm) -> int:
     """Make every sharded module of ``model`` reduce its gradients with
     ``comm`` (from :func:`make_reduce_scatter`), the sum divided by the
-    world size inside it. Between iterations it may be set again: the
-    next backward's reduce-scatters use the new one.
+    world size inside it. Under hybrid sharding ``comm`` averages over the
+    node and FSDP2 divides its cross-node all-reduce's sum by the number
+    of nodes (see the module docstring). Between iterations it may be set
+    again: the next backward's reduce-scatters use the new one.
 
     Returns:
         int: How many sharded modules were set (0: ``model`` is not
         sharded with FSDP2).
     """
     modules = fsdp_modules(model)
+    replicas = float(fsdp_replicas(model))
     for module in modules:
         module.set_custom_reduce_scatter(comm)
-        module.set_gradient_divide_factor(1.0)
+        module.set_gradient_divide_factor(replicas)
         module.set_force_sum_reduction_for_comms(True)
     return len(modules)
 

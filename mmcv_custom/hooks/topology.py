@@ -154,15 +154,20 @@ def agree_on_layout(
 
 
 def check_stated_layout(stated: NodeLayout,
-                        launched: Optional[NodeLayout]) -> None:
+                        launched: Optional[NodeLayout],
+                        key: str = 'topology') -> None:
     """Raise if a config's ``ranks_per_node`` contradicts the launcher.
+
+    Args:
+        key (str): Where the config states it, to name it: ``comm_hook``'s
+            ``topology`` or ``FSDP2Strategy``. Defaults to 'topology'.
 
     Raises:
         ValueError: Both say which ranks share a node, and they differ.
     """
     if launched is not None and launched != stated:
         raise ValueError(
-            f'topology says ranks_per_node={stated.ranks_per_node} '
+            f'{key} says ranks_per_node={stated.ranks_per_node} '
             f'({stated.describe()}), but the launcher placed the ranks as '
             f'{launched.describe()}: remove ranks_per_node to follow the '
             'launcher, or launch the ranks as stated')

@@ -1,6 +1,7 @@
 """Config values the runner would use only after building the model:
 ``custom_imports``, ``custom_hooks`` and ``comm_hook``, checked before.
 """
+import functools
 from typing import List, Optional
 
 from mmengine.config import Config
@@ -38,8 +39,13 @@ def comm_hook_problems(cfg: Config) -> List[Problem]:
     from ...comm.builder import CommHookConfigError, check_comm_hook_cfg
     from ...comm.sharded import check_sharded_cfg
 
-    # Under FSDP2, also whether the type has a sharded form.
-    check = check_sharded_cfg if uses_fsdp2(cfg) else check_comm_hook_cfg
+    # Under FSDP2, also whether the type has a sharded form (and runs
+    # under hybrid sharding, where it is asked for).
+    if uses_fsdp2(cfg):
+        hybrid = (cfg.get('strategy') or {}).get('sharding') == 'hybrid'
+        check = functools.partial(check_sharded_cfg, hybrid=hybrid)
+    else:
+        check = check_comm_hook_cfg
     try:
         check(comm_hook)
     except (KeyError, TypeError, ValueError) as e:
