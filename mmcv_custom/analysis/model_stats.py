@@ -6,8 +6,10 @@ trainable parameter's gradient in its own dtype (4 bytes in fp32, 2 for a
 bf16 backbone), and what the configured ``comm_hook`` sends instead, as its
 hook record counts it (2 bytes for fp16/bf16; for PowerSGD, the two factors
 of every matrix it compresses plus what it leaves alone, after its
-warm-up). Memory under DDP is the parameters and AdamW's two moments per
-GPU, activations aside.
+warm-up). Memory under DDP is the parameters, the gradients, AdamW's two
+moments, DDP's buckets (a second copy of the gradients unless
+``gradient_as_bucket_view=True``) and the hook's state per GPU (int8's
+fp32 residual, PowerSGD's error and factors), activations aside.
 
 Under FSDP2 (``FSDP2Strategy``) each of N GPUs keeps 1/N of those, and
 gathers whole units only while they run. The FSDP2 counts are for the
@@ -42,8 +44,13 @@ from ..comm.auto import AUTO
 from ..comm.builder import check_comm_hook_cfg, hook_record
 from ..engine.fsdp2_units import (DEFAULT_SHARD_MODULES, select_units,
                                   unit_parameters)
+from .cost.buckets import ParamSpec, ddp_buckets
+from .cost.memory import hook_state_bytes
 
-__all__ = ['stats', 'fsdp2_units', 'fsdp2_memory', 'shard_numel']
+__all__ = [
+    'stats', 'fsdp2_units', 'fsdp2_memory', 'shard_numel',
+    'fsdp2_strategy_args'
+]
 
 
 def shard_numel(shape, world_size: int) -> int:
@@ -168,7 +175,7 @@ def fsdp2_memory(model,
     return out
 
 
-def _fsdp2_strategy(cfg: Config) -> dict:
+def fsdp2_strategy_args(cfg: Config) -> dict:
     """The config's FSDP2Strategy arguments that change the count
     (``shard_modules``, ``mp_policy.param_dtype``); empty for any other
     config, which is counted as the strategy's defaults would shard it."""
@@ -213,7 +220,13 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
         ``gpus[0]``, where the hook's record counted it; None where no
         world size entered the count) and ``hook_flat`` (True where the
         hook also has a two-level form, which that count is not);
-        ``param_bytes`` and ``optim_bytes`` (per GPU under DDP).
+        ``param_bytes`` and ``optim_bytes`` (per GPU under DDP);
+        ``bucket_bytes`` (DDP's buckets, a second copy of the gradients
+        unless ``model_wrapper_cfg`` sets ``gradient_as_bucket_view``),
+        ``hook_state_bytes`` (what the hook keeps per GPU under DDP, see
+        :func:`~.cost.memory.hook_state_bytes`; None: unknown) and
+        ``hook_state_fsdp2`` (under FSDP2; None where it has no FSDP2
+        form).
         ``fsdp2`` and ``fsdp2_fp32`` map each number of GPUs to
         :func:`fsdp2_memory`'s dict (the parameters' dtypes as built, and
         all in fp32), ``fsdp2_units`` counts the units by class (the root
@@ -260,7 +273,7 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
     # and AdamW's two moments (kept in the parameters' dtype).
     out['param_bytes'] = sum(p.numel() * p.element_size() for p in params)
     out['optim_bytes'] = 2 * out['grad_bytes']
-    strategy = _fsdp2_strategy(cfg)
+    strategy = fsdp2_strategy_args(cfg)
     shard_modules = strategy.get('shard_modules')
     units = fsdp2_units(model, shard_modules)
     out['fsdp2_shard_modules'] = shard_modules or DEFAULT_SHARD_MODULES
@@ -279,8 +292,20 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
                 all_fp32=all_fp32)
             for n in gpus
         }
+    # DDP's buckets: a second copy of the gradients, unless they are views
+    # of them (gradient_as_bucket_view=True; DDP's default is False).
+    wrapper = cfg.get('model_wrapper_cfg') or {}
+    out['bucket_bytes'] = (0 if wrapper.get('gradient_as_bucket_view') else
+                           out['grad_bytes'])
+    buckets = ddp_buckets([
+        ParamSpec(tuple(p.shape),
+                  str(p.dtype).replace('torch.', '')) for p in trainable
+    ], wrapper.get('bucket_cap_mb'))
     hook = cfg.get('comm_hook')
     out['hook_world_size'], out['hook_flat'] = None, False
+    # The hook's state per GPU under DDP and FSDP2 (None: unknown, or no
+    # FSDP2 form); none without a hook.
+    out['hook_state_bytes'], out['hook_state_fsdp2'] = 0, 0
     if hook is None:
         out['hook'], out['hook_bytes'] = 'none (plain all-reduce)', out[
             'grad_bytes']
@@ -289,8 +314,14 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
     if checked['type'] == AUTO:
         # Chosen at run time: the log and the checkpoint say which.
         out['hook'], out['hook_bytes'] = 'auto (chosen by the run)', None
+        out['hook_state_bytes'] = out['hook_state_fsdp2'] = None
         return out
     record = hook_record(checked['type'])
+    out['hook_state_bytes'] = hook_state_bytes(record, buckets,
+                                               checked['state_kwargs'])
+    out['hook_state_fsdp2'] = (
+        hook_state_bytes(record, buckets, None, 'fsdp2')
+        if record.fsdp2_form else None)
     half = bool(checked['wrapper'] or record.half_precision)
     # None where the traffic depends on DDP's buckets. A record counts on a
     # world size (an all-gather's bytes grow with it): the first of gpus,

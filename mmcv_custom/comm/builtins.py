@@ -11,6 +11,7 @@ README's table. :mod:`.registry` registers them; a plugin registers its
 own hook and record the same way
 (``COMM_HOOKS.register_module(record=...)``).
 """
+import math
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -116,6 +117,55 @@ def _slow_int8_blocks(state_kwargs: dict,
             f'({int8_codec.C_MAX_BLOCK}), so on CPU the quantization runs in '
             "torch's ops, about 25x slower; a block_size <= "
             f'{int8_codec.C_MAX_BLOCK} keeps the one-pass kernels.', )
+
+
+def _no_state(buckets, state_kwargs: dict) -> int:
+    # Nothing kept on the GPU from step to step: the half-precision hooks
+    # keep a non-finite flag per bucket (and, on CPU only, a send buffer).
+    return 0
+
+
+def _int8_state_bytes(buckets, state_kwargs: dict) -> int:
+    # Int8State._residual: one fp32 residual per bucket element, whatever
+    # the gradients' dtype, in both forms (the two-level form feeds the
+    # whole bucket's back too); none without error feedback. The plans'
+    # index tables (a few int64 a block) are left out.
+    if not state_kwargs.get('error_feedback', True):
+        return 0
+    return 4 * sum(b.numel for b in buckets)
+
+
+def _powersgd_state_bytes(buckets, state_kwargs: dict) -> int:
+    # In each bucket's dtype: the error (a copy of the bucket) with
+    # use_error_feedback, and with warm_start the P and Q factors of every
+    # matrix it compresses ((n + m) r numbers), cleared each step without.
+    # The two-level form keeps only its own tensors' factors: fewer.
+    rank = state_kwargs.get('matrix_approximation_rank', 1)
+    min_rate = state_kwargs.get('min_compression_rate', 2)
+    total = 0
+    for b in buckets:
+        if state_kwargs.get('use_error_feedback', True):
+            total += b.numel * b.itemsize
+        if state_kwargs.get('warm_start', True):
+            total += b.itemsize * sum(
+                after
+                for compress, _, after in (compression(p.shape, rank, min_rate)
+                                           for p in b.params) if compress)
+    return total
+
+
+def _batched_state_bytes(buckets, state_kwargs: dict) -> int:
+    # Per bucket, in its dtype: the error with use_error_feedback, and the
+    # side x r factors P and Q of its square (kept even without warm start:
+    # only then drawn afresh).
+    rank = state_kwargs.get('matrix_approximation_rank', 1)
+    total = 0
+    for b in buckets:
+        side = math.isqrt(b.numel - 1) + 1 if b.numel else 0
+        total += 2 * side * min(side, rank) * b.itemsize
+        if state_kwargs.get('use_error_feedback', True):
+            total += b.numel * b.itemsize
+    return total
 
 
 # PyTorch's PowerSGD default orthogonalization_epsilon=0 divides 0 by 0 when
@@ -229,6 +279,7 @@ BUILTIN_HOOKS = (
     BuiltinHook(
         'allreduce', allreduce_hook,
         HookRecord(
+            state_bytes=_no_state,
             count_bytes_sent=sends_bucket(),
             model_bytes=_whole_bytes,
             fsdp2_form='averaging_reduce_scatter',
@@ -240,6 +291,7 @@ BUILTIN_HOOKS = (
     BuiltinHook(
         'fp16_compress', fp16_compress_hook,
         HookRecord(
+            state_bytes=_no_state,
             sent_format='fp16',
             count_bytes_sent=sends_bucket(2),
             model_bytes=_whole_bytes,
@@ -254,6 +306,7 @@ BUILTIN_HOOKS = (
     BuiltinHook(
         'bf16_compress', bf16_compress_hook,
         HookRecord(
+            state_bytes=_no_state,
             sent_format='bf16',
             count_bytes_sent=sends_bucket(2),
             model_bytes=_whole_bytes,
@@ -272,6 +325,7 @@ BUILTIN_HOOKS = (
     BuiltinHook(
         'powerSGD', powersgd_hook,
         HookRecord(
+            state_bytes=_powersgd_state_bytes,
             on_worker=True,
             waits_per_bucket=False,
             powersgd_state=True,
@@ -291,6 +345,7 @@ BUILTIN_HOOKS = (
     BuiltinHook(
         'batched_powerSGD', batched_powersgd_hook,
         HookRecord(
+            state_bytes=_batched_state_bytes,
             on_worker=True,
             waits_per_bucket=False,
             powersgd_state=True,
@@ -310,6 +365,7 @@ BUILTIN_HOOKS = (
     BuiltinHook(
         'int8_compress', int8_compress_hook,
         HookRecord(
+            state_bytes=_int8_state_bytes,
             sent_format='int8',
             quantizes=True,
             on_worker=True,

@@ -135,6 +135,15 @@ class HookRecord:
         evidence (str): What shows it trains as its class says (the
             convergence runs, their figures and where they are
             published); empty: none recorded.
+        state_bytes (Callable, optional): ``state_bytes(buckets,
+            state_kwargs) -> int``: the bytes its state keeps on each GPU
+            from step to step under DDP (an error-feedback residual,
+            warm-start factors), for gradients laid out in ``buckets``
+            (each with ``numel``, ``itemsize`` and ``params``, each of
+            those with ``shape``: DDP's buckets as
+            :func:`mmcv_custom.analysis.cost.ddp_buckets` lays them out)
+            and the state's settings; None: unknown (the memory tools say
+            so rather than count 0).
     """
     sent_format: Optional[str] = None
     quantizes: bool = False
@@ -158,6 +167,7 @@ class HookRecord:
     two_level: bool = False
     accuracy: Optional[str] = None
     evidence: str = ''
+    state_bytes: Optional[Callable[[Any, dict], int]] = None
 
     @property
     def half_precision(self) -> Optional[str]:
@@ -195,7 +205,8 @@ class HookRecord:
                 raise ValueError(
                     f'HookRecord accuracy should be one of {ACCURACY_CLASSES}'
                     f' or None, but got {klass!r}')
-        for name in ('notes', 'count_bytes_sent', 'model_bytes'):
+        for name in ('notes', 'count_bytes_sent', 'model_bytes',
+                     'state_bytes'):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f'HookRecord {name} should be callable or '

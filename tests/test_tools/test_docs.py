@@ -515,6 +515,17 @@ _REPEATED = (
             'the 6B full tuning needs {on_8:.2f} GiB per GPU on 8 GPUs'
         ],
     }),
+    ('the 6B recipe\'s int8 state per GPU under DDP (issue 43)', _COST,
+     _quoted(
+         r'`int8_compress` adds 6\.39e9 x 4 B = (\d+\.\d+) GiB, '
+         r'(\d+\.\d+) GiB in all', 'state', 'total'), {
+             _TOOLS: [
+                 '(int8 on the 6B recipe: {state} GiB per GPU, {total} GiB '
+                 'in all'
+             ],
+             'docs/en/notes/changelog.md':
+             ['(the 6B\'s int8 needs {total} GiB per GPU under DDP)'],
+         }),
     ('the convergence runs\' time', _BENCH, _run_time, {
         _TOOLS: ['about {minutes} minutes a run on 2 busy cores'],
     }),

@@ -231,9 +231,20 @@ def test_model_stats_prints_fsdp2_lines():
     lines = out.stdout.splitlines()
     assert [line.split(':')[0].strip() for line in lines] == [
         'config', 'parameters', 'trainable', 'gradients', 'with comm_hook',
-        'memory per GPU', 'FSDP2 units', 'FSDP2 per GPU', '2 GPUs', '4 GPUs',
+        'memory per GPU', 'DDP buckets', 'hook state', 'in all', 'FSDP2 units',
+        'FSDP2 hook state', 'FSDP2 per GPU', '2 GPUs', '4 GPUs',
         'FSDP2 per GPU', '2 GPUs', '4 GPUs'
     ]
+    # Issue 43: DDP's buckets and the hook's state on top of DDP's line
+    # (bf16 keeps none; its FSDP2 form neither).
+    assert lines[6].startswith('  DDP buckets     : + 2.973 MiB (a second '
+                               'copy of the gradients; gradient_as_bucket_'
+                               "view=False, DDP's default")
+    assert lines[7] == ('  hook state      : none kept from step to step '
+                        "(type='bf16_compress')")
+    assert lines[10] == ('FSDP2 hook state  : its FSDP2 form keeps none (the '
+                         'counts below hold no hook state)')
+    del lines[6:9], lines[7]
     # Issue 42: the traffic is counted on the first of --gpus, and the
     # line says so (bf16_compress has a two-level form, not counted).
     assert lines[4] == (
@@ -273,6 +284,29 @@ def test_model_stats_names_the_ranks_a_hook_s_traffic_is_counted_on(
         model_stats, TINY, gpus=(4, ), comm_hook=dict(type='int8_compress'))
     assert (int8['hook_bytes'], int8['hook_world_size'],
             int8['hook_flat']) == (None, None, False)
+
+
+def test_model_stats_counts_the_hooks_state_per_gpu(monkeypatch, capsys):
+    """Issue 43: int8's error feedback keeps an fp32 residual per gradient
+    element, 6.39e9 x 4 B = 23.79 GiB per GPU for the 6B recipe under DDP
+    (the tool's own main, with --cfg-options as a user gives it); its
+    FSDP2 form keeps none."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, 'argv', [
+        STATS,
+        osp.join('configs', 'intern_vit', FULL_6B), '--gpus', '32',
+        '--cfg-options', 'comm_hook.type=int8_compress'
+    ])
+    load_script(STATS, '_model_stats_state').main()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[5].startswith('memory per GPU    : 50.239 GiB under DDP')
+    assert lines[6].startswith('  DDP buckets     : + 12.560 GiB')
+    assert lines[7] == ('  hook state      : + 23.790 GiB per GPU, kept from '
+                        "step to step (type='int8_compress')")
+    assert lines[8] == ('  in all          : 86.588 GiB per GPU under DDP '
+                        'with this comm_hook, activations aside')
+    assert lines[10].startswith('FSDP2 hook state  : its FSDP2 form keeps '
+                                'none')
 
 
 def test_model_stats_bad_gpus_is_a_usage_error():

@@ -7,7 +7,9 @@ The model is built on the meta device, so InternViT-6B needs no memory:
 
 Prints the gradient bytes each rank all-reduces per optimizer step and what
 the configured ``comm_hook`` sends instead (counted on the first of
-``--gpus`` ranks, which the line names), the memory per GPU under DDP,
+``--gpus`` ranks, which the line names), the memory per GPU under DDP
+(with DDP's buckets and what the hook keeps from step to step: int8's fp32
+residual, PowerSGD's error and factors),
 and under FSDP2 (``FSDP2Strategy``, for ``--gpus N [N ...]``) the fullest
 rank's shards plus the units gathered at once, for the parameters' dtypes
 as the config builds them (the 6B recipes' backbone in bf16, their heads in
@@ -115,7 +117,27 @@ def main():
           f'{_size(s["param_bytes"])}, gradients {_size(s["grad_bytes"])}, '
           f'AdamW moments {_size(s["optim_bytes"])}; activations not '
           'counted)')
+    _print_ddp_extra(s, total)
     _print_fsdp2(s)
+
+
+def _print_ddp_extra(s: dict, total: int) -> None:
+    """DDP's buckets and the hook's state, on top of that line."""
+    view = ('gradient_as_bucket_view=False, DDP\'s default; True makes the '
+            'gradients views of them'
+            if s['bucket_bytes'] else 'none: gradient_as_bucket_view=True')
+    print(f'  DDP buckets     : + {_size(s["bucket_bytes"])} (a second copy '
+          f'of the gradients; {view})')
+    state = s['hook_state_bytes']
+    if state is None:
+        print('  hook state      : unknown (its record states no '
+              'state_bytes, or the hook is chosen at run time)')
+        return
+    kept = f'+ {_size(state)} per GPU, kept from step to step' if state \
+        else 'none kept from step to step'
+    print(f'  hook state      : {kept} ({s["hook"]})')
+    print(f'  in all          : {_size(total + s["bucket_bytes"] + state)} '
+          'per GPU under DDP with this comm_hook, activations aside')
 
 
 def _print_fsdp2(s: dict) -> None:
@@ -129,6 +151,11 @@ def _print_fsdp2(s: dict) -> None:
     else:
         print(f'FSDP2 units       : {units} (the last: the root, with what '
               f'the others leave); shard_modules={shard_modules}')
+    fsdp2_state = ('its FSDP2 form keeps none'
+                   if s['hook_state_fsdp2'] == 0 else 'it has no FSDP2 form'
+                   if s['hook'] != 'auto (chosen by the run)' else 'unknown')
+    print(f'FSDP2 hook state  : {fsdp2_state} (the counts below hold no hook '
+          'state)')
     built = ('bf16 and fp32 as built' if s['bf16_params'] else 'fp32 as built')
     for key, kind in (('fsdp2', built), ('fsdp2_fp32', 'all fp32')):
         print(f'FSDP2 per GPU     : parameters {kind}; rank 0\'s shards '

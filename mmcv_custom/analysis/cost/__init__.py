@@ -97,7 +97,8 @@ on the others.
 
 **Recommendation** (:func:`recommend`): per hook, the step on a cluster,
 the speed-up against ``allreduce`` and the fastest hook, with its accuracy
-caveats.
+caveats; only hooks whose memory per GPU (:mod:`.memory`: parameters,
+gradients, AdamW, DDP's buckets and the hook's state) fits the GPU.
 
 Example:
     >>> from mmcv_custom.analysis.cost import (Cluster, ParamSpec, recommend)
@@ -124,6 +125,8 @@ from .hooks import (FORMS, HOOK_COSTS, AllReduceCost, BatchedPowerSGDCost,
                     compare_collectives, hook_costs, powersgd_compresses,
                     uncosted_hooks)
 from .measurements import Benchmark, LoggedStep, load_benchmark, step_from_log
+from .memory import (GiB, GpuMemory, ddp_memory, hook_memory, hook_state_bytes,
+                     sharded_memory)
 from .model import config_params
 from .overlap import Overlap, even_ready_times, simulate_overlap
 from .recommend import (Recommendation, StepPrediction, assumptions,
@@ -146,5 +149,6 @@ __all__ = [
     'project', 'fit_report', 'fit_json', 'LEVELS', 'FORMS', 'group_size',
     'TwoLevelRecordCost', 'LoggedStep', 'step_from_log', 'ShardUnit',
     'ShardedCost', 'sharded_costs', 'shard_units', 'predict_sharded_step',
-    'recommend_sharded', 'simulate_sharded'
+    'recommend_sharded', 'simulate_sharded', 'GiB', 'GpuMemory',
+    'hook_state_bytes', 'ddp_memory', 'sharded_memory', 'hook_memory'
 ]

@@ -31,9 +31,10 @@ Which hooks have an FSDP2 form, and which, is read from their records
 (:attr:`~mmcv_custom.comm.records.HookRecord.fsdp2_form`,
 ``sent_format``, ``two_level``), and a form is weighed only where the
 config line it needs passes the one FSDP2 check
-(:func:`~mmcv_custom.comm.sharded.check_sharded_cfg`). HSDP is not
-modelled: ``FSDP2Strategy`` shards over every rank and offers no
-replication mesh; the two-level forms are its node-aware option.
+(:func:`~mmcv_custom.comm.sharded.check_sharded_cfg`). Hybrid sharding
+(``FSDP2Strategy(sharding='hybrid')``, HSDP) is not modelled yet: every
+FSDP2 config is projected sharded over every rank, and the two-level
+forms are the node-aware option modelled.
 """
 import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple

@@ -102,7 +102,8 @@ def fsdp2_units(model, cfg) -> Tuple[list, str]:
 
 def config_params(config: str,
                   cfg_options: Optional[dict] = None,
-                  count_flops: bool = False) -> Tuple[list, int, dict]:
+                  count_flops: bool = False,
+                  world_size: Optional[int] = None) -> Tuple[list, int, dict]:
     """The config's trainable parameters, all parameters' count and facts.
 
     Args:
@@ -112,6 +113,9 @@ def config_params(config: str,
         count_flops (bool): Count the forward's FLOPs
             (:func:`forward_flops`: seconds for a 6B model). Defaults to
             False: ``forward_flops`` None, ``flops_how`` saying why.
+        world_size (int, optional): For a config that trains with
+            FSDP2Strategy, the ranks to count the memory per GPU on
+            (``fsdp2_memory``). Defaults to None: not counted.
 
     Returns:
         tuple[list[ParamSpec], int, dict]: The trainable parameters in model
@@ -120,7 +124,11 @@ def config_params(config: str,
         ``fsdp2_units``, :func:`fsdp2_units`' units, and ``fsdp2_how``, the
         strategy in words), ``with_cp``,
         ``bucket_cap_mb``, ``forward_flops`` (None where they could not be
-        counted) and ``flops_how``, and, where the config
+        counted) and ``flops_how``, ``gradient_as_bucket_view`` (DDP's,
+        False by default), ``param_bytes`` (every parameter, in
+        its dtype; ``fsdp2_memory``: with ``world_size`` under FSDP2,
+        :func:`~mmcv_custom.analysis.model_stats.fsdp2_memory`'s dict for
+        the fullest rank), and, where the config
         states them, ``tokens`` per GPU and ``tokens_how``.
     """
     import torch
@@ -148,9 +156,19 @@ def config_params(config: str,
         fsdp2=uses_fsdp2(cfg),
         with_cp=backbone.get('with_cp'),
         bucket_cap_mb=(cfg.get('model_wrapper_cfg')
-                       or {}).get('bucket_cap_mb'))
+                       or {}).get('bucket_cap_mb'),
+        gradient_as_bucket_view=(cfg.get('model_wrapper_cfg')
+                                 or {}).get('gradient_as_bucket_view', False))
+    facts['param_bytes'] = sum(p.numel() * p.element_size()
+                               for p in model.parameters())
     if facts['fsdp2']:
         facts['fsdp2_units'], facts['fsdp2_how'] = fsdp2_units(model, cfg)
+        if world_size is not None:
+            from ..model_stats import fsdp2_memory, fsdp2_strategy_args
+            strategy = fsdp2_strategy_args(cfg)
+            facts['fsdp2_memory'] = fsdp2_memory(model, world_size,
+                                                 strategy.get('shard_modules'),
+                                                 strategy.get('param_dtype'))
     facts['forward_flops'], facts['flops_how'] = (
         forward_flops(model, cfg) if count_flops else (None, 'not counted'))
     size, patch = backbone.get('img_size'), backbone.get('patch_size')

@@ -3,9 +3,10 @@ and their checks (for ``tools/analysis_tools/comm_cost_model.py``).
 
 A projection is only as good as the hardware it assumes, and a user reads
 the result, not the assumptions: ``--gpu`` names a preset (A100, H100,
-H200: achieved model FLOP/s, HBM and NVLink rates), every value of which a
-flag of its own overrides, and the result's header says which preset and
-which overrides it used. Standard library only (and the accuracy classes).
+H200: achieved model FLOP/s, HBM and NVLink rates, memory), every value of
+which a flag of its own overrides, and the result's header says which
+preset and which overrides it used. Standard library only (and the
+accuracy classes).
 """
 import argparse
 import math
@@ -33,12 +34,15 @@ class GpuPreset(NamedTuple):
             (far under the peak: they are memory bound).
         source (str): Where the figures come from (the output names the
             preset and its figures; this says why they are what they are).
+        memory_gib (float): Its memory, GiB (as ``nvidia-smi`` totals it):
+            what the recommendation's candidates must fit in.
     """
     tflops: float
     hbm_tbps: float
     intra_gbps: float
     matmul_tflops: float
     source: str
+    memory_gib: float
 
 
 #: ``--gpu`` presets. The peaks are the vendors' data-sheet figures for
@@ -48,18 +52,20 @@ GPU_PRESETS: Dict[str, GpuPreset] = {
     GpuPreset(
         150.0, 2.0, 2400.0, 20.0,
         'A100 SXM 80GB: 312 TFLOP/s bf16 dense peak (about 48% achieved), '
-        '2.04 TB/s HBM2e, NVLink 3 600 GB/s (300 GB/s a direction)'),
+        '2.04 TB/s HBM2e, NVLink 3 600 GB/s (300 GB/s a direction), 80 GiB '
+        '(81920 MiB; the A100 40GB: --gpu-mem 40)', 80.0),
     'h100':
     GpuPreset(
         400.0, 3.0, 3600.0, 50.0,
         'H100 SXM: 989 TFLOP/s bf16 dense peak (about 40% achieved), '
-        '3.35 TB/s HBM3, NVLink 4 900 GB/s (450 GB/s a direction)'),
+        '3.35 TB/s HBM3, NVLink 4 900 GB/s (450 GB/s a direction), 80 GB '
+        '(81559 MiB)', 79.6),
     'h200':
     GpuPreset(
         400.0, 4.3, 3600.0, 50.0,
         'H200 SXM: the H100\'s compute (989 TFLOP/s bf16 dense peak, about '
         '40% achieved), 4.8 TB/s HBM3e, NVLink 4 900 GB/s (450 GB/s a '
-        'direction)'),
+        'direction), 141 GB (143771 MiB)', 140.4),
 }
 
 #: The preset's fields each flag overrides.
@@ -67,7 +73,8 @@ _PRESET_FLAGS = {
     '--tflops': 'tflops',
     '--hbm-tbps': 'hbm_tbps',
     '--intra-gbps': 'intra_gbps',
-    '--matmul-tflops': 'matmul_tflops'
+    '--matmul-tflops': 'matmul_tflops',
+    '--gpu-mem': 'memory_gib'
 }
 
 #: The projection's plain options: (flag, type, default, help). Ints are
@@ -101,6 +108,10 @@ PROJECTION_OPTIONS = (
      '(default 1)'),
     ('--min-compression-rate', float, 2.0, 'PowerSGD min_compression_rate '
      '(default 2)'),
+    ('--gpu-mem', float, None, 'memory per GPU, GiB, that --recommend\'s '
+     'candidates must fit in, activations aside (default: the --gpu '
+     'preset\'s: 80 on A100 (the 80GB; 40 for the 40GB), 79.6 on H100, '
+     '140.4 on H200)'),
     ('--bucket-cap-mb', float, None, 'DDP bucket_cap_mb (default: the '
      "config's model_wrapper_cfg, else DDP's 25)"),
 )
@@ -209,7 +220,8 @@ def describe_hardware(gpu: str, given: Optional[dict] = None) -> str:
     text = (f'{gpu.upper()} preset (--gpu {gpu}: {preset.tflops:g} TFLOP/s '
             f'achieved, {preset.hbm_tbps:g} TB/s HBM, '
             f'{preset.intra_gbps:g} Gbit/s NVLink a direction, '
-            f'{preset.matmul_tflops:g} TFLOP/s for PowerSGD\'s products)')
+            f'{preset.matmul_tflops:g} TFLOP/s for PowerSGD\'s products, '
+            f'{preset.memory_gib:g} GiB a GPU)')
     if given:
         text += '; given: ' + ', '.join(f'{flag} {value:g}'
                                         for flag, value in given.items())

@@ -13,6 +13,7 @@ from .collectives import (GPU_CLUSTER_CONSTANTS, Cluster, LinkConstants,
                           group_size, traffic)
 from .compute import Workload, estimate_compute
 from .hooks import HookCost, hook_costs
+from .memory import GiB, GpuMemory
 from .overlap import even_ready_times, simulate_overlap
 
 __all__ = [
@@ -177,12 +178,32 @@ class Recommendation:
             ``'any'``). Defaults to ``'quantized_ef'``.
         min_gain (float): The least speed-up, as a fraction (0.1: 10%),
             for which a lossier class is taken. Defaults to 0.1.
+        memory (dict): Hook key -> its
+            :class:`~.memory.GpuMemory` per GPU. Defaults to empty: not
+            counted.
+        gpu_bytes (float, optional): The memory of a GPU: only hooks whose
+            memory is known and fits are weighed (:meth:`fits`). Defaults
+            to None: every hook is.
     """
     cluster: Cluster
     predictions: Mapping[str, StepPrediction]
     hooks: Mapping[str, HookCost]
     max_loss: str = 'quantized_ef'
     min_gain: float = 0.1
+    memory: Mapping[str, GpuMemory] = dataclasses.field(default_factory=dict)
+    gpu_bytes: Optional[float] = None
+
+    def fits(self, hook: str) -> bool:
+        """Whether ``hook`` (a key) fits the GPU, activations aside: True
+        without a GPU's memory; False where its memory is unknown."""
+        if self.gpu_bytes is None:
+            return True
+        memory = self.memory.get(hook)
+        return memory is not None and bool(memory.fits(self.gpu_bytes))
+
+    @property
+    def _fitting(self) -> List[str]:
+        return [h for h in self.predictions if self.fits(h)]
 
     def _rank(self, hook: str):
         # Where steps tie (fp16 and bf16 send the same), the hook whose
@@ -196,16 +217,14 @@ class Recommendation:
 
     @property
     def fastest(self) -> str:
-        """The fastest hook, whatever its class."""
-        return min(self.predictions, key=self._rank)
+        """The fastest hook that fits, whatever its class."""
+        return min(self._fitting, key=self._rank, default=None)
 
     @property
     def allowed(self) -> List[str]:
         """The hooks of ``max_loss``'s class or below."""
         limit = class_rank(self.max_loss)
-        return [
-            h for h in self.predictions if class_rank(self.klass(h)) <= limit
-        ]
+        return [h for h in self._fitting if class_rank(self.klass(h)) <= limit]
 
     def _steps(self) -> List[Tuple[str, Optional[str]]]:
         """From the least lossy class up, the fastest allowed hook of each
@@ -214,11 +233,10 @@ class Recommendation:
         steps: List[Tuple[str, Optional[str]]] = []
         pick = None
         for step in choose_by_class(
-            {
-                h: p.step_s
-                for h, p in self.predictions.items()
-            }, {h: self.klass(h)
-                for h in self.predictions},
+            {h: self.predictions[h].step_s
+             for h in self._fitting},
+            {h: self.klass(h)
+             for h in self._fitting},
                 self.max_loss,
                 self.min_gain,
                 tie=lambda h: getattr(self.hooks[h], 'overflows', False)):
@@ -243,7 +261,7 @@ class Recommendation:
     @property
     def best_lossless(self) -> Optional[str]:
         """The fastest hook that does not approximate the average."""
-        lossless = [h for h in self.predictions if self.hooks[h].lossless]
+        lossless = [h for h in self._fitting if self.hooks[h].lossless]
         return min(lossless, key=self._rank, default=None)
 
     def speedup(self, hook: str) -> Optional[float]:
@@ -276,8 +294,10 @@ class Recommendation:
         rate = f'{self.cluster.link_bps / 1e9:g} Gbit/s'
         best = self.best
         if best is None:
-            return (f'{rate}: no hook of class {self.max_loss!r} or below '
-                    'has a cost to project.')
+            return (
+                f'{rate}: no hook of class {self.max_loss!r} or below '
+                'has a cost to project' +
+                (' and fits the GPU.' if self.gpu_bytes is not None else '.'))
         chosen = self.predictions[best]
         text = f'{rate}: use {chosen.label}: {chosen.step_s:.3f} s per step'
         if 'allreduce' in self.predictions and best != 'allreduce':
@@ -285,6 +305,12 @@ class Recommendation:
             text += (f' against {ref:.3f} s with allreduce (saves '
                      f'{ref - chosen.step_s:.3f} s, '
                      f'{self.speedup(best):.2f}x)')
+        memory = self.memory.get(best)
+        if memory is not None and memory.total is not None:
+            text += f'; {memory.total / GiB:.2f} GiB per GPU'
+            if self.gpu_bytes is not None:
+                text += (f', {(self.gpu_bytes - memory.total) / GiB:.2f} GiB '
+                         'left for activations')
         accuracy = self.hooks[best].accuracy
         text += (f'; {CLASS_WORDS[accuracy.klass]}: '
                  f'{self.hooks[best].caveat}; `{self.config(best)}`.')
@@ -294,7 +320,7 @@ class Recommendation:
             if why is not None:
                 text += f' Not taken: {why}.'
         fastest = self.fastest
-        if fastest not in self.allowed:
+        if fastest is not None and fastest not in self.allowed:
             klass = self.klass(fastest)
             text += (f' Fastest of all: {self.predictions[fastest].label} at '
                      f'{self.predictions[fastest].step_s:.3f} s, '

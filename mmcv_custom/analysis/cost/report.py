@@ -16,6 +16,7 @@ from .fit import FitResult
 from .fsdp2 import gathered_bytes, recommend_sharded, sharded_costs
 from .hooks import hook_costs, uncosted_hooks
 from .measurements import Benchmark
+from .memory import GiB, fitting_variant, hook_memory
 from .model import config_params
 from .recommend import assumptions, recommend
 
@@ -147,6 +148,9 @@ class ProjectionSettings:
             what was given), printed with the result.
         compute_how (str, optional): Where given times come from
             (``--from-log``); None: given on the command line.
+        gpu_mem (float, optional): A GPU's memory, GiB (``--gpu-mem``, else
+            the ``--gpu`` preset's): only hooks whose memory per GPU fits
+            are recommended. None: not checked.
     """
     config: str
     cfg_options: Optional[dict] = None
@@ -170,6 +174,7 @@ class ProjectionSettings:
     min_gain: float = 0.1
     hardware: str = ''
     compute_how: Optional[str] = None
+    gpu_mem: Optional[float] = None
 
 
 def _fsdp2_line(facts: dict, hooks: dict, world_size: int) -> str:
@@ -183,8 +188,75 @@ def _fsdp2_line(facts: dict, hooks: dict, world_size: int) -> str:
             'each unit\'s gradients in the hook\'s format when its backward '
             f'is done. Weighed: the hooks with an FSDP2 form ({forms}); '
             'PowerSGD has none, int8_compress runs without error feedback. '
-            'HSDP is not offered by FSDP2Strategy (it shards over every '
-            'rank), so not modelled')
+            "Hybrid sharding (FSDP2Strategy sharding='hybrid' or 'auto') "
+            'is not modelled yet: every FSDP2 config is projected sharded '
+            'over every rank')
+
+
+def _memory_line(settings, facts) -> str:
+    """What the memory per GPU counts, and the card it must fit."""
+    where = (f'rank 0\'s shards under FSDP2 on '
+             f'{settings.nodes * settings.gpus_per_node} ranks plus the units '
+             'gathered at once (model_stats.py\'s count); the FSDP2 forms '
+             'keep no hook state' if facts['fsdp2'] else
+             'under DDP, with its buckets (a second copy of the gradients '
+             'unless model_wrapper_cfg sets gradient_as_bucket_view=True); '
+             'the hook\'s state as its record states it (int8: '
+             'an fp32 residual per gradient element with error feedback; '
+             'PowerSGD: an error in the gradients\' dtype and its factors)')
+    card = (f'; a GPU holds {settings.gpu_mem:g} GiB (--gpu-mem, else the '
+            '--gpu preset\'s): what exceeds it is not recommended, what is '
+            'left of it is the room for activations'
+            if settings.gpu_mem else '')
+    return (f'- memory per GPU: parameters, gradients, AdamW\'s two moments '
+            f'and the hook\'s state, {where}; activations not counted' + card)
+
+
+def _left_out(rec, buckets, settings) -> list:
+    """One line per hook (and form) the GPU cannot hold, its memory and
+    the form of it that fits, where one does."""
+    lines = []
+    for key, hook in rec.hooks.items():
+        if rec.fits(key):
+            continue
+        memory = rec.memory[key]
+        label = rec.predictions[key].label
+        if memory.total is None:
+            lines.append(f'- left out: {label}: its memory is unknown (its '
+                         'record states no state_bytes)')
+            continue
+        text = (f'- left out: {label} needs {memory.describe()} per GPU, '
+                f'over the {settings.gpu_mem:g} GiB of a GPU before any '
+                'activation')
+        flat = getattr(hook, 'flat', hook)
+        found = fitting_variant(
+            getattr(flat, 'record', None), flat.settings, buckets, memory,
+            rec.gpu_bytes)
+        if found is not None:
+            variant, fitted = found
+            klass = variant.accuracy or hook.accuracy.klass
+            keys = dict(type=hook.name, **variant.options)
+            if 'topology' in rec.config(key):
+                keys['topology'] = 'auto' if hook.form == 'two-level' else \
+                    'flat'
+            line = ', '.join(f'{k}={v!r}' for k, v in keys.items())
+            text += (f'; what fits: `comm_hook = dict({line})`, '
+                     f'{fitted.total / GiB:.2f} GiB per GPU, class {klass} '
+                     f'(a class that needs --max-loss {klass})')
+        elif dataclasses.replace(memory, state_bytes=0).fits(rec.gpu_bytes):
+            text += ('; no setting of it fits under DDP (hybrid sharding, '
+                     'a 1/G share of the state per GPU, is not modelled yet)')
+        else:
+            text += ('; the model does not fit under DDP whatever the hook: '
+                     'FSDP2 shards it (model_stats.py --gpus N)')
+        if memory.bucket_bytes:
+            viewed = dataclasses.replace(memory, bucket_bytes=0)
+            text += ('; with gradient_as_bucket_view=True in '
+                     'model_wrapper_cfg (no second copy of the gradients) '
+                     f'it needs {viewed.total / GiB:.2f} GiB' +
+                     (', which fits' if viewed.fits(rec.gpu_bytes) else ''))
+        lines.append(text)
+    return lines
 
 
 def _size(nbytes: float) -> str:
@@ -209,7 +281,8 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
     # where the tokens are given: the user asks for 2 N T with them.
     params, total, facts = config_params(
         settings.config, settings.cfg_options, settings.backward_s is None
-        and not settings.tokens_per_gpu)
+        and not settings.tokens_per_gpu,
+        settings.nodes * settings.gpus_per_node)
     if not params:
         raise ValueError(f'{settings.config} has no trainable parameter: '
                          'nothing is communicated')
@@ -254,6 +327,15 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
             'FSDP2Strategy; those that do: ' +
             ', '.join(sharded_costs(hook_costs())))
     buckets = ddp_buckets(params, cap)
+    memory = {
+        key: hook_memory(hook, buckets, facts)
+        for key, hook in recs[0].hooks.items()
+    }
+    gpu_bytes = settings.gpu_mem * GiB if settings.gpu_mem else None
+    recs = [
+        dataclasses.replace(r, memory=memory, gpu_bytes=gpu_bytes)
+        for r in recs
+    ]
     first = next(iter(recs[0].predictions.values()))
     backward = (
         settings.backward_s if settings.backward_s is not None else
@@ -302,6 +384,7 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
                                  settings.gpus_per_node))
     if settings.hardware:
         lines.append(f'- hardware: {settings.hardware}')
+    lines.append(_memory_line(settings, facts))
     unknown = uncosted_hooks()
     if unknown:
         lines.append(f'- not projected (their records state no cost): '
@@ -318,6 +401,7 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
             (f'; {settings.hardware}' if settings.hardware else '') + '.', ''
         ]
         lines += [f'- {r.line()}' for r in recs]
+        lines += _left_out(recs[0], buckets, settings)
     lines += ['', '### Assumptions', '']
     lines += [
         f'> - {a}' for a in assumptions(constants, codec, recs[0].cluster)
@@ -359,6 +443,11 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
                     for n, p in r.predictions.items()
                 })
             for g, r in zip(settings.gbps, recs)
+        },
+        gpu_memory_bytes=gpu_bytes,
+        memory={
+            n: dict(dataclasses.asdict(m), total=m.total)
+            for n, m in memory.items()
         })
     return lines, out
 
@@ -367,9 +456,9 @@ def _step_table(settings, recs, fsdp2=False) -> list:
     first = recs[0].predictions
     sent = 'reduce-scattered per step' if fsdp2 else 'sent per step'
     lines = [
-        f'| hook | {sent} | per node link | ' +
+        f'| hook | {sent} | per node link | memory per GPU | ' +
         ' | '.join(f'{g:g} Gbit/s' for g in settings.gbps) + ' |',
-        '|---|--:|--:|' + '--:|' * len(recs)
+        '|---|--:|--:|--:|' + '--:|' * len(recs)
     ]
     for name, p in first.items():
         cells = []
@@ -377,8 +466,13 @@ def _step_table(settings, recs, fsdp2=False) -> list:
             q, speedup = r.predictions[name], r.speedup(name)
             cells.append(f'{q.step_s:.3f} s' +
                          (f' ({speedup:.2f}x)' if speedup is not None else ''))
+        total = recs[0].memory[name].total
+        held = 'unknown' if total is None else f'{total / GiB:.2f} GiB'
+        if not recs[0].fits(name):
+            held += ' (does not fit)'
         lines.append(f'| {p.label} | {_size(p.sent_bytes)} | '
-                     f'{_size(p.node_bytes)} | ' + ' | '.join(cells) + ' |')
+                     f'{_size(p.node_bytes)} | {held} | ' + ' | '.join(cells) +
+                     ' |')
     lines += [
         '', 'step = compute + exposed communication; (x) speed-up '
         'against allreduce; ' +

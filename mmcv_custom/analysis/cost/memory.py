@@ -1,0 +1,185 @@
+"""Memory per GPU: the parameters, their gradients, AdamW's two moments
+and what the communication hook keeps from step to step, so that every
+answer of the cost model and ``model_stats.py`` carries it.
+
+Under DDP, its buckets are a second copy of the gradients unless
+``gradient_as_bucket_view=True`` (DDP's default is False): 12.56 GiB more
+for InternViT-6B, 62.80 GiB before any hook. A hook's state is read from
+its record
+(:attr:`~mmcv_custom.comm.records.HookRecord.state_bytes`): int8 with
+error feedback keeps an fp32 residual per gradient element (6.39e9 x 4 B,
+23.79 GiB per GPU for InternViT-6B under DDP), PowerSGD an error in the
+gradients' dtype plus its warm-start factors; fp16, bf16 and the plain
+all-reduce keep none. A plugin's record without ``state_bytes`` is unknown
+(None), never counted as 0. Activations are not counted: what is left of
+the card is their room. Standard library only.
+"""
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence
+
+__all__ = [
+    'GiB', 'STRATEGIES', 'GpuMemory', 'hook_state_bytes', 'ddp_memory',
+    'sharded_memory', 'hook_memory', 'fitting_variant'
+]
+
+GiB = 2**30
+
+#: What :func:`hook_state_bytes` counts for. Hybrid sharding (a shard's
+#: residual is 1/G of DDP's, on a node of G GPUs) goes here once
+#: FSDP2Strategy offers it.
+STRATEGIES = ('ddp', 'fsdp2')
+
+
+def hook_state_bytes(record,
+                     buckets: Sequence,
+                     state_kwargs: Optional[Mapping[str, Any]] = None,
+                     strategy: str = 'ddp') -> Optional[int]:
+    """Bytes a hook's state keeps on each GPU from step to step.
+
+    Args:
+        record (HookRecord): The hook's record.
+        buckets (Sequence[Bucket]): The trainable gradients in DDP's
+            buckets (:func:`~.buckets.ddp_buckets`).
+        state_kwargs (Mapping, optional): The state's settings (the config's
+            ``comm_hook`` keys); those left out take the state's defaults.
+        strategy (str): ``'ddp'`` or ``'fsdp2'`` (full sharding), see
+            :data:`STRATEGIES`. Defaults to ``'ddp'``.
+
+    Returns:
+        int or None: The bytes; None where the record states none
+        (unknown).
+
+    Raises:
+        ValueError: ``strategy`` is not one of :data:`STRATEGIES`, or the
+            hook has no FSDP2 form under ``'fsdp2'``.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f'strategy should be one of {STRATEGIES}, but got '
+                         f'{strategy!r}')
+    if strategy == 'fsdp2':
+        if record.fsdp2_form is None:
+            raise ValueError('the hook has no FSDP2 form, so no state under '
+                             'FSDP2 to count')
+        # Both FSDP2 forms (an averaging reduce-scatter, int8 without error
+        # feedback) keep nothing between steps.
+        return 0
+    if record.state_bytes is None:
+        return None
+    return int(record.state_bytes(buckets, dict(state_kwargs or {})))
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuMemory:
+    """Bytes on one GPU, activations aside.
+
+    Attributes:
+        param_bytes, grad_bytes, optim_bytes (int): The parameters (all of
+            them, frozen too), the trainable ones' gradients and AdamW's two
+            moments (in the parameters' dtype), or this rank's shards of
+            them under FSDP2.
+        state_bytes (int, optional): The hook's state; None: unknown.
+        gathered_bytes (int): Under FSDP2, the units gathered at once
+            (:func:`mmcv_custom.analysis.model_stats.fsdp2_memory`); 0 under
+            DDP.
+        bucket_bytes (int): Under DDP, its buckets: a second copy of the
+            gradients unless ``gradient_as_bucket_view=True`` makes the
+            gradients views of them (DDP's default is False).
+    """
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    state_bytes: Optional[int]
+    gathered_bytes: int = 0
+    bucket_bytes: int = 0
+
+    @property
+    def total(self) -> Optional[int]:
+        """Everything counted; None where the hook's state is unknown."""
+        if self.state_bytes is None:
+            return None
+        return (self.param_bytes + self.grad_bytes + self.optim_bytes +
+                self.gathered_bytes + self.bucket_bytes + self.state_bytes)
+
+    def fits(self, gpu_bytes: float) -> Optional[bool]:
+        """Whether it fits a card of ``gpu_bytes`` (None: unknown)."""
+        total = self.total
+        return None if total is None else total <= gpu_bytes
+
+    def describe(self) -> str:
+        """The total and its parts, in GiB."""
+        parts = [('parameters', self.param_bytes),
+                 ('gradients', self.grad_bytes),
+                 ('AdamW moments', self.optim_bytes)]
+        if self.gathered_bytes:
+            parts.append(('gathered', self.gathered_bytes))
+        if self.bucket_bytes:
+            parts.append(('DDP buckets', self.bucket_bytes))
+        text = ', '.join(f'{k} {v / GiB:.2f} GiB' for k, v in parts)
+        if self.state_bytes is None:
+            return f'unknown ({text}; hook state unknown)'
+        return (f'{self.total / GiB:.2f} GiB ({text}, hook state '
+                f'{self.state_bytes / GiB:.2f} GiB)')
+
+
+def ddp_memory(param_bytes: int,
+               buckets: Sequence,
+               record,
+               state_kwargs: Optional[Mapping[str, Any]] = None,
+               bucket_view: bool = False) -> GpuMemory:
+    """Per GPU under DDP: every parameter, the gradients of the trainable
+    ones (``buckets``), AdamW's two moments, DDP's buckets (unless
+    ``bucket_view``: ``gradient_as_bucket_view=True``) and the hook's
+    state (None for ``record`` None: unknown)."""
+    grads = sum(b.numel * b.itemsize for b in buckets)
+    state = (None if record is None else hook_state_bytes(
+        record, buckets, state_kwargs))
+    return GpuMemory(
+        param_bytes,
+        grads,
+        2 * grads,
+        state,
+        bucket_bytes=0 if bucket_view else grads)
+
+
+def sharded_memory(shards: Mapping[str, int], record) -> GpuMemory:
+    """Per GPU under FSDP2's full sharding, from
+    :func:`~mmcv_custom.analysis.model_stats.fsdp2_memory`'s dict (the
+    fullest rank), with the hook's FSDP2 form's state."""
+    return GpuMemory(shards['param_bytes'], shards['grad_bytes'],
+                     shards['optim_bytes'],
+                     hook_state_bytes(record, (), None,
+                                      'fsdp2'), shards['gathered_bytes'])
+
+
+def hook_memory(hook, buckets: Sequence, facts: Mapping) -> GpuMemory:
+    """The memory per GPU of a :class:`~.hooks.HookCost` (any form: the
+    two-level forms keep what the flat one does, int8's whole residual,
+    PowerSGD's factors at most), for a config's ``facts``
+    (:func:`~.model.config_params`'s, with ``world_size`` under FSDP2).
+    A hook cost without a record has an unknown state."""
+    flat = getattr(hook, 'flat', hook)
+    record = getattr(flat, 'record', None)
+    if facts.get('fsdp2'):
+        return sharded_memory(facts['fsdp2_memory'], record)
+    return ddp_memory(facts['param_bytes'], buckets, record,
+                      getattr(flat, 'settings', None),
+                      bool(facts.get('gradient_as_bucket_view')))
+
+
+def fitting_variant(record, settings: Mapping, buckets: Sequence,
+                    memory: GpuMemory, gpu_bytes: float):
+    """The first of the record's variants (the settings the convergence
+    comparison trains it under, e.g. int8 without error feedback) whose
+    state makes ``memory`` fit ``gpu_bytes``: ``(variant, its memory)``,
+    or None."""
+    if record is None:
+        return None
+    for variant in record.variants:
+        state = hook_state_bytes(record, buckets,
+                                 dict(settings, **variant.options))
+        if state is None or state >= (memory.state_bytes or 0):
+            continue
+        fitted = dataclasses.replace(memory, state_bytes=state)
+        if fitted.fits(gpu_bytes):
+            return variant, fitted
+    return None
