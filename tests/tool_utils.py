@@ -11,7 +11,8 @@ import sys
 import pytest
 
 __all__ = [
-    'load_script', 'usage_errors', 'netns_names', 'plugin_hook', 'toy_set'
+    'load_script', 'usage_errors', 'usage_error_line', 'netns_names',
+    'plugin_hook', 'toy_set'
 ]
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -43,6 +44,20 @@ def load_script(path: str, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def usage_error_line(tool: str, *args: str) -> str:
+    """Run the script ``tool`` with ``args`` as a user would (a fresh
+    interpreter, from the repository), expect a usage error (exit 2,
+    nothing on stdout) and return the last line of its stderr."""
+    done = subprocess.run([sys.executable, tool, *args],
+                          capture_output=True,
+                          text=True,
+                          timeout=120,
+                          cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stdout == ''
+    return done.stderr.splitlines()[-1]
 
 
 def usage_errors(tool, path: str, monkeypatch, capsys):
