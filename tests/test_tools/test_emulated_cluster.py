@@ -607,9 +607,13 @@ def test_ranks_of_a_node_talk_inside_it_and_only_the_rest_crosses(tmp_path):
         # packets' headers and TCP's acknowledgements.
         assert int(across) == pytest.approx(2 * 3 / 4 * size, rel=0.03)
         # Less the headers, what TCP carried: the ring's bytes, gloo's
-        # framing and the odd message of torchrun's agents to their
-        # store (0.04% over the ring's bytes here, at times 0.3%).
-        assert int(payload) == pytest.approx(2 * 3 / 4 * size, rel=0.01)
+        # framing and the messages of torchrun's agents to their store
+        # while the all-reduce runs (0.04% over the ring's bytes on an idle
+        # machine, 0.3% at times, 1.1% once under the suite's load: the
+        # longer the all-reduce takes, the more of them): never less than
+        # the ring's bytes.
+        ring = 2 * 3 / 4 * size
+        assert ring <= int(payload) <= 1.03 * ring
         assert int(payload) >= 2 * 3 / 4 * size
     assert not _tool_namespaces(proc.stdout) & netns_names()
 
