@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from ..integrity import (CheckpointDamagedError, atomic_write_bytes,
-                         digest_path, file_sha256, remove_stale_temporaries,
-                         temporary_name)
+                         digest_path, file_sha256, remove_entry,
+                         remove_stale_temporaries, temporary_name)
 from ..integrity.checkpoint import (SHARDED_META_FILE, is_sharded_checkpoint,
                                     load_checkpoint_file)
 from ..integrity.sharded_checkpoint import (MANIFEST_FILE, damaged_message,
@@ -207,10 +207,7 @@ class ShardedCheckpointMixin:
             raise
         if old is not None:
             try:
-                if osp.isdir(old) and not osp.islink(old):
-                    shutil.rmtree(old)
-                else:
-                    os.remove(old)
+                remove_entry(old)
             except OSError as e:
                 # The new checkpoint is in place; a leftover costs disk
                 # only, and a later run's save of this name removes it.

@@ -26,7 +26,6 @@ the run's last one:
 import json
 import os
 import os.path as osp
-import shutil
 from typing import Optional
 
 from mmengine.dist import is_main_process
@@ -34,11 +33,11 @@ from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 from mmengine.runner import EpochBasedTrainLoop
 
-from ..integrity import atomic_write_text
+from ..integrity import atomic_write_text, remove_entry
 
 __all__ = [
-    'ValidationRecordHook', 'run_lost_validation', 'RECORD_FILE',
-    'PARTS_FOLDER'
+    'ValidationRecordHook', 'run_lost_validation', 'trained_by_epoch',
+    'trained_steps', 'last_step', 'RECORD_FILE', 'PARTS_FOLDER'
 ]
 
 #: The record of the last validation done during training, in the work dir.
@@ -97,7 +96,10 @@ class ValidationRecordHook(Hook):
             return  # a validation outside training (runner.val())
         atomic_write_text(
             osp.join(runner.work_dir, RECORD_FILE),
-            json.dumps(dict(step=_step(runner), by_epoch=_by_epoch(runner))))
+            json.dumps(
+                dict(
+                    step=trained_steps(runner),
+                    by_epoch=trained_by_epoch(runner))))
 
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         # Called for load_from too; only a resume continues a run.
@@ -116,12 +118,12 @@ def run_lost_validation(runner) -> bool:
     loop = runner.train_loop
     if runner.val_loop is None:
         return False
-    step, last = _step(runner), _max_step(loop)
+    step, last = trained_steps(runner), last_step(loop)
     due = step >= loop.val_begin and (step % loop.val_interval == 0
                                       or step == last)
     if step <= 0 or not due or _recorded(runner) >= step:
         return False
-    what = 'epoch' if _by_epoch(runner) else 'iteration'
+    what = 'epoch' if trained_by_epoch(runner) else 'iteration'
     then = ('its final one'
             if step >= last else f'before training on from {what} {step}')
     if is_main_process():
@@ -133,15 +135,18 @@ def run_lost_validation(runner) -> bool:
     return True
 
 
-def _by_epoch(runner) -> bool:
+def trained_by_epoch(runner) -> bool:
+    """Whether the run's training loop counts epochs (else iterations)."""
     return isinstance(runner.train_loop, EpochBasedTrainLoop)
 
 
-def _step(runner) -> int:
-    return runner.epoch if _by_epoch(runner) else runner.iter
+def trained_steps(runner) -> int:
+    """The epochs (iterations) trained so far, as the loop counts."""
+    return runner.epoch if trained_by_epoch(runner) else runner.iter
 
 
-def _max_step(loop) -> int:
+def last_step(loop) -> int:
+    """The loop's ``max_epochs`` (``max_iters``)."""
     return loop.max_epochs if isinstance(
         loop, EpochBasedTrainLoop) else loop.max_iters
 
@@ -152,7 +157,7 @@ def _recorded(runner) -> int:
     try:
         with open(osp.join(runner.work_dir, RECORD_FILE)) as f:
             record = json.load(f)
-        if record.get('by_epoch') == _by_epoch(runner):
+        if record.get('by_epoch') == trained_by_epoch(runner):
             return int(record['step'])
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         pass
@@ -193,11 +198,7 @@ def _remove_leftovers(parts: str, keep: Optional[str]) -> None:
     for name in names:
         if name == keep:
             continue
-        path = osp.join(parts, name)
         try:
-            if osp.isdir(path) and not osp.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
+            remove_entry(osp.join(parts, name))
         except OSError:
             pass

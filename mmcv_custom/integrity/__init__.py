@@ -17,9 +17,9 @@ from .files import (DIGEST_SUFFIX, MANIFEST_FILE, CheckpointDamagedError,
                     atomic_write_stream, atomic_write_text,
                     checkpoint_candidates, digest_kept_beside, digest_path,
                     file_sha256, is_temporary_name, link_of, open_own_file,
-                    process_alive, remove_stale_temporaries, require_intact,
-                    temporary_name, unverified_refusal, verify_file,
-                    write_digest)
+                    process_alive, remove_entry, remove_stale_temporaries,
+                    require_intact, temporary_name, unverified_refusal,
+                    verify_file, write_digest)
 
 __all__ = [
     'DIGEST_SUFFIX', 'CheckpointDamagedError', 'Verification',
@@ -28,5 +28,5 @@ __all__ = [
     'require_intact', 'temporary_name', 'is_temporary_name',
     'remove_stale_temporaries', 'checkpoint_candidates', 'MANIFEST_FILE',
     'digest_kept_beside', 'unverified_refusal', 'process_alive',
-    'LinkedFileError', 'open_own_file', 'link_of'
+    'LinkedFileError', 'open_own_file', 'link_of', 'remove_entry'
 ]

@@ -301,7 +301,7 @@ def foreign_checkpoint(chosen: str, saved: List[str]) -> Optional[str]:
     mine = run_of(chosen)
     if mine is None:
         return None
-    others = {}
+    other = None
     for path in saved:
         if osp.abspath(path) == osp.abspath(chosen):
             continue
@@ -310,10 +310,10 @@ def foreign_checkpoint(chosen: str, saved: List[str]) -> Optional[str]:
             continue
         if run['id'] == mine['id']:
             return None
-        others.setdefault(run['id'], (path, run))
-    if not others:
+        other = other or (path, run)
+    if other is None:
         return None
-    path, run = next(iter(others.values()))
+    path, run = other
     return (f'{chosen} belongs to another run than the other checkpoints in '
             f'{osp.dirname(osp.abspath(chosen))}: it was saved by '
             f'{_described(mine)}, {osp.basename(path)} by {_described(run)}')

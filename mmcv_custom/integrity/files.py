@@ -63,7 +63,7 @@ __all__ = [
     'require_intact', 'temporary_name', 'is_temporary_name',
     'remove_stale_temporaries', 'checkpoint_candidates', 'MANIFEST_FILE',
     'digest_kept_beside', 'unverified_refusal', 'process_alive',
-    'LinkedFileError', 'open_own_file', 'link_of'
+    'LinkedFileError', 'open_own_file', 'link_of', 'remove_entry'
 ]
 
 #: What a digest file's name adds to the file it vouches for.
@@ -246,14 +246,24 @@ def remove_stale_temporaries(path: str) -> List[str]:
             continue
         stale = osp.join(folder, name)
         try:
-            if osp.isdir(stale) and not osp.islink(stale):
-                shutil.rmtree(stale)
-            else:
-                os.remove(stale)
+            remove_entry(stale)
         except OSError:
             continue  # gone meanwhile, or not ours to remove: left alone
         removed.append(stale)
     return removed
+
+
+def remove_entry(path: str) -> None:
+    """Remove ``path``: a folder with what it holds, or a file; a link is
+    removed itself, never what it points to.
+
+    Raises:
+        OSError: It cannot be removed (or is gone).
+    """
+    if osp.isdir(path) and not osp.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
 
 
 def _write_then_rename(path: str, write: Callable[[object], None]) -> None:

@@ -23,8 +23,9 @@ from mmengine.hooks import Hook
 
 from ..engine.load_report import load_from_min_match, report_load_from
 from ..engine.process_group import is_launch_rank0
-from ..engine.validation_record import (ValidationRecordHook,
-                                        run_lost_validation)
+from ..engine.validation_record import (ValidationRecordHook, last_step,
+                                        run_lost_validation, trained_by_epoch,
+                                        trained_steps)
 from .console import current_console, header_text, progress_text, summary_text
 from .warning_noise import CONFIG_NOISE, quiet
 
@@ -118,13 +119,8 @@ class _NothingLeftHook(Hook):
     priority = 'HIGHEST'
 
     def before_train(self, runner) -> None:
-        from mmengine.runner import EpochBasedTrainLoop
-        loop = runner.train_loop
-        if isinstance(loop, EpochBasedTrainLoop):
-            done, key = runner.epoch >= loop.max_epochs, 'max_epochs'
-        else:
-            done, key = runner.iter >= loop.max_iters, 'max_iters'
-        if done:
+        key = 'max_epochs' if trained_by_epoch(runner) else 'max_iters'
+        if trained_steps(runner) >= last_step(runner.train_loop):
             # Its final validation first, when the run stopped during it.
             ran = run_lost_validation(runner)
             raise NothingToTrain(
