@@ -31,6 +31,9 @@ Examples:
         --bandwidth 300 -- bash -c 'tools/dist_train.sh \
         configs/fcn/fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py \
         $NPROC_PER_NODE --work-dir work_dirs/fcn_2x2_300mbit'
+    # the bytes each node's link carried while the command ran
+    python tools/emulated_cluster.py --nodes 2 --link-bytes -- \
+        bash -c 'echo $NODE_RANK'
     # what a gloo all_reduce gets through 100 Mbit/s links
     python tools/emulated_cluster.py --nodes 2 --bandwidth 100 --calibrate
     # any command; a shell expands $NODE_RANK on each node
@@ -49,6 +52,8 @@ from mmcv_custom.launching.emulated_cluster.calibrate import calibrate
 from mmcv_custom.launching.emulated_cluster.cluster import (MAX_NODES,
                                                             EmulatedCluster,
                                                             Interrupted)
+from mmcv_custom.launching.emulated_cluster.counters import (
+    HEADER_BYTES, namespace_link_bytes)
 from mmcv_custom.launching.emulated_cluster.namespaces import ClusterError
 from mmcv_custom.launching.emulated_cluster.node_start import signal_exit_code
 from mmcv_custom.launching.emulated_cluster.run import (DEFAULT_PORT,
@@ -136,6 +141,14 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar='DIR',
         help='also write node i\'s output to DIR/node<i>.log')
     parser.add_argument(
+        '--link-bytes',
+        action='store_true',
+        help="after the command, print what each node's link sent and "
+        'received while it ran, from the interface counters: bytes, '
+        f'packets, and the payload (bytes less {HEADER_BYTES} of headers a '
+        'packet: what TCP carried for the ranks). Traffic between the '
+        'ranks of one node is not on it')
+    parser.add_argument(
         '--calibrate',
         action='store_true',
         help='first measure a gloo all_reduce across the nodes (one rank '
@@ -200,6 +213,9 @@ def parse_args(args=None) -> argparse.Namespace:
         except OSError as e:
             parser.error(f'--log-dir {parsed.log_dir}: cannot create it '
                          f'({e.strerror})')
+    if parsed.link_bytes and not command:
+        parser.error('--link-bytes counts what the command after -- puts '
+                     'on the links, but no command was given')
     if not command and not parsed.calibrate:
         parser.error('nothing to run: give the command to run on every '
                      'node after -- (e.g. -- tools/dist_train.sh CONFIG 1), '
@@ -209,6 +225,27 @@ def parse_args(args=None) -> argparse.Namespace:
 
 def _fail(message: str) -> None:
     print(f'{PROG}: {message}', file=sys.stderr, flush=True)
+
+
+def _links(cluster: EmulatedCluster) -> list:
+    return [
+        namespace_link_bytes(n.namespace, n.interface) for n in cluster.nodes
+    ]
+
+
+def _link_lines(before: list, after: list) -> list:
+    """One line per node: what its link carried between the two reads,
+    in bytes (exact, for differences between runs) and MiB (the unit of
+    ``comm_MB``)."""
+    lines = []
+    for rank, (start, end) in enumerate(zip(before, after)):
+        moved = end - start
+        lines.append(
+            f'  node{rank} link: sent {moved.tx} B ({moved.tx / 2**20:.4f} '
+            f'MiB) in {moved.tx_packets} packets, payload {moved.payload()} '
+            f'B ({moved.payload() / 2**20:.4f} MiB); received {moved.rx} B '
+            f'in {moved.rx_packets} packets')
+    return lines
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -232,6 +269,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f'  {result.describe()}', flush=True)
         if not args.command:
             return 0
+        before = _links(cluster) if args.link_bytes else None
         result = run_on_nodes(
             cluster,
             args.command,
@@ -240,6 +278,11 @@ def _run(args: argparse.Namespace) -> int:
             log_dir=args.log_dir,
             stream=sys.stdout,
             grace=args.grace)
+        if before is not None:
+            print(
+                f'{PROG}: bytes on each node\'s link while the command ran:',
+                flush=True)
+            print('\n'.join(_link_lines(before, _links(cluster))), flush=True)
     if result.returncode:
         _fail(f'{result.describe()}; removed the cluster')
     else:

@@ -65,9 +65,8 @@ from mmcv_custom.integrity.sharded_checkpoint import consolidated_file
 from mmcv_custom.launching.console import ToolConsole, report_failure
 from mmcv_custom.launching.cpu_start import prepare_launch, uses_fsdp2
 from mmcv_custom.launching.lifetime import die_with_launcher
-from mmcv_custom.launching.preflight import (PreflightError, Problem,
-                                             check_preflight, checked_config,
-                                             exit_on_problems)
+from mmcv_custom.launching.preflight import (PreflightError, check_preflight,
+                                             checked_config, exit_on_problems)
 from mmcv_custom.launching.preflight.work_dir import take_work_dir
 from mmcv_custom.launching.run_start import apply_start_plan, plan_start
 from mmcv_custom.launching.running import run_runner
@@ -224,7 +223,7 @@ def main():
             'train',
             resume_checkpoint=plan.load_from if plan.resume else None,
             launcher=args.launcher,
-            first=plan.problems + _sharded_resume(cfg, plan))
+            first=plan.problems)
     except PreflightError as e:
         if lock is not None:
             lock.release()
@@ -235,21 +234,6 @@ def main():
     finally:
         if lock is not None:
             lock.release()
-
-
-def _sharded_resume(cfg: Config, plan) -> list:
-    """An ordinary config cannot resume a sharded checkpoint."""
-    checkpoint = plan.load_from
-    if not (plan.resume and checkpoint and is_sharded_checkpoint(checkpoint)
-            and not uses_fsdp2(cfg)):
-        return []
-    return [
-        Problem(
-            f'{checkpoint} is a sharded checkpoint of FSDP2Strategy: it '
-            'resumes under an FSDP2 config only (its optimizer state is '
-            'sharded)', 'to start this config from its weights, use '
-            f'--cfg-options load_from={checkpoint} without --resume')
-    ]
 
 
 def _lock_notes(lock: Optional[WorkDirLock], restart: int) -> list:

@@ -31,6 +31,13 @@ a parameter of one row lives on rank 0 alone):
   gradients of the unit being reduced, the reduce-scatter's buffer and the
   activations are not counted.
 
+Under hybrid sharding (``FSDP2Strategy(sharding='hybrid')``, or
+``'auto'`` on several nodes of several ranks) each of a node's G GPUs keeps
+1/G of those (the FSDP2 count on G GPUs) and the hook's state of its
+shard: ``int8_compress`` with error feedback a residual of it in fp32, or
+bf16 with ``residual_dtype='bfloat16'`` (:func:`hybrid_stats`, counted as
+the cost model counts it).
+
 ``tools/analysis_tools/model_stats.py`` prints these;
 ``tools/analysis_tools/benchmark_fsdp2.py`` sets them against what two
 ranks actually hold.
@@ -42,14 +49,18 @@ from mmengine.utils import import_modules_from_strings
 
 from ..comm.auto import AUTO
 from ..comm.builder import check_comm_hook_cfg, hook_record
+from ..comm.sharded import build_sharded_comm, check_sharded_cfg
 from ..engine.fsdp2_units import (DEFAULT_SHARD_MODULES, select_units,
                                   unit_parameters)
+from ..launching.cpu_start import uses_fsdp2
 from .cost.buckets import ParamSpec, ddp_buckets
+from .cost.fsdp2 import shard_units
+from .cost.hybrid import hybrid_state_bytes
 from .cost.memory import hook_state_bytes
 
 __all__ = [
     'stats', 'fsdp2_units', 'fsdp2_memory', 'shard_numel',
-    'fsdp2_strategy_args'
+    'fsdp2_strategy_args', 'check_stats_hook', 'hybrid_stats'
 ]
 
 
@@ -197,6 +208,127 @@ def fsdp2_strategy_args(cfg: Config) -> dict:
     return out
 
 
+def _may_shard_hybrid(cfg: Config) -> bool:
+    """Whether ``cfg`` trains with FSDP2Strategy and a ``sharding`` that
+    runs hybrid on several nodes of several ranks (``'hybrid'``,
+    ``'auto'``)."""
+    return uses_fsdp2(cfg) and (cfg.get('strategy') or {}).get(
+        'sharding', 'full') in ('hybrid', 'auto')
+
+
+def _ddp_form(hook):
+    """``hook`` without the keys only hybrid sharding reads
+    (``residual_dtype``): what DDP and full sharding are counted with."""
+    if not isinstance(hook, dict) or 'residual_dtype' not in hook:
+        return hook
+    return {k: v for k, v in hook.items() if k != 'residual_dtype'}
+
+
+def check_stats_hook(cfg: Config) -> None:
+    """The config's ``comm_hook``, checked before the model is built as
+    its run checks it: ``int8_compress``'s ``residual_dtype`` only where the
+    config may shard hybrid (:func:`~mmcv_custom.comm.sharded.
+    check_sharded_cfg`), the rest by
+    :func:`~mmcv_custom.comm.builder.check_comm_hook_cfg`.
+
+    Raises:
+        KeyError, TypeError, ValueError: Their errors.
+    """
+    hook = cfg.get('comm_hook')
+    if hook is None:
+        return
+    if isinstance(hook, dict) and 'residual_dtype' in hook:
+        check_sharded_cfg(hook, hybrid=_may_shard_hybrid(cfg))
+    check_comm_hook_cfg(_ddp_form(hook))
+
+
+def _hybrid_layouts(ranks_per_node, gpus) -> list:
+    """``(G, M)`` of each layout hybrid sharding is counted on: with the
+    config's ``ranks_per_node`` G, each of ``gpus`` it divides into
+    several nodes (M of them); without, each of ``gpus`` as the ranks of
+    one node, the nodes unknown (M None)."""
+    if ranks_per_node is None:
+        return list(dict.fromkeys((n, None) for n in gpus if n > 1))
+    return list(
+        dict.fromkeys((ranks_per_node, n // ranks_per_node) for n in gpus
+                      if ranks_per_node > 1 and n %
+                      ranks_per_node == 0 and n // ranks_per_node > 1))
+
+
+def hybrid_stats(cfg: Config, model, gpus=(8, )) -> dict:
+    """Memory per GPU under hybrid sharding, for an FSDP2 config whose
+    ``sharding`` may run it (``'hybrid'``, or ``'auto'`` on several nodes
+    of several ranks where the node's shard fits the GPU).
+
+    The layout is the config's ``ranks_per_node`` where it states one (on
+    each of ``gpus`` it divides into several nodes); else each of ``gpus``
+    as the GPUs of one node, the nodes unknown: they only pad int8's
+    residual of each unit to one equal piece a node (fewer values than
+    nodes a unit), which is then not counted.
+
+    Returns:
+        dict: ``sharding`` (the config's; None for a config that never
+        shards hybrid, then nothing else), ``ranks_per_node`` (the
+        config's, or None), ``layouts``: one dict a layout with
+        ``ranks_per_node`` (G), ``nodes`` (M, or None), ``memory``
+        (:func:`fsdp2_memory` on G GPUs: the node's shards) and
+        ``state_bytes`` (the hook's state of the rank's shard, as the cost
+        model counts it, :func:`~.cost.hybrid.hybrid_state_bytes`; 0
+        without a hook, None where unknown or where the hook has no form
+        there), ``hook`` (that state in words) and ``runs`` (False where
+        the hook has no form under hybrid sharding).
+    """
+    if not _may_shard_hybrid(cfg):
+        return dict(sharding=None)
+    strategy = cfg.get('strategy') or {}
+    args = fsdp2_strategy_args(cfg)
+    per_node = strategy.get('ranks_per_node')
+    units = fsdp2_units(model, args.get('shard_modules'))
+    shards = shard_units([(u['name'], [
+        (ParamSpec(tuple(p.shape),
+                   str(p.dtype).replace('torch.', '')), p.requires_grad)
+        for p in u['params']
+    ]) for u in units])
+    hook, record, kwargs = cfg.get('comm_hook'), None, {}
+    what = 'no comm_hook: nothing kept'
+    if isinstance(hook, dict) and hook.get('type') == AUTO:
+        what = 'unknown: the hook is chosen at run time'
+    elif hook is not None:
+        try:
+            spec = build_sharded_comm(hook, hybrid=True)
+        except ValueError:
+            what = (f"comm_hook type={hook.get('type')!r} does not run under "
+                    'hybrid sharding (the strategy refuses it there)')
+        else:
+            record = hook_record(spec.type)
+            dtype = str(spec.residual_dtype).replace('torch.', '')
+            kwargs = dict(
+                error_feedback=spec.error_feedback, residual_dtype=dtype)
+            short = 'bf16' if dtype == 'bfloat16' else 'fp32'
+            what = (f'{spec.type} with error feedback: an {short} residual '
+                    "of the rank's shard"
+                    if spec.error_feedback else f'{spec.type}: nothing kept')
+    layouts = []
+    for g, m in _hybrid_layouts(per_node, gpus):
+        state = 0 if hook is None else None
+        if record is not None:
+            state = hybrid_state_bytes(record, kwargs, shards, g, m or 1)
+        layouts.append(
+            dict(
+                ranks_per_node=g,
+                nodes=m,
+                memory=fsdp2_memory(model, g, args.get('shard_modules'),
+                                    args.get('param_dtype')),
+                state_bytes=state))
+    return dict(
+        sharding=strategy.get('sharding'),
+        ranks_per_node=per_node,
+        layouts=layouts,
+        hook=what,
+        runs=not (hook is not None and record is None
+                  and hook.get('type') != AUTO))
+
+
 def stats(cfg: Config, gpus=(8, )) -> dict:
     """Counts for ``cfg``'s model, built on the meta device.
 
@@ -225,8 +357,11 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
         unless ``model_wrapper_cfg`` sets ``gradient_as_bucket_view``),
         ``hook_state_bytes`` (what the hook keeps per GPU under DDP, see
         :func:`~.cost.memory.hook_state_bytes`; None: unknown) and
-        ``hook_state_fsdp2`` (under FSDP2; None where it has no FSDP2
-        form).
+        ``hook_state_fsdp2`` (under FSDP2's full sharding; None where it
+        does not run there: no FSDP2 form, or ``int8_compress`` with error
+        feedback, which runs under hybrid sharding only); ``hybrid``:
+        :func:`hybrid_stats`' dict, and ``ddp_note`` (why DDP's counts
+        leave a key of the config out, or empty).
         ``fsdp2`` and ``fsdp2_fp32`` map each number of GPUs to
         :func:`fsdp2_memory`'s dict (the parameters' dtypes as built, and
         all in fp32), ``fsdp2_units`` counts the units by class (the root
@@ -302,6 +437,10 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
                   str(p.dtype).replace('torch.', '')) for p in trainable
     ], wrapper.get('bucket_cap_mb'))
     hook = cfg.get('comm_hook')
+    out['hybrid'] = hybrid_stats(cfg, model, gpus)
+    out['ddp_note'] = ('' if _ddp_form(hook) is hook else
+                       "under DDP int8's residual is fp32: residual_dtype "
+                       'is hybrid sharding\'s')
     out['hook_world_size'], out['hook_flat'] = None, False
     # The hook's state per GPU under DDP and FSDP2 (None: unknown, or no
     # FSDP2 form); none without a hook.
@@ -310,7 +449,7 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
         out['hook'], out['hook_bytes'] = 'none (plain all-reduce)', out[
             'grad_bytes']
         return out
-    checked = check_comm_hook_cfg(hook)
+    checked = check_comm_hook_cfg(_ddp_form(hook))
     if checked['type'] == AUTO:
         # Chosen at run time: the log and the checkpoint say which.
         out['hook'], out['hook_bytes'] = 'auto (chosen by the run)', None
@@ -319,9 +458,13 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
     record = hook_record(checked['type'])
     out['hook_state_bytes'] = hook_state_bytes(record, buckets,
                                                checked['state_kwargs'])
-    out['hook_state_fsdp2'] = (
-        hook_state_bytes(record, buckets, None, 'fsdp2')
-        if record.fsdp2_form else None)
+    try:
+        check_sharded_cfg(hook)
+    except ValueError:
+        out['hook_state_fsdp2'] = None  # full sharding refuses it
+    else:
+        out['hook_state_fsdp2'] = hook_state_bytes(record, buckets, None,
+                                                   'fsdp2')
     half = bool(checked['wrapper'] or record.half_precision)
     # None where the traffic depends on DDP's buckets. A record counts on a
     # world size (an all-gather's bytes grow with it): the first of gpus,

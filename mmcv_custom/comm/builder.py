@@ -272,11 +272,14 @@ def _check_state_keys(hook_type: Any, wrapper: Optional[str],
     unknown = sorted(k for k in state_kwargs if k not in valid)
     errors: List[Exception] = []
     if 'process_group' in state_kwargs or (unknown and not takes_any):
+        hybrid = (" residual_dtype is int8_compress's under hybrid FSDP2 "
+                  "sharding only (FSDP2Strategy sharding='hybrid')."
+                  if 'residual_dtype' in unknown else '')
         errors.append(
             TypeError(f'comm_hook type {hook_type!r} got unexpected keys '
                       f'{unknown}. Valid keys: type, wrapper, '
                       f'{", ".join(valid)} (the process group is the DDP '
-                      "model's own)."))
+                      f"model's own).{hybrid}"))
         for key in unknown:
             state_kwargs.pop(key)
         state_kwargs.pop('process_group', None)

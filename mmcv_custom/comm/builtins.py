@@ -128,11 +128,14 @@ def _no_state(buckets, state_kwargs: dict) -> int:
 def _int8_state_bytes(buckets, state_kwargs: dict) -> int:
     # Int8State._residual: one fp32 residual per bucket element, whatever
     # the gradients' dtype, in both forms (the two-level form feeds the
-    # whole bucket's back too); none without error feedback. The plans'
-    # index tables (a few int64 a block) are left out.
+    # whole bucket's back too); none without error feedback. Under hybrid
+    # sharding (buckets: the rank's shards) residual_dtype='bfloat16' keeps
+    # it in 2 bytes (HybridInt8State). The plans' index tables (a few int64
+    # a block) are left out.
     if not state_kwargs.get('error_feedback', True):
         return 0
-    return 4 * sum(b.numel for b in buckets)
+    itemsize = 2 if state_kwargs.get('residual_dtype') == 'bfloat16' else 4
+    return itemsize * sum(b.numel for b in buckets)
 
 
 def _powersgd_state_bytes(buckets, state_kwargs: dict) -> int:

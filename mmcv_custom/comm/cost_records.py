@@ -395,7 +395,8 @@ def _int8_caveat(settings: Mapping) -> str:
             '1%; ')
     if settings['error_feedback']:
         return text + ('keeps error-feedback state, one fp32 copy of the '
-                       'gradients per rank')
+                       'gradients per rank (of its shard under hybrid '
+                       'sharding)')
     return text + ('no error feedback: what the rounding drops is lost, not '
                    'carried to the next step')
 

@@ -7,10 +7,13 @@ where the record has a two-level form and ``topology`` calls for it
 (:class:`~mmcv_custom.hooks.sharded.TwoLevelReduceScatter`; decided as for
 DDP, by :func:`~.topology.resolve_topology`).
 
-Under hybrid sharding (``FSDP2Strategy(sharding='hybrid')``) only the exact
-reduction runs for now (``allreduce``, or no ``comm_hook``): the
-reduce-scatter inside the node, FSDP2's own all-reduce across nodes in the
-gradients' dtype (:data:`HYBRID_TYPES`, :func:`check_sharded_cfg`).
+Under hybrid sharding (``FSDP2Strategy(sharding='hybrid')``) FSDP2
+reduce-scatters inside the node in the gradients' dtype, and the config
+picks how each shard crosses the nodes (:mod:`mmcv_custom.hooks.hybrid`):
+every type with a sharded form runs there, ``int8_compress`` with its error
+feedback too (a rank's shard is the same slice at every step, so its
+residual is a shard's size); PowerSGD does not (:func:`build_sharded_comm`
+says why).
 """
 import dataclasses
 from typing import Any, List, Optional
@@ -28,11 +31,12 @@ from .topology import Topology, resolve_topology
 
 __all__ = [
     'ShardedCommSpec', 'build_sharded_comm', 'sharded_topology',
-    'sharded_auto_candidates', 'check_sharded_cfg', 'HYBRID_TYPES'
+    'sharded_auto_candidates', 'check_sharded_cfg', 'RESIDUAL_DTYPES'
 ]
 
-#: The ``comm_hook`` types that run under hybrid sharding today.
-HYBRID_TYPES = ('allreduce', )
+#: ``int8_compress``'s ``residual_dtype`` under hybrid sharding: where its
+#: error feedback of each shard is kept.
+RESIDUAL_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16}
 
 
 @dataclasses.dataclass
@@ -57,6 +61,12 @@ class ShardedCommSpec:
             registration (:func:`sharded_topology`). Defaults to 'auto'.
         topology_used (str): Flat or two-level, and why, once decided (for
             :meth:`describe`); empty before.
+        hybrid (bool): Built for hybrid sharding: the format of the
+            cross-node all-reduce of each shard. Defaults to False.
+        error_feedback (bool): ``int8_compress``'s under hybrid sharding.
+            Defaults to False.
+        residual_dtype (torch.dtype): Where that error feedback is kept.
+            Defaults to ``torch.float32``.
     """
     type: str
     sent_dtype: Optional[torch.dtype]
@@ -65,9 +75,14 @@ class ShardedCommSpec:
     int8_block_size: Optional[int] = None
     topology: Any = 'auto'
     topology_used: str = ''
+    hybrid: bool = False
+    error_feedback: bool = False
+    residual_dtype: Any = torch.float32
 
     def describe(self) -> str:
         """One line saying what is installed, for the training log."""
+        if self.hybrid:
+            return self._describe_hybrid()
         where = f', topology: {self.topology_used}' if self.topology_used \
             else ''
         if self.int8_block_size is not None:
@@ -79,9 +94,28 @@ class ShardedCommSpec:
         return (f"type='{self.type}' (FSDP2 reduce-scatter in {sent}, "
                 f'averaged before the cast{where})')
 
+    def _describe_hybrid(self) -> str:
+        if self.int8_block_size is not None:
+            sent = (f'int8, one fp32 scale per {self.int8_block_size} '
+                    'values, ' +
+                    ('with error feedback of each rank\'s shard'
+                     if self.error_feedback else 'no error feedback'))
+            if self.error_feedback and self.residual_dtype is not (
+                    torch.float32):
+                sent += ' kept in bf16'
+        else:
+            sent = ('the gradients\' own dtype' if self.sent_dtype is None else
+                    str(self.sent_dtype).replace('torch.', '') +
+                    ', averaged before the cast')
+        return (f"type='{self.type}' (hybrid sharding: FSDP2 reduce-scatters "
+                'inside the node in the gradients\' dtype, then each shard '
+                f'crosses the nodes in one all-reduce in {sent}; '
+                f'{self.topology_used})')
+
 
 def build_sharded_comm(cfg: dict,
-                       param_names: Optional[dict] = None) -> ShardedCommSpec:
+                       param_names: Optional[dict] = None,
+                       hybrid: bool = False) -> ShardedCommSpec:
     """The sharded (FSDP2) form of a ``comm_hook`` config.
 
     Args:
@@ -89,25 +123,46 @@ def build_sharded_comm(cfg: dict,
         param_names (dict, optional): Parameter -> name of the sharded
             model, for ``spec.notes`` (a bf16 backbone under
             ``fp16_compress``). Defaults to None.
+        hybrid (bool): The form under hybrid sharding, where the config
+            picks the format of the cross-node all-reduce of each shard
+            (``int8_compress`` with error feedback runs). Defaults to
+            False.
 
     Raises:
         ValueError: A type without a sharded form (PowerSGD, user hooks,
-            ``int8_compress`` with error feedback), a ``wrapper``, or
+            ``int8_compress`` with error feedback under full sharding), a
+            ``wrapper``, or
             CompressState keys that change nothing under FSDP2
             (``predivide_factor``: the whole division is done before the
             cast; ``check_finite``). Besides the errors of
             :func:`check_comm_hook_cfg`.
     """
+    cfg, residual = _hybrid_keys(cfg, hybrid)
     checked = check_comm_hook_cfg(cfg)
     hook_type = checked['type']
     what = f'comm_hook type={hook_type!r}'
+    checked['residual_dtype'] = residual
     if hook_type == AUTO:
         raise ValueError(
             f"{what} is not one reduce-scatter: the runner hook tries the "
             'allowed ones (sharded_auto_candidates) and keeps one.')
     record = hook_record(hook_type)
     if record.fsdp2_form == 'int8_reduce_scatter':
-        return _sharded_int8(checked, what)
+        return _sharded_int8(checked, what, hybrid)
+    if record.fsdp2_form != 'averaging_reduce_scatter' and hybrid:
+        forms = [
+            name for name, hook in COMM_HOOKS.module_dict.items()
+            if record_of(hook).fsdp2_form is not None
+        ]
+        raise ValueError(
+            f'{what} has no form under hybrid sharding (FSDP2Strategy '
+            "sharding='hybrid', or 'auto' on several nodes of several "
+            'ranks): there each rank\'s gradient shard, a flat slice of a '
+            'unit\'s parameters, crosses the nodes in one all-reduce, and '
+            'this hook reduces DDP buckets of whole gradients (PowerSGD '
+            'needs their matrices). Use one of '
+            f'{", ".join(repr(t) for t in forms)}, or train this hook with '
+            'DDP (the default Runner).')
     if record.fsdp2_form != 'averaging_reduce_scatter':
         forms = [
             name for name, hook in COMM_HOOKS.module_dict.items()
@@ -145,7 +200,8 @@ def build_sharded_comm(cfg: dict,
         type=hook_type,
         sent_dtype=record.sent_dtype,
         notes=notes,
-        topology=checked['topology'])
+        topology=checked['topology'],
+        hybrid=hybrid)
 
 
 def sharded_auto_candidates(settings: dict) -> List[AutoCandidate]:
@@ -225,30 +281,20 @@ def check_sharded_cfg(cfg: Any, hybrid: bool = False) -> None:
 
     Args:
         cfg: The ``comm_hook`` config.
-        hybrid (bool): Under hybrid sharding, where only
-            :data:`HYBRID_TYPES` run for now. Defaults to False.
+        hybrid (bool): Under hybrid sharding (the form of the cross-node
+            all-reduce). Defaults to False.
 
     Raises:
-        ValueError: Under hybrid sharding, a type not in
-            :data:`HYBRID_TYPES` (``auto`` included). Besides the errors of
-            those two and of :func:`check_comm_hook_cfg`.
+        ValueError: The errors of those two and of
+            :func:`check_comm_hook_cfg`.
     """
     if (isinstance(cfg, dict) and cfg.get('type') == AUTO
             and AUTO not in COMM_HOOKS.module_dict):
+        # Under hybrid sharding too: the same candidates, each the format
+        # of the cross-node all-reduce.
         check_auto_cfg(cfg, runnable=sharded_auto_candidates)
     else:
-        build_sharded_comm(cfg)
-    if hybrid and cfg['type'] not in HYBRID_TYPES:
-        runs = ', '.join(f"type={t!r}" for t in HYBRID_TYPES)
-        raise ValueError(
-            f"comm_hook type={cfg['type']!r} does not run under hybrid "
-            "sharding (FSDP2Strategy sharding='hybrid', or 'auto' on "
-            'several nodes of several ranks): there FSDP2 '
-            'reduce-scatters inside the node and all-reduces the shards '
-            'across nodes uncompressed, which runs with comm_hook '
-            f'{runs} or no comm_hook; a compressed cross-node all-reduce is '
-            f"not there yet. Use comm_hook=dict({runs}), remove comm_hook, "
-            "or keep this hook with sharding='full'.")
+        build_sharded_comm(cfg, hybrid=hybrid)
 
 
 def sharded_topology(spec: ShardedCommSpec,
@@ -263,10 +309,8 @@ def sharded_topology(spec: ShardedCommSpec,
     nodes."""
     if replicas > 1:
         spec.topology_used = (
-            'hybrid sharding: flat inside the node, then FSDP2\'s own '
-            f'all-reduce across the {replicas} nodes in the gradients\' '
-            'dtype; comm_MB counts the reduce-scatter inside the node only, '
-            'not the all-reduce across nodes')
+            f'comm_MB counts that all-reduce across the {replicas} nodes, '
+            'not the reduce-scatter inside the node')
         return Topology(None, spec.topology_used)
     topology = resolve_topology(spec.topology, hook_record(spec.type), None,
                                 claim)
@@ -274,28 +318,76 @@ def sharded_topology(spec: ShardedCommSpec,
     return topology
 
 
-def _sharded_int8(checked: dict, what: str) -> ShardedCommSpec:
-    """``int8_compress`` under FSDP2: only without error feedback.
+def _hybrid_keys(cfg: Any, hybrid: bool) -> tuple:
+    """``(cfg without the keys only hybrid sharding reads, residual_dtype)``:
+    ``int8_compress``'s ``residual_dtype``, checked, None when not given.
 
-    Error feedback keeps, on every rank, what rounding dropped from the
-    whole unsharded gradient the rank sends: as large as the gradients
-    FSDP2 shards, so it would take back the memory FSDP2 saves.
+    Raises:
+        ValueError: ``residual_dtype`` is not one of
+            :data:`RESIDUAL_DTYPES`, given to another type, or given
+            without hybrid sharding (where nothing keeps a shard's
+            residual).
+    """
+    if not isinstance(cfg, dict) or 'residual_dtype' not in cfg:
+        return cfg, None
+    cfg = dict(cfg)
+    residual = cfg.pop('residual_dtype')
+    choices = ', '.join(repr(d) for d in RESIDUAL_DTYPES)
+    if cfg.get('type') != 'int8_compress':
+        raise ValueError(
+            f"comm_hook residual_dtype={residual!r} is int8_compress's key "
+            f"(its error feedback under hybrid sharding), not type="
+            f"{cfg.get('type')!r}'s: remove it")
+    if residual not in RESIDUAL_DTYPES:
+        raise ValueError(f'comm_hook int8_compress residual_dtype should be '
+                         f'one of {choices}, but got {residual!r}')
+    if not hybrid:
+        raise ValueError(
+            f"comm_hook int8_compress residual_dtype={residual!r} is hybrid "
+            "sharding's (FSDP2Strategy sharding='hybrid', or 'auto' on "
+            'several nodes of several ranks), where the error feedback of '
+            "each rank's shard is kept; under full sharding int8 keeps none "
+            'and under DDP its residual is fp32. Remove residual_dtype, or '
+            'shard hybrid.')
+    if cfg.get('error_feedback', True) is False:
+        raise ValueError(
+            f"comm_hook int8_compress residual_dtype={residual!r} with "
+            'error_feedback=False changes nothing: there is no residual. '
+            'Remove one of them.')
+    return cfg, residual
+
+
+def _sharded_int8(checked: dict, what: str, hybrid: bool) -> ShardedCommSpec:
+    """``int8_compress`` under FSDP2: under full sharding only without error
+    feedback; under hybrid sharding with it too.
+
+    Under full sharding error feedback would keep, on every rank, what
+    rounding dropped from the whole unsharded gradient the rank sends: as
+    large as the gradients FSDP2 shards, so it would take back the memory
+    FSDP2 saves. Under hybrid sharding what crosses the nodes is the rank's
+    own shard, so its residual is a shard's size.
     """
     if checked['wrapper'] is not None:
         raise ValueError(
             f"{what}, wrapper={checked['wrapper']!r}: int8_compress already "
             'quantizes; drop the wrapper.')
     kwargs = checked['state_kwargs']
-    if kwargs.get('error_feedback', True):
+    feedback = kwargs.get('error_feedback', True)
+    if feedback and not hybrid:
         raise ValueError(
-            f'{what} with error_feedback=True has no sharded form: under '
-            'FSDP2 (FSDP2Strategy) error feedback would keep a full-size, '
+            f'{what} with error_feedback=True has no form under full '
+            'sharding: there error feedback would keep a full-size, '
             'unsharded residual of the gradients on every rank, the memory '
             'FSDP2 is there to save. Set error_feedback=False (e.g. '
             '--cfg-options comm_hook.error_feedback=False) to reduce-scatter '
-            "in int8 without it, or use type='bf16_compress'.")
+            "in int8 without it, use type='bf16_compress', or shard hybrid "
+            "(strategy.sharding='hybrid' on several nodes), where the "
+            "residual is of the rank's shard only.")
     return ShardedCommSpec(
         type='int8_compress',
         sent_dtype=None,
         int8_block_size=kwargs.get('block_size', 256),
-        topology=checked['topology'])
+        topology=checked['topology'],
+        hybrid=hybrid,
+        error_feedback=bool(feedback and hybrid),
+        residual_dtype=RESIDUAL_DTYPES[checked['residual_dtype'] or 'float32'])

@@ -13,45 +13,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.auto import AUTO
 from ..comm.builder import build_comm_hook, check_comm_hook_cfg
-from ..comm.sharded import (build_sharded_comm, check_sharded_cfg,
-                            sharded_auto_candidates, sharded_topology)
+from ..comm.sharded import check_sharded_cfg
 from ..comm.telemetry import CommCounter
-from ..hooks.cast import cpu_codec
-from ..hooks.half import CompressState
-from ..hooks.int8 import Int8State
-from ..hooks.int8_codec import codec_in_use
-from ..hooks.sharded import (fsdp_modules, fsdp_replicas, make_reduce_scatter,
-                             set_reduce_scatter)
+from ..hooks.sharded import fsdp_modules, fsdp_replicas
 from ..hooks.validation import require_int
 from .auto_comm import CHECKPOINT_KEY as AUTO_CHECKPOINT_KEY
 from .auto_comm import AutoComm
+from .fsdp2_comm import FSDP2CommMixin, codec_note, describe_cfg
 from .hook_state_files import HookStateFiles
 from .nonfinite_guard import NonFiniteGradientsError, NonFiniteGuard
 from .process_group import launcher_claim
 
 __all__ = ['CommHookRegistrationHook', 'NonFiniteGradientsError']
-
-
-def _describe_cfg(cfg: dict) -> str:
-    return 'dict(' + ', '.join(f'{k}={v!r}' for k, v in cfg.items()) + ')'
-
-
-def _codec(spec, param) -> str:
-    """The registration line's last part: what runs ``spec``'s int8 codec
-    (any device; DDP's hook or FSDP2's reduce-scatter), or its casts to
-    half precision on CPU; '' for neither. Called on every rank (it
-    raises on a bad ``MMCV_CUSTOM_INT8_FUSED``)."""
-    if param is None:
-        return ''
-    block = getattr(spec, 'int8_block_size', None)
-    if isinstance(spec.state, Int8State):
-        block = spec.state.block_size
-    if block is not None:
-        return f'; int8 codec: {codec_in_use(param.device, block)}'
-    if param.device.type == 'cpu' and (getattr(spec, 'wrapper', None) or
-                                       isinstance(spec.state, CompressState)):
-        return f'; CPU casts: {cpu_codec()}'
-    return ''
 
 
 class _Unknown(float):
@@ -109,7 +82,7 @@ def _unknown_traffic_note(spec) -> str:
 
 
 @HOOKS.register_module()
-class CommHookRegistrationHook(Hook):
+class CommHookRegistrationHook(FSDP2CommMixin, Hook):
     """Register the config's DDP communication hook before training starts.
 
     Registered in MMEngine's root ``HOOKS`` registry, so it builds under
@@ -224,9 +197,9 @@ class CommHookRegistrationHook(Hook):
                 and from_config != dict(self._hook_arg)):
             raise ValueError(
                 'comm_hook is set twice with different values: the config '
-                f'says {_describe_cfg(from_config)}, the '
+                f'says {describe_cfg(from_config)}, the '
                 'CommHookRegistrationHook argument says '
-                f'{_describe_cfg(dict(self._hook_arg))}. Keep one.')
+                f'{describe_cfg(dict(self._hook_arg))}. Keep one.')
         return from_config if from_config is not None else self._hook_arg
 
     def before_run(self, runner) -> None:
@@ -259,7 +232,7 @@ class CommHookRegistrationHook(Hook):
         targets = self._ddp_modules(runner.model)
         if not targets:
             runner.logger.info(
-                f'comm_hook={_describe_cfg(self._cfg)} not registered: the '
+                f'comm_hook={describe_cfg(self._cfg)} not registered: the '
                 f'model ({type(runner.model).__name__}) is not distributed '
                 '(neither wrapped in DistributedDataParallel nor sharded by '
                 'FSDP2), so there is no gradient reduction to change.')
@@ -357,7 +330,7 @@ class CommHookRegistrationHook(Hook):
 
         # On every rank: a bad MMCV_CUSTOM_INT8_FUSED stops them alike.
         param = next(targets[0][1].module.parameters(), None)
-        casts = _codec(self._installed[0][1], param)
+        casts = codec_note(self._installed[0][1], param)
         if is_main_process():
             ddp = targets[0][1]
             group = ddp.process_group
@@ -366,7 +339,7 @@ class CommHookRegistrationHook(Hook):
                 where += ' submodules ' + ', '.join(
                     name for name, *_ in self._installed)
             spec = self._installed[0][1]
-            chosen = (f' (chosen by comm_hook auto, {_describe_cfg(cfg)})'
+            chosen = (f' (chosen by comm_hook auto, {describe_cfg(cfg)})'
                       if self._auto else '')
             runner.logger.info(
                 f'Registered DDP communication hook on {where}{chosen}: '
@@ -386,70 +359,6 @@ class CommHookRegistrationHook(Hook):
             if runner.iter > 0 and specs is None:
                 self._state_files.restore(runner, self._loaded_record,
                                           self._resumed_checkpoint(runner))
-
-    def _install_sharded(self, runner) -> None:
-        """FSDP2: the same config sets every sharded module's
-        reduce-scatter (see :mod:`mmcv_custom.hooks.sharded`); ``auto``
-        installs each candidate's in turn, then the chosen one's."""
-        model = runner.model
-        names = {p: n for n, p in model.named_parameters()}
-        counter = CommCounter() if self._telemetry else None
-        ids = {id(p): n for p, n in names.items()}
-        replicas = fsdp_replicas(model)
-        cfg = self._cfg
-        if cfg['type'] == AUTO:
-            settings = check_comm_hook_cfg(cfg)
-            self._auto = AutoComm(settings, self._loaded_auto)
-            decision = self._auto.kept(runner)
-            if decision is None:
-                self._counters = [counter]
-
-                def build(config):
-                    spec, comm = self._sharded_comm(config, names, counter,
-                                                    replicas)
-                    return spec, comm, spec.topology_used.startswith(
-                        'two-level')
-
-                self._auto.start_sharded(
-                    runner, sharded_auto_candidates(settings), build,
-                    lambda comm: set_reduce_scatter(model, comm))
-                self._installed = [('', self._auto.active()[0], counter, ids)]
-                return
-            cfg = decision.config
-        spec, comm = self._sharded_comm(cfg, names, counter, replicas)
-        self._register_sharded(runner, spec, set_reduce_scatter(model, comm),
-                               counter, ids)
-
-    @staticmethod
-    def _sharded_comm(cfg: dict,
-                      names: dict,
-                      counter,
-                      replicas: int = 1) -> tuple:
-        """``(spec, reduce-scatter)`` of ``cfg`` under FSDP2, sharded over
-        each node with ``replicas`` > 1 (hybrid). Collective: the topology
-        is decided on every rank together."""
-        spec = build_sharded_comm(cfg, param_names=names)
-        topology = sharded_topology(spec, launcher_claim(), replicas)
-        return spec, make_reduce_scatter(spec.sent_dtype, counter,
-                                         spec.int8_block_size, topology.groups)
-
-    def _register_sharded(self, runner, spec, units: int, counter,
-                          ids: dict) -> None:
-        """Note what FSDP2 reduces with, and say it on rank 0."""
-        self._installed = [('', spec, counter, ids)]
-        codec = _codec(spec, next(runner.model.parameters(), None))
-        if is_main_process():
-            group = torch.distributed.group.WORLD
-            chosen = (f', chosen by comm_hook auto, '
-                      f'{_describe_cfg(self._auto.decision.config)}'
-                      if self._auto else '')
-            runner.logger.info(
-                'Registered the gradient reduction on the FSDP2 model '
-                f'({units} sharded modules{chosen}): {spec.describe()}; '
-                f'process group: {group.size()} ranks, backend '
-                f'{torch.distributed.get_backend(group)}{codec}.')
-            for note in spec.notes:
-                runner.logger.warning(note)
 
     def after_train_iter(self,
                          runner,

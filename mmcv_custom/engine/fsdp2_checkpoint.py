@@ -27,6 +27,7 @@ import mmengine
 import torch
 import torch.distributed as dist
 
+from ..hooks.sharded import fsdp_replicas
 from ..integrity import (CheckpointDamagedError, atomic_write_bytes,
                          digest_path, file_sha256, remove_entry,
                          remove_stale_temporaries, temporary_name)
@@ -36,6 +37,7 @@ from ..integrity.sharded_checkpoint import (MANIFEST_FILE, damaged_message,
                                             safe_dcp_load,
                                             verify_sharded_checkpoint,
                                             write_manifest)
+from .fsdp2_mesh import describe_sharding, sharding_record
 from .fsdp2_units import broadcast_rank0_buffers
 
 __all__ = ['ShardedCheckpointMixin']
@@ -128,7 +130,7 @@ class ShardedCheckpointMixin:
             seed=self.seed,
             time=time.strftime('%Y%m%d_%H%M%S', time.localtime()),
             mmengine=mmengine.__version__,
-            sharded=dict(world_size=self.world_size, format='dcp'))
+            sharded=self._sharding_now())
         if save_optimizer:
             extra['optim_wrapper_extras'] = self._wrapper_extras()
         if save_param_scheduler and hasattr(self, 'param_schedulers'):
@@ -213,6 +215,32 @@ class ShardedCheckpointMixin:
                 # only, and a later run's save of this name removes it.
                 self.logger.warning(f'Could not remove {old}, the previous '
                                     f'{osp.basename(filename)}: {e}')
+
+    def _sharding_now(self) -> dict:
+        """The ``meta['sharded']`` of this run's checkpoints: the world
+        size, DCP, and full or hybrid sharding (nodes x ranks), as the
+        model is sharded."""
+        return dict(
+            world_size=self.world_size,
+            format='dcp',
+            **sharding_record(self.world_size, fsdp_replicas(self.model)))
+
+    def _log_layout(self, filename: str, checkpoint: dict, what: str) -> None:
+        """Say under which sharding ``filename`` was saved and which it is
+        read into (``what``: the model, or the model and optimizer), the
+        change included: DCP reshards, so a checkpoint of hybrid
+        sharding resumes under full sharding, on another number of nodes,
+        and back."""
+        saved = describe_sharding((checkpoint.get('meta') or {}).get('sharded')
+                                  or {})
+        now = describe_sharding(self._sharding_now())
+        if saved == now:
+            self.logger.info(f'Loaded {what} of {filename}, saved under '
+                             f'the same layout: {now}.')
+        else:
+            self.logger.info(
+                f'Loaded {what} of {filename} across layouts: saved under '
+                f'{saved}, now {now} (DCP resharded it).')
 
     def _distributed_now(self) -> bool:
         return bool(self.distributed and dist.is_initialized())
@@ -300,6 +328,7 @@ class ShardedCheckpointMixin:
             self._load_sharded(filename, with_optimizer=False)
             checkpoint = load_checkpoint_file(
                 osp.join(filename, SHARDED_META_FILE))
+            self._log_layout(filename, checkpoint, 'the model')
             if callback is not None:
                 callback(checkpoint)
             return checkpoint
@@ -370,6 +399,9 @@ class ShardedCheckpointMixin:
         self._load_sharded(filename, with_optimizer=resume_optimizer)
         checkpoint = load_checkpoint_file(
             osp.join(filename, SHARDED_META_FILE))
+        self._log_layout(
+            filename, checkpoint, 'the model and optimizer'
+            if resume_optimizer and self._optimizers() else 'the model')
         if callback is not None:
             callback(checkpoint)
         extras = checkpoint.pop('optim_wrapper_extras', None)

@@ -40,8 +40,10 @@ from mmengine.dist import is_distributed
 from mmengine.registry import STRATEGIES
 from torch import nn
 
+from ..hooks.hybrid import CrossNodeAllReduce, install_cross_node, mark_hybrid
+from .fsdp2_args import check_strategy_args
 from .fsdp2_checkpoint import ShardedCheckpointMixin
-from .fsdp2_mesh import check_sharding, hybrid_mesh, plan_sharding
+from .fsdp2_mesh import fit_on_node, hybrid_mesh, plan_sharding
 from .fsdp2_units import (broadcast_rank0_buffers, parse_mp_policy,
                           select_units, unit_parameters)
 from .process_group import init_gloo
@@ -96,12 +98,15 @@ class FSDP2Strategy(ShardedCheckpointMixin, DDPStrategy):
             what the checkpoint keeps. Defaults to True.
         sharding (str): ``'full'``: every parameter sharded over every
             rank. ``'hybrid'``: sharded over the ranks of each node and
-            replicated across nodes (FSDP2's HSDP): the all-gathers stay
-            on the node's fast link and only the gradient shards cross
-            nodes, in one all-reduce. ``'auto'``: hybrid on several nodes
-            of several ranks, else full. The nodes are the launcher's
-            (torchrun, Slurm, Open MPI) or ``ranks_per_node``'s; the log
-            line says which sharding runs and why. Defaults to 'full'.
+            replicated across nodes (HSDP): the all-gathers and the
+            reduce-scatter stay on the node's fast link and only the
+            gradient shards cross nodes, in one all-reduce whose format
+            ``comm_hook`` picks (exact without one). ``'auto'``: hybrid on
+            several nodes of several ranks where the node's shard fits the
+            GPU (:func:`~.fsdp2_mesh.fit_on_node`), else full. The nodes
+            are the launcher's (torchrun, Slurm, Open MPI) or
+            ``ranks_per_node``'s; the log line says which sharding runs and
+            why. Defaults to 'full'.
         ranks_per_node (int, optional): The ranks each node runs, for
             ``'hybrid'`` and ``'auto'`` where the launcher does not say
             (consecutive ranks share a node); checked against the
@@ -118,33 +123,33 @@ class FSDP2Strategy(ShardedCheckpointMixin, DDPStrategy):
                  sharding: str = 'full',
                  ranks_per_node: Optional[int] = None,
                  **kwargs) -> None:
-        if 'model_wrapper' in kwargs:
-            raise TypeError(
-                'FSDP2Strategy takes no model_wrapper: fully_shard changes '
-                'the model in place instead of wrapping it.')
+        # Every argument, before MMEngine's constructor makes the work dir
+        # (the preflight runs the same checks before any rank starts).
+        check_strategy_args(
+            dict(
+                kwargs,
+                shard_modules=shard_modules,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=mp_policy,
+                broadcast_buffers=broadcast_buffers,
+                sharding=sharding,
+                ranks_per_node=ranks_per_node))
         super().__init__(**kwargs)
         if shard_modules is not None:
-            if isinstance(shard_modules, (str, type)) or not all(
-                    isinstance(m, (str, type)) for m in shard_modules):
-                raise TypeError(
-                    'FSDP2Strategy shard_modules should be a list of module '
-                    "classes or class names, e.g. ['InternViTBlock'], but "
-                    f'got {shard_modules!r}')
             shard_modules = tuple(shard_modules)
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(
-                'FSDP2Strategy reshard_after_forward should be True or '
-                f'False, but got {reshard_after_forward!r}')
-        if not isinstance(broadcast_buffers, bool):
-            raise TypeError('FSDP2Strategy broadcast_buffers should be True '
-                            f'or False, but got {broadcast_buffers!r}')
-        check_sharding(sharding, ranks_per_node)
         self.sharding = sharding
         self.ranks_per_node = ranks_per_node
         self.broadcast_buffers = broadcast_buffers
         self.shard_modules = shard_modules
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = parse_mp_policy(mp_policy)
+
+    def prepare(self, model, *, optim_wrapper=None, **kwargs):
+        # What the optimizer keeps per parameter decides whether a node's
+        # shard fits (sharding='auto'); the model is wrapped before the
+        # optimizer is built.
+        self._optim_cfg = optim_wrapper
+        return super().prepare(model, optim_wrapper=optim_wrapper, **kwargs)
 
     # -- process group -----------------------------------------------------
     def _setup_distributed(self,
@@ -185,8 +190,16 @@ class FSDP2Strategy(ShardedCheckpointMixin, DDPStrategy):
             counts[name] = counts.get(name, 0) + 1
         root = type(model).__name__
         plan = plan_sharding(self.sharding, self.ranks_per_node)
+        if plan.hybrid and self.sharding == 'auto':
+            device = torch.device(get_device())
+            plan = fit_on_node(
+                plan, model,
+                torch.cuda.get_device_properties(device).total_memory
+                if device.type == 'cuda' else None, self.world_size,
+                getattr(self, '_optim_cfg', None), device.type)
         # None: FSDP2's default, a 1-D mesh over every rank.
-        mesh = hybrid_mesh(plan, get_device()) if plan.hybrid else None
+        mesh, cross = (
+            hybrid_mesh(plan, get_device()) if plan.hybrid else (None, None))
         for _, module in units:
             fully_shard(
                 module,
@@ -207,11 +220,16 @@ class FSDP2Strategy(ShardedCheckpointMixin, DDPStrategy):
             mesh=mesh,
             mp_policy=self.mp_policy,
             reshard_after_forward=False)
+        if cross is not None:
+            # Exact until a comm_hook says otherwise: without it every node
+            # would train on its own gradients.
+            mark_hybrid(model, cross)
+            install_cross_node(model, CrossNodeAllReduce(cross))
         if self.broadcast_buffers and any(True for _ in model.buffers()):
             model.register_forward_pre_hook(broadcast_rank0_buffers)
         shown = ''.join(f'{n} {k}, ' for k, n in counts.items())
-        log = self.logger.warning if plan.warn else self.logger.info
-        log(f'FSDP2Strategy: sharded {shown}and the whole {root} over '
+        self.logger.info(
+            f'FSDP2Strategy: sharded {shown}and the whole {root} over '
             f'{self.world_size} ranks ({dist.get_backend()}); '
             f'{plan.describe}; '
             f'reshard_after_forward={self.reshard_after_forward}, '

@@ -11,15 +11,15 @@ here, below the launching package, because the strategy needs it.
 """
 import os
 import re
-from typing import Mapping, NamedTuple, Optional, Tuple
+from typing import List, Mapping, NamedTuple, Optional, Tuple
 
 import torch.distributed as dist
 
-from ..hooks.topology import NodeClaim
+from ..hooks.topology import NodeClaim, NodeLayout, layout_of_claims
 
 __all__ = [
     'LaunchEnv', 'LAUNCH_ENV', 'init_gloo', 'restart_count', 'is_launch_rank0',
-    'launcher_claim'
+    'launcher_claim', 'launcher_layout'
 ]
 
 
@@ -108,15 +108,21 @@ def restart_count() -> int:
     return 0
 
 
-def _slurm_tasks_on(node: int, tasks_per_node: str) -> Optional[int]:
+def _slurm_tasks(tasks_per_node: str) -> Optional[List[int]]:
     """Slurm's ``SLURM_TASKS_PER_NODE`` (``'2(x3),1'``: 2 tasks on each of
-    3 nodes, then 1) for node ``node``; None where it does not parse."""
+    3 nodes, then 1) node by node; None where it does not parse."""
     counts = []
     for part in tasks_per_node.split(','):
         match = re.fullmatch(r'(\d+)(?:\(x(\d+)\))?', part.strip())
         if match is None:
             return None
         counts += [int(match[1])] * int(match[2] or 1)
+    return counts
+
+
+def _slurm_tasks_on(node: int, tasks_per_node: str) -> Optional[int]:
+    """:func:`_slurm_tasks` for node ``node``."""
+    counts = _slurm_tasks(tasks_per_node) or []
     return counts[node] if node < len(counts) else None
 
 
@@ -169,3 +175,47 @@ def _mpi_claim(env: Mapping[str, str]) -> Optional[NodeClaim]:
     if size < 1 or local >= size or (rank - local) % size:
         return None
     return NodeClaim((rank - local) // size, local, size)
+
+
+def launcher_layout(
+    launcher: str,
+    environ: Optional[Mapping[str, str]] = None
+) -> Tuple[Optional[int], Optional[NodeLayout], str]:
+    """The world size and the node layout ``launcher``'s environment
+    states, read by one process before any process group exists (the
+    preflight): ``(world, layout, why)``, ``layout`` None where it says
+    none (``why`` says why, in :func:`launcher_claim`'s agreed words),
+    ``world`` None where the launcher's variables are missing.
+
+    Every launcher places the ranks of a node consecutively (torchrun
+    always; Slurm and Open MPI by default), so the layout is read from the
+    ranks each node runs: torchrun's ``LOCAL_WORLD_SIZE`` and Open MPI's
+    local size (this node's, taken for every node: a node that runs
+    another number is found by the process group's agreement, see
+    :func:`~mmcv_custom.hooks.topology.agree_on_layout`), Slurm's
+    ``SLURM_TASKS_PER_NODE`` (every node's).
+    """
+    env = os.environ if environ is None else environ
+    launch = LAUNCH_ENV[launcher]
+    world = env.get(launch.world, '').strip()
+    if not world.isdigit() or int(world) < 1:
+        return None, None, ''
+    world = int(world)
+    size = env.get(launch.local_world, '').strip()
+    if launcher == 'slurm':
+        counts = _slurm_tasks(size) if size else None
+    elif size.isdigit() and int(size) > 0:
+        size = int(size)
+        counts = [size] * (world // size) + ([world % size] if world %
+                                             size else [])
+    else:
+        counts = None
+    if counts is None or sum(counts) != world:
+        claims = [None] * world
+    else:
+        claims = [
+            NodeClaim(node, local, count) for node, count in enumerate(counts)
+            for local in range(count)
+        ]
+    layout, why = layout_of_claims(claims)
+    return world, layout, why

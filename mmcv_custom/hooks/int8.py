@@ -372,6 +372,15 @@ class Int8StateKeeper(HookStateKeeper):
     RESTORED = 'error feedback'
     FEEDBACK_KEY = 'error_feedback'
 
+    @classmethod
+    def file_bytes(cls, params, state_kwargs: dict) -> int:
+        """The residual is fp32 whatever the gradients' dtype (a bf16
+        backbone's too): 4 bytes a trainable value, or none without
+        feedback."""
+        if state_kwargs.get(cls.FEEDBACK_KEY, True) is False:
+            return 0
+        return sum(4 * p.numel() for p in params if p.requires_grad)
+
     def __init__(self, state: Int8State, names: Dict[torch.Tensor,
                                                      str]) -> None:
         self.state = state

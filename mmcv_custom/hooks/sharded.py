@@ -21,12 +21,10 @@ FSDP2 must hand over the plain sum: :func:`install_reduce_scatter` sets
 FSDP neither divides nor asks for an averaging reduce op, and this object
 divides once.
 
-Under hybrid sharding (HSDP: a 2-D ``(replicate, shard)`` mesh, see
-:func:`fsdp_replicas`) FSDP2 reduce-scatters over the node and then sums
-the shards across nodes with its own all-reduce: the reduce-scatter
-averages over the node, and FSDP2 divides the all-reduce's sum by the
-number of nodes (its divide factor), so the result is the mean over every
-rank.
+Under hybrid sharding (FSDP2 on a 1-D mesh over each node, see
+:func:`fsdp_replicas`) the reduce-scatter averages over the node and the
+all-reduce hook of :mod:`.hybrid` averages the shard over the nodes, so the
+result is the mean over every rank.
 
 :class:`Int8ReduceScatter` is the ``int8_compress`` form, without error
 feedback: the average of each rank's share is sent as blockwise int8 with
@@ -57,6 +55,7 @@ from torch import nn
 
 from . import cast, int8_codec
 from .half import require_dtype_support, wire_dtype_for
+from .hybrid import cross_node_group
 from .topology import NodeGroups
 from .util import align_up
 from .validation import require_int
@@ -362,15 +361,12 @@ def fsdp_modules(model: nn.Module) -> list:
 
 
 def fsdp_replicas(model: nn.Module) -> int:
-    """How many replicas of each shard ``model`` keeps: the size of the
-    ``replicate`` dimension of its parameters' 2-D device mesh under hybrid
-    sharding (HSDP: one replica per node), else 1 (full sharding, or not
+    """How many replicas of each shard ``model`` keeps: the number of
+    nodes under hybrid sharding (the size of the cross-node group
+    :func:`~.hybrid.mark_hybrid` noted), else 1 (full sharding, or not
     sharded)."""
-    for param in model.parameters():
-        mesh = getattr(param, 'device_mesh', None)  # a DTensor's
-        if mesh is not None:
-            return mesh.size(0) if mesh.ndim == 2 else 1
-    return 1
+    group = cross_node_group(model)
+    return 1 if group is None else group.size()
 
 
 def make_reduce_scatter(wire_dtype: Optional[torch.dtype] = None,
@@ -394,19 +390,18 @@ def set_reduce_scatter(model: nn.Module, comm) -> int:
     """Make every sharded module of ``model`` reduce its gradients with
     ``comm`` (from :func:`make_reduce_scatter`), the sum divided by the
     world size inside it. Under hybrid sharding ``comm`` averages over the
-    node and FSDP2 divides its cross-node all-reduce's sum by the number
-    of nodes (see the module docstring). Between iterations it may be set
-    again: the next backward's reduce-scatters use the new one.
+    node and :mod:`.hybrid`'s all-reduce hook over the nodes (see the module
+    docstring). Between iterations it may be set again: the next
+    backward's reduce-scatters use the new one.
 
     Returns:
         int: How many sharded modules were set (0: ``model`` is not
         sharded with FSDP2).
     """
     modules = fsdp_modules(model)
-    replicas = float(fsdp_replicas(model))
     for module in modules:
         module.set_custom_reduce_scatter(comm)
-        module.set_gradient_divide_factor(replicas)
+        module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
     return len(modules)
 

@@ -349,11 +349,13 @@ def test_config_keys_wrapper_and_fsdp2():
         build_sharded_comm(dict(type='int8_compress'))
     assert str(info.value) == (
         "comm_hook type='int8_compress' with error_feedback=True has no "
-        'sharded form: under FSDP2 (FSDP2Strategy) error feedback would '
-        'keep a full-size, unsharded residual of the gradients on every '
-        'rank, the memory FSDP2 is there to save. Set error_feedback=False '
-        '(e.g. --cfg-options comm_hook.error_feedback=False) to '
-        "reduce-scatter in int8 without it, or use type='bf16_compress'.")
+        'form under full sharding: there error feedback would keep a '
+        'full-size, unsharded residual of the gradients on every rank, the '
+        'memory FSDP2 is there to save. Set error_feedback=False (e.g. '
+        '--cfg-options comm_hook.error_feedback=False) to reduce-scatter in '
+        "int8 without it, use type='bf16_compress', or shard hybrid "
+        "(strategy.sharding='hybrid' on several nodes), where the residual "
+        "is of the rank's shard only.")
     spec = build_sharded_comm(
         dict(type='int8_compress', block_size=64, error_feedback=False))
     assert spec.int8_block_size == 64 and spec.sent_dtype is None
@@ -548,3 +550,15 @@ def test_int8_reduce_scatter_is_the_hand_computed_sum(world_size, dtype):
         assert wire == world_size * (4 * 5 + 300)
         assert baseline == world_size * chunk * (2 if dtype is torch.bfloat16
                                                  else 4)
+
+
+def test_state_file_bytes_count_the_fp32_residual():
+    """What the preflight counts for a save: the residual is fp32 even for
+    bf16 gradients (a bf16 backbone), none without error feedback."""
+    from mmcv_custom.hooks.int8 import Int8StateKeeper
+    params = [
+        torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16)),
+        torch.nn.Parameter(torch.zeros(6), requires_grad=False)
+    ]
+    assert Int8StateKeeper.file_bytes(params, {}) == 40
+    assert Int8StateKeeper.file_bytes(params, dict(error_feedback=False)) == 0

@@ -368,7 +368,8 @@ def test_resume_ends_with_the_weights_of_an_uninterrupted_run(uninterrupted):
     for key, value in a['state_dict'].items():
         assert torch.equal(value, b['state_dict'][key]), key
     assert a['meta']['iter'] == b['meta']['iter'] == 6
-    assert a['meta']['sharded'] == dict(world_size=2, format='dcp')
+    assert a['meta']['sharded'] == dict(
+        world_size=2, format='dcp', sharding='full')
 
 
 def test_resume_on_one_process_reshards(uninterrupted, tmp_path):

@@ -361,7 +361,8 @@ def test_6b_fsdp2_recipe_is_the_ddp_recipe_sharded():
     assert fsdp2.strategy == dict(
         type='FSDP2Strategy',
         shard_modules=['InternViTBlock', 'InternViT', 'UPerHead', 'FCNHead'],
-        reshard_after_forward=True)
+        reshard_after_forward=True,
+        sharding='auto')
     for key in ('model', 'optim_wrapper', 'param_scheduler', 'train_cfg',
                 'train_dataloader', 'val_dataloader', 'comm_hook'):
         assert fsdp2[key] == ddp[key], key

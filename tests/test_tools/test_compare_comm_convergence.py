@@ -94,6 +94,11 @@ def test_bad_arguments_are_usage_errors(tool, tmp_path, monkeypatch, capsys):
         FCN, '--cfg-options', 'comm_hook.block_size=8', '--work-dir',
         str(tmp_path)
     ], 'comm_hook.block_size=8', '--variants')
+    _refused([
+        FCN, '--variants', 'int8_ef', '--cfg-options',
+        'comm_hook.error_feedback=False', '--work-dir',
+        str(tmp_path)
+    ], 'comm_hook.error_feedback=False: comm_hook is set by the tool')
     plot = str(tmp_path / 'no_such_dir' / 'c.png')
     _refused([FCN, '--plot', plot, '--work-dir',
               str(tmp_path)], plot, 'cannot write there')
@@ -116,6 +121,14 @@ def test_bad_arguments_are_usage_errors(tool, tmp_path, monkeypatch, capsys):
              f'--work-dir {earlier} holds the runs of an earlier comparison '
              '(int8_ef/iter_600.pth): read them with --from-work-dirs, or '
              'choose another --work-dir')
+    # A key no variant sets goes to every run (int8's residual_dtype under
+    # hybrid sharding).
+    assert tool.parse_args([
+        FCN, '--variants', 'int8_ef', '--cfg-options',
+        'comm_hook.residual_dtype=bfloat16', 'strategy.sharding=hybrid',
+        '--work-dir',
+        str(tmp_path / 'runs')
+    ]).cfg_options[0] == 'comm_hook.residual_dtype=bfloat16'
 
 
 @pytest.fixture(scope='module')

@@ -369,7 +369,8 @@ def test_fsdp2_to_pth_verified_gets_a_digest(tmp_path, capsys):
     code, out, err = _run(capsys, ckpt, dst, tool=FSDP2_TOOL)
     assert code == 0, err
     assert out == (f'{ckpt}: 2 tensors, 576 numbers, saved by 1 ranks at '
-                   f'iteration 4\nwrote {dst} (and its digest {dst}.sha256); '
+                   'iteration 4 (one process, not sharded)\nwrote '
+                   f'{dst} (and its digest {dst}.sha256); '
                    f"use it as load_from='{dst}'\n")
     assert verify_file(str(dst)).status == 'ok'
     state = torch.load(dst, weights_only=True)['state_dict']

@@ -526,6 +526,23 @@ _REPEATED = (
              'docs/en/notes/changelog.md':
              ['(the 6B\'s int8 needs {total} GiB per GPU under DDP)'],
          }),
+    ('the 6B FSDP2 recipe on 4 x 8 GPUs at 25 Gbit/s, hybrid (issue 43)',
+     _COST,
+     _quoted(
+         r"\| 4 x 8, 25 Gbit/s \| hybrid \| `int8_compress`, "
+         r"`residual_dtype='bfloat16'` \| (\d+\.\d+) s \| (\d+\.\d+) GiB "
+         r'\| (\d+\.\d+) s \| (\d+\.\d+) s \|', 'step', 'memory', 'full',
+         'hybrid'), {
+             _FSDP2: [
+                 "| 4 x 8, 25 Gbit/s | hybrid | `int8_compress`, "
+                 "`residual_dtype='bfloat16'` | {step} s | {memory} GiB | "
+                 '{full} s | {hybrid} s |',
+                 'Its {memory} GiB per GPU is full sharding',
+             ],
+             'README.md': [
+                 'projects {step} s a step against {full} s',
+             ],
+         }),
     ('the convergence runs\' time', _BENCH, _run_time, {
         _TOOLS: ['about {minutes} minutes a run on 2 busy cores'],
     }),

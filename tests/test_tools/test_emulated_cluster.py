@@ -2,7 +2,8 @@
 ``tools/emulated_cluster.py``) on real network namespaces: what it makes
 and that it all goes, the shaping, who reaches whom, that a failing node,
 a timeout or a signal stops every node and removes everything, the usage
-errors, a calibration, the non-root path, and (slow) a 2-node training run
+errors, the link counters (``--link-bytes``), a calibration, the
+non-root path, and (slow) a 2-node training run
 and its resume through the tool. Tests skip, with the reason, where
 namespaces cannot be made."""
 import io
@@ -488,11 +489,14 @@ def tool_args(monkeypatch, capsys):
          'node), but got 0'),
         (['--ranks-per-node', '1.5', '--', 'true'
           ], "argument --ranks-per-node: invalid int value: '1.5'"),
+        (['--calibrate', '--link-bytes'
+          ], '--link-bytes counts what the command after -- puts on the '
+         'links, but no command was given'),
     ],
     ids=[
         'negative-rate', 'word-rate', 'infinite-rate', 'tiny-rate', 'one-node',
         'nodes-not-int', 'no-command', 'no-separator', 'timeout', 'port',
-        'log-dir', 'no-ranks', 'ranks-not-int'
+        'log-dir', 'no-ranks', 'ranks-not-int', 'link-bytes-no-command'
     ])
 def test_bad_arguments_are_usage_errors(tool_args, args, message):
     assert tool_args(args) == (2, f'emulated_cluster.py: error: {message}')
@@ -615,6 +619,58 @@ def test_ranks_of_a_node_talk_inside_it_and_only_the_rest_crosses(tmp_path):
         ring = 2 * 3 / 4 * size
         assert ring <= int(payload) <= 1.03 * ring
         assert int(payload) >= 2 * 3 / 4 * size
+    assert not _tool_namespaces(proc.stdout) & netns_names()
+
+
+# Node 0 listens, node 1 connects and sends a megabyte, then both end.
+_SEND_MB = r"""
+import os, socket, time
+port = int(os.environ['PORT'])
+if os.environ['NODE_RANK'] == '0':
+    server = socket.create_server(('0.0.0.0', port))
+    conn, _ = server.accept()
+    got = 0
+    while chunk := conn.recv(65536):
+        got += len(chunk)
+    print('received', got, flush=True)
+else:
+    for _ in range(200):
+        try:
+            conn = socket.create_connection((os.environ['MASTER_ADDR'], port))
+            break
+        except ConnectionRefusedError:
+            time.sleep(0.05)
+    conn.sendall(bytes(10**6))
+    conn.close()
+"""
+
+
+@needs_tool
+def test_link_bytes_reports_what_crossed_each_nodes_link():
+    """--link-bytes: after the command, each node's link counters over
+    its run. Node 1's payload is the megabyte it sent, node 0's about 0
+    (acknowledgements are all headers), each within a few bytes: frames
+    whose headers are not a data segment's (the handshake's TCP options,
+    ARP: -16 bytes in all, seen) are counted at 66 bytes too."""
+    proc = _tool('--nodes', '2', '--link-bytes', '--timeout', '60', '--',
+                 sys.executable, '-c', _SEND_MB)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert '[node0] received 1000000' in proc.stdout
+    assert ("emulated_cluster.py: bytes on each node's link while the "
+            'command ran:') in proc.stdout
+    found = {
+        int(m[0]): [int(v) for v in m[1:]]
+        for m in re.findall(
+            r'^  node(\d) link: sent (\d+) B \(\d+\.\d{4} MiB\) in (\d+) '
+            r'packets, payload (-?\d+) B \(-?\d+\.\d{4} MiB\); received '
+            r'(\d+) B in (\d+) packets$', proc.stdout, re.M)
+    }
+    assert sorted(found) == [0, 1], proc.stdout
+    sent, packets, payload, _, _ = found[1]
+    assert sent == payload + ec.counters.HEADER_BYTES * packets
+    assert abs(payload - 10**6) <= 200
+    assert found[0][3] >= 10**6  # node 0 received it
+    assert abs(found[0][2]) <= 200 and found[0][0] < 0.1 * 10**6
     assert not _tool_namespaces(proc.stdout) & netns_names()
 
 

@@ -233,8 +233,15 @@ def test_model_stats_prints_fsdp2_lines():
         'config', 'parameters', 'trainable', 'gradients', 'with comm_hook',
         'memory per GPU', 'DDP buckets', 'hook state', 'in all', 'FSDP2 units',
         'FSDP2 hook state', 'FSDP2 per GPU', '2 GPUs', '4 GPUs',
-        'FSDP2 per GPU', '2 GPUs', '4 GPUs'
+        'FSDP2 per GPU', '2 GPUs', '4 GPUs', 'FSDP2 hybrid', '2 GPUs a node',
+        '4 GPUs a node'
     ]
+    # Issue 43: the recipe's sharding='auto' runs hybrid on several nodes:
+    # on nodes of each --gpus, full sharding's count over the node, and
+    # bf16_compress keeps nothing there either.
+    assert lines[-2] == ('  2 GPUs a node   : 8.287 MiB (sharded over the '
+                         'node 8.287 MiB, hook state none)')
+    assert lines[12].startswith('     2 GPUs       : 8.287 MiB (')
     # Issue 43: DDP's buckets and the hook's state on top of DDP's line
     # (bf16 keeps none; its FSDP2 form neither).
     assert lines[6].startswith('  DDP buckets     : + 2.973 MiB (a second '
@@ -289,8 +296,7 @@ def test_model_stats_names_the_ranks_a_hook_s_traffic_is_counted_on(
 def test_model_stats_counts_the_hooks_state_per_gpu(monkeypatch, capsys):
     """Issue 43: int8's error feedback keeps an fp32 residual per gradient
     element, 6.39e9 x 4 B = 23.79 GiB per GPU for the 6B recipe under DDP
-    (the tool's own main, with --cfg-options as a user gives it); its
-    FSDP2 form keeps none."""
+    (the tool's own main, with --cfg-options as a user gives it)."""
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, 'argv', [
         STATS,
@@ -305,8 +311,73 @@ def test_model_stats_counts_the_hooks_state_per_gpu(monkeypatch, capsys):
                         "step to step (type='int8_compress')")
     assert lines[8] == ('  in all          : 86.588 GiB per GPU under DDP '
                         'with this comm_hook, activations aside')
-    assert lines[10].startswith('FSDP2 hook state  : its FSDP2 form keeps '
-                                'none')
+    # FSDP2's full sharding refuses int8's error feedback (hybrid keeps
+    # the shard's: the next test).
+    assert lines[10].startswith('FSDP2 hook state  : it does not run under '
+                                'full sharding')
+
+
+def test_model_stats_counts_int8s_residual_under_hybrid_sharding(
+        model_stats, monkeypatch, capsys):
+    """Issue 43: under hybrid sharding int8 with error feedback keeps the
+    residual of the rank's shard; the tool printed 0 (its full-sharding
+    form's). The 6B FSDP2 recipe (sharding='auto') with int8 (the tool's
+    own main, as a user runs it): on nodes of 8, 7.94 GiB sharded over the
+    node and 2.99 GiB of fp32 residual; full sharding refuses the hook.
+    With the config's ranks_per_node the nodes are known, and the count is
+    the cost model's to the byte; in bf16, half."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, 'argv', [
+        STATS,
+        osp.join('configs', 'intern_vit', FULL_6B_FSDP2), '--gpus', '8',
+        '--cfg-options', 'comm_hook.type=int8_compress'
+    ])
+    load_script(STATS, '_model_stats_hybrid').main()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[10] == ('FSDP2 hook state  : it does not run under full '
+                         'sharding (the counts below hold no hook state)')
+    assert lines[-2].startswith(
+        "FSDP2 hybrid      : the config's sharding='auto' (hybrid on several "
+        "nodes of several ranks where the node's shard fits the GPU, else "
+        'full), on nodes of each of --gpus (the config states no '
+        'ranks_per_node, and the tool does not know the nodes')
+    assert lines[-2].endswith("(int8_compress with error feedback: an fp32 "
+                              "residual of the rank's shard)")
+    assert lines[-1] == ('  8 GPUs a node   : 10.927 GiB (sharded over the '
+                         'node 7.940 GiB, hook state 2.987 GiB)')
+    from mmcv_custom.analysis import cost
+    bf16 = dict(type='int8_compress', residual_dtype='bfloat16')
+    s = _stats(
+        model_stats,
+        FULL_6B_FSDP2,
+        gpus=(8, 32),
+        comm_hook=bf16,
+        strategy=dict(ranks_per_node=8))
+    (layout, ) = s['hybrid']['layouts']  # 8 GPUs: one node, full there
+    assert (layout['ranks_per_node'], layout['nodes']) == (8, 4)
+    # The cost model's residual of the 6B's shard on 4 x 8 (its test):
+    # 801,881,288 values, 2 bytes each.
+    assert layout['state_bytes'] == 2 * 801_881_288
+    assert layout['memory'] == s['fsdp2'][8]
+    assert (layout['memory']['total_bytes'] + layout['state_bytes']
+            ) / cost.GiB <= 1.2 * s['fsdp2'][8]['total_bytes'] / cost.GiB
+    assert s['hook_state_fsdp2'] is None
+    assert s['ddp_note'] == ("under DDP int8's residual is fp32: "
+                             "residual_dtype is hybrid sharding's")
+
+
+def test_model_stats_refuses_residual_dtype_where_nothing_shards_hybrid():
+    out = _run(STATS, osp.join('configs', 'intern_vit', TINY), '--cfg-options',
+               'comm_hook.type=int8_compress',
+               'comm_hook.residual_dtype=bfloat16')
+    assert out.returncode == 1 and out.stdout == ''
+    assert out.stderr.splitlines()[-1] == (
+        "model_stats.py: error: comm_hook int8_compress residual_dtype="
+        "'bfloat16' is hybrid sharding's (FSDP2Strategy sharding='hybrid', "
+        "or 'auto' on several nodes of several ranks), where the error "
+        "feedback of each rank's shard is kept; under full sharding int8 "
+        'keeps none and under DDP its residual is fp32. Remove '
+        'residual_dtype, or shard hybrid.')
 
 
 def test_model_stats_bad_gpus_is_a_usage_error():

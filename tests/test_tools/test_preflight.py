@@ -159,7 +159,9 @@ def test_ade20k_folders_empty_folders_and_few_shot_splits(
         tmp_path, monkeypatch):
     # (The room for a 6B checkpoint is not this test's business.)
     monkeypatch.setattr(
-        work_dir_check, 'checkpoint_size', lambda cfg, world_size=1: None)
+        work_dir_check,
+        'checkpoint_size',
+        lambda cfg, world_size=1, launcher='none': None)
     root = tmp_path / 'ADEChallengeData2016'
     (root / 'images' / 'training').mkdir(parents=True)
     (root / 'images' / 'training' / 'a.jpg').write_bytes(b'')
@@ -387,6 +389,49 @@ def test_what_one_save_writes(tmp_path):
     assert preflight(cfg, 'train') == []
     assert preflight_module.format_size(1.5 * 2**30) == '1.5 GiB'
     assert preflight_module.format_size(18.7 * 2**20) == '18.7 MiB'
+
+
+def test_what_one_save_writes_under_hybrid_sharding(monkeypatch):
+    """Issue 43: under hybrid sharding every rank writes int8's residual
+    of its shard beside each checkpoint (4 bytes a value, 2 in bf16);
+    the preflight counted nothing for any FSDP2 config. The tiny recipe's
+    sharding='auto' on torchrun's 2 nodes of 2 is hybrid (the strategy's
+    own decision): 4 files of the shard the cost model counts; on one node
+    full sharding, and nothing."""
+    from mmcv_custom.analysis import cost
+    from mmcv_custom.comm.builder import hook_record
+    tiny = osp.join(
+        CONFIGS, 'intern_vit', 'upernet_intern-vit-tiny_2xb8-'
+        'fsdp2-200iter_toy-shapes-56x56.py')
+    torchrun = LAUNCH_ENV['pytorch']
+    for name, value in ((torchrun.rank, '0'), (torchrun.world, '4'),
+                        (torchrun.local, '0'), (torchrun.local_world, '2')):
+        monkeypatch.setenv(name, value)
+    cfg = load_config(tiny, {'comm_hook': dict(type='int8_compress')})
+    units = cost.config_params(tiny)[2]['fsdp2_units']
+    shard = cost.hybrid_state_bytes(
+        hook_record('int8_compress'), dict(error_feedback=True), units, 2) // 4
+    size = preflight_module.checkpoint_size(cfg, 4, 'pytorch')
+    assert size.hook_state == 4 * 4 * shard
+    # About half the trainable parameters a rank (the optimizer's two
+    # moments of them, fp32), rounded up per parameter.
+    assert 0.5 * size.optimizer / 2 < 4 * shard < 0.51 * size.optimizer / 2
+    cfg.comm_hook.residual_dtype = 'bfloat16'
+    lean = preflight_module.checkpoint_size(cfg, 4, 'pytorch')
+    assert lean.hook_state == 4 * 2 * shard
+    # Without error feedback, without the launcher's layout, under full
+    # sharding, or on one node: no file.
+    for hook, strategy, launcher in (
+        (dict(type='int8_compress', error_feedback=False), 'auto', 'pytorch'),
+        (dict(type='int8_compress'), 'auto', 'none'),
+        (dict(type='int8_compress'), 'full', 'pytorch'),
+    ):
+        cfg.comm_hook, cfg.strategy.sharding = hook, strategy
+        assert preflight_module.checkpoint_size(cfg, 4,
+                                                launcher).hook_state == 0
+    cfg.strategy.sharding = 'auto'
+    monkeypatch.setenv(torchrun.local_world, '4')
+    assert preflight_module.checkpoint_size(cfg, 4, 'pytorch').hook_state == 0
 
 
 def test_room_for_a_checkpoint_on_a_small_disk(tmp_path, small_disk,

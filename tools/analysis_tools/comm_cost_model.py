@@ -11,15 +11,22 @@ or both:
 * ``--config CONFIG`` (default: InternViT-6B's UperNet) builds the model
   on the meta device, lays its gradients out in DDP's buckets (or, for a
   config that trains with FSDP2Strategy, in its units, each gathered and
-  reduce-scattered as FSDP2 does) and prints,
+  reduced as FSDP2 does, sharded over every rank and, on several nodes of
+  several GPUs, hybrid: inside the node, each shard all-reduced across
+  nodes in the hook's format) and prints,
   per hook and link rate, the predicted step time on ``--nodes`` x
   ``--gpus-per-node`` GPUs, each hook with a two-level (node-aware) form
   in both forms; ``--recommend`` adds one line per rate naming the hook
   and form to use, with the ``comm_hook`` line that sets them: the
   fastest hook of the accuracy classes ``--max-loss`` allows, where it
   gains at least ``--min-gain`` over the less lossy pick (else that one,
-  and why), with the evidence behind it. ``--gpu`` picks the hardware
-  figures (A100, H100, H200; each overridable), printed with the result. Link
+  and why), with the evidence behind it (and, under FSDP2, the strategy
+  line where the pick shards otherwise than the config); of forms of one
+  class as fast within 1% (the model's resolution), the one that keeps
+  the least memory per GPU (e.g. int8's error feedback in bf16 under
+  hybrid sharding). ``--gpu`` picks
+  the hardware figures (A100, H100, H200; each overridable), printed with
+  the result. Link
   constants come from ``--fit`` when given, else from defaults for NCCL
   on a GPU cluster (alpha 10 us, eta 0.9); the intra-node rate and
   latency of the two-level forms from ``--intra-gbps`` and

@@ -76,8 +76,9 @@ from mmcv_custom.analysis import (check_output, check_work_dir, read_config,
                                   rendezvous_port)
 from mmcv_custom.analysis.cli import positive_int
 from mmcv_custom.analysis.convergence import (auto_smooth, format_table,
-                                              max_iters_options, plot,
-                                              summarize, variants, verdict)
+                                              hook_options, max_iters_options,
+                                              plot, summarize, variants,
+                                              verdict)
 from mmcv_custom.analysis.convergence_runs import (collect, from_work_dirs,
                                                    train_options)
 from mmcv_custom.integrity import checkpoint_candidates
@@ -207,8 +208,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f'--smooth should be in [0, 1), but got {args.smooth}')
     if not (math.isfinite(args.tolerance) and args.tolerance >= 0):
         parser.error(f'--tolerance should be >= 0, but got {args.tolerance}')
+    # What the variants set is theirs; other keys of comm_hook (int8's
+    # residual_dtype under hybrid sharding) go to every run.
+    chosen = [variants()[v] for v in args.variants if v in variants()]
+    taken = {o.split('=')[0] for v in chosen for o in hook_options(v, 1)}
     for option in args.cfg_options:
-        if option.startswith('comm_hook'):
+        key = option.split('=')[0]
+        if key in ('comm_hook', 'comm_hook.type') or key in taken:
             parser.error(f'--cfg-options {option}: comm_hook is set by the '
                          'tool per variant (use --variants, --block-size)')
         if '=' not in option:

@@ -13,8 +13,12 @@ residual, PowerSGD's error and factors),
 and under FSDP2 (``FSDP2Strategy``, for ``--gpus N [N ...]``) the fullest
 rank's shards plus the units gathered at once, for the parameters' dtypes
 as the config builds them (the 6B recipes' backbone in bf16, their heads in
-fp32) and for all-fp32 parameters. The counting, and what each number
-includes, is :mod:`mmcv_custom.analysis.model_stats`'s.
+fp32) and for all-fp32 parameters. For an FSDP2 config that may shard
+hybrid (``strategy.sharding='hybrid'``, or ``'auto'``), the memory per GPU
+under hybrid sharding with the hook's state of the rank's shard (int8's
+residual with error feedback), on nodes of the config's ``ranks_per_node``
+or, where it states none, on nodes of each ``--gpus N``. The counting, and
+what each number includes, is :mod:`mmcv_custom.analysis.model_stats`'s.
 """
 import argparse
 import os.path as osp
@@ -24,7 +28,7 @@ from mmengine.registry import DefaultScope
 
 from mmcv_custom.analysis import (cfg_options, filter_tool_warnings,
                                   read_config, stats)
-from mmcv_custom.registry import check_comm_hook_cfg
+from mmcv_custom.analysis.model_stats import check_stats_hook
 
 GiB = 2**30
 
@@ -81,7 +85,7 @@ def main():
         # name the bad value and the valid ones: that line is what the
         # user needs, not a traceback.
         try:
-            check_comm_hook_cfg(cfg.comm_hook)
+            check_stats_hook(cfg)
         except (KeyError, TypeError, ValueError) as e:
             message = e.args[0] if isinstance(e, KeyError) and e.args else e
             _error(str(message))
@@ -135,7 +139,8 @@ def _print_ddp_extra(s: dict, total: int) -> None:
         return
     kept = f'+ {_size(state)} per GPU, kept from step to step' if state \
         else 'none kept from step to step'
-    print(f'  hook state      : {kept} ({s["hook"]})')
+    note = f'; {s["ddp_note"]}' if s['ddp_note'] else ''
+    print(f'  hook state      : {kept} ({s["hook"]}{note})')
     print(f'  in all          : {_size(total + s["bucket_bytes"] + state)} '
           'per GPU under DDP with this comm_hook, activations aside')
 
@@ -151,8 +156,8 @@ def _print_fsdp2(s: dict) -> None:
     else:
         print(f'FSDP2 units       : {units} (the last: the root, with what '
               f'the others leave); shard_modules={shard_modules}')
-    fsdp2_state = ('its FSDP2 form keeps none'
-                   if s['hook_state_fsdp2'] == 0 else 'it has no FSDP2 form'
+    fsdp2_state = ('its FSDP2 form keeps none' if s['hook_state_fsdp2'] == 0
+                   else 'it does not run under full sharding'
                    if s['hook'] != 'auto (chosen by the run)' else 'unknown')
     print(f'FSDP2 hook state  : {fsdp2_state} (the counts below hold no hook '
           'state)')
@@ -167,6 +172,42 @@ def _print_fsdp2(s: dict) -> None:
                   f'{_size(m["grad_bytes"])}, AdamW moments '
                   f'{_size(m["optim_bytes"])}, gathered '
                   f'{_size(m["gathered_bytes"])})')
+    _print_hybrid(s['hybrid'])
+
+
+def _print_hybrid(h: dict) -> None:
+    """Hybrid sharding's memory per GPU, where the config may shard so."""
+    if h['sharding'] is None:
+        return
+    where = (f"on nodes of its ranks_per_node={h['ranks_per_node']}, for "
+             'each of --gpus that makes several of them'
+             if h['ranks_per_node'] is not None else
+             'on nodes of each of --gpus (the config states no '
+             'ranks_per_node, and the tool does not know the nodes: their '
+             'number pads int8\'s residual of a unit by fewer values than '
+             'nodes, not counted)')
+    print(f"FSDP2 hybrid      : the config's sharding={h['sharding']!r} "
+          '(hybrid on several nodes of several ranks' +
+          (' where the node\'s shard fits the GPU, else full'
+           if h['sharding'] == 'auto' else '') + f'), {where}; rank 0\'s '
+          'shards over the node plus the units gathered at once, and the '
+          f"hook's state ({h['hook']})")
+    if not h['layouts']:
+        print('  none            : no --gpus makes several nodes of several '
+              'ranks')
+    for layout in h['layouts']:
+        g, m, state = (layout['ranks_per_node'], layout['nodes'],
+                       layout['state_bytes'])
+        name = f'{m} x {g} GPUs' if m else f'{g} GPUs a node'
+        node = _size(layout['memory']['total_bytes'])
+        if state is None:
+            held = 'unknown' if h['runs'] else 'none: the hook does not run'
+            print(f'  {name:<16}: {node} sharded over the node; hook state '
+                  f'{held}')
+            continue
+        print(f"  {name:<16}: {_size(layout['memory']['total_bytes'] + state)}"
+              f' (sharded over the node {node}, hook state ' +
+              (_size(state) if state else 'none') + ')')
 
 
 if __name__ == '__main__':

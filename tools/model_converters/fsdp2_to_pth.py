@@ -3,7 +3,8 @@
     python tools/model_converters/fsdp2_to_pth.py SRC_DIR DST
 
 SRC_DIR is a checkpoint directory written by ``FSDP2Strategy`` (e.g.
-``work_dirs/<config>/iter_200.pth/``), by any number of ranks. DST gets the
+``work_dirs/<config>/iter_200.pth/``), by any number of ranks, under full
+or hybrid sharding (the summary says which). DST gets the
 model's full weights and the run's meta in MMEngine's single-file format
 (``{'meta': ..., 'state_dict': ...}``), what ``load_from``, DDP configs
 and ``tools/test.py`` take. The optimizer state is left out: resume reads
@@ -35,6 +36,7 @@ import sys
 import torch
 
 from mmcv_custom.analysis import tool_error, write_failure_reason
+from mmcv_custom.engine.fsdp2_mesh import describe_sharding
 from mmcv_custom.integrity import CheckpointDamagedError, atomic_write_stream
 from mmcv_custom.integrity.sharded_checkpoint import (
     MANIFEST_FILE, consolidate_sharded_checkpoint, damaged_message,
@@ -117,13 +119,15 @@ def _write(src: str, dst: str, checkpoint: dict, verified: bool) -> str:
     atomic_write_stream(
         dst, lambda f: torch.save(checkpoint, f), digest=verified)
     numel = sum(v.numel() for v in state.values())
-    saved_by = checkpoint['meta'].get('sharded', {}).get('world_size', '?')
+    sharded = checkpoint['meta'].get('sharded') or {}
+    saved_by = sharded.get('world_size', '?')
     wrote = (f'wrote {dst} (and its digest {dst}.sha256)' if verified else
              f'wrote {dst} without a digest: {src} has no {MANIFEST_FILE}, '
              'so nothing vouches for its shards (--unverified)')
     return (f'{src}: {len(state)} tensors, {numel:,} numbers, saved by '
             f'{saved_by} ranks at iteration {checkpoint["meta"].get("iter")}'
-            f'\n{wrote}; use it as load_from={dst!r}')
+            f' ({describe_sharding(sharded)})\n{wrote}; use it as '
+            f'load_from={dst!r}')
 
 
 def convert(src: str, dst: str, unverified: bool = False) -> str:

@@ -10,8 +10,8 @@ communication overlaps the backward pass. A model is a list of
 measurement of the model projected to.
 
 Modules, one concern each (only :mod:`.hooks`, :mod:`.recommend`,
-:mod:`.fsdp2`, :mod:`.model` and :mod:`.report` reach torch, through the
-hooks' records or the model):
+:mod:`.fsdp2`, :mod:`.hybrid`, :mod:`.model` and :mod:`.report` reach
+torch, through the hooks' records or the model):
 
 * :mod:`.buckets`: :class:`ParamSpec`, :class:`Bucket`, :func:`ddp_buckets`;
 * :mod:`.collectives`: the formulas below, :class:`Cluster`,
@@ -26,7 +26,10 @@ hooks' records or the model):
 * :mod:`.recommend`: :func:`predict_step`, :func:`recommend`;
 * :mod:`.fsdp2`: a config that trains with FSDP2, modelled as FSDP2
   (per unit, parameter all-gathers and a reduce-scatter in the hook's
-  format, beside the compute): :func:`recommend_sharded`;
+  format, beside the compute), sharded over every rank;
+* :mod:`.hybrid`: FSDP2's hybrid sharding (gathers and reduce-scatters
+  inside the node, each rank's shard all-reduced across nodes in the
+  hook's format), and both shardings weighed: :func:`recommend_sharded`;
 * :mod:`.model`: a config's parameters, its model built on the meta device;
 * :mod:`.report`: the tables ``tools/analysis_tools/comm_cost_model.py``
   prints.
@@ -116,21 +119,22 @@ from .collectives import (COLLECTIVE_KINDS, GPU_CLUSTER_CONSTANTS, LEVELS,
                           collective_time, group_size, traffic)
 from .compute import Workload, estimate_compute
 from .fit import FitPoint, FitResult, fit, fit_selection_problem, fits_on
-from .fsdp2 import (ShardedCost, ShardUnit, predict_sharded_step,
-                    recommend_sharded, shard_units, sharded_costs,
-                    simulate_sharded)
+from .fsdp2 import (ShardedCost, ShardUnit, predict_sharded_step, shard_units,
+                    sharded_costs, simulate_sharded)
 from .hooks import (FORMS, HOOK_COSTS, AllReduceCost, BatchedPowerSGDCost,
                     HalfPrecisionCost, HookCost, Int8Cost, PowerSGDCost,
                     RecordCost, TwoLevelRecordCost, check_benchmark,
                     compare_collectives, hook_costs, powersgd_compresses,
                     uncosted_hooks)
+from .hybrid import (HybridCost, config_sharding, hybrid_costs,
+                     hybrid_state_bytes, recommend_sharded)
 from .measurements import Benchmark, LoggedStep, load_benchmark, step_from_log
 from .memory import (GiB, GpuMemory, ddp_memory, hook_memory, hook_state_bytes,
-                     sharded_memory)
+                     hybrid_memory, sharded_memory)
 from .model import config_params
 from .overlap import Overlap, even_ready_times, simulate_overlap
-from .recommend import (Recommendation, StepPrediction, assumptions,
-                        predict_step, recommend)
+from .recommend import (SAME_SPEED, Recommendation, StepPrediction,
+                        assumptions, predict_step, recommend)
 from .report import ProjectionSettings, fit_json, fit_report, project
 
 __all__ = [
@@ -150,5 +154,7 @@ __all__ = [
     'TwoLevelRecordCost', 'LoggedStep', 'step_from_log', 'ShardUnit',
     'ShardedCost', 'sharded_costs', 'shard_units', 'predict_sharded_step',
     'recommend_sharded', 'simulate_sharded', 'GiB', 'GpuMemory',
-    'hook_state_bytes', 'ddp_memory', 'sharded_memory', 'hook_memory'
+    'hook_state_bytes', 'ddp_memory', 'sharded_memory', 'hook_memory',
+    'hybrid_memory', 'HybridCost', 'hybrid_costs', 'config_sharding',
+    'hybrid_state_bytes', 'SAME_SPEED'
 ]

@@ -31,29 +31,44 @@ Which hooks have an FSDP2 form, and which, is read from their records
 (:attr:`~mmcv_custom.comm.records.HookRecord.fsdp2_form`,
 ``sent_format``, ``two_level``), and a form is weighed only where the
 config line it needs passes the one FSDP2 check
-(:func:`~mmcv_custom.comm.sharded.check_sharded_cfg`). Hybrid sharding
-(``FSDP2Strategy(sharding='hybrid')``, HSDP) is not modelled yet: every
-FSDP2 config is projected sharded over every rank, and the two-level
-forms are the node-aware option modelled.
+(:func:`~mmcv_custom.comm.sharded.check_sharded_cfg`). That is full
+sharding (over every rank); hybrid sharding (HSDP: sharded over the node,
+replicated across nodes, the cross-node all-reduce in the hook's format)
+is :mod:`.hybrid`'s, through the same simulation: its gathers and
+reduce-scatters stay on the GPU links and its all-reduces take the node
+link (:attr:`UnitTimes.cross_s`), each link first in first out.
 """
 import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ...hooks.util import align_up, ceil_div
 from .buckets import DTYPE_BYTES, Bucket, ParamSpec
-from .checks import require_positive
 from .codecs import CodecCost, GpuCodec
 from .collectives import (GPU_CLUSTER_CONSTANTS, Cluster, Collective,
                           LinkConstants, traffic)
-from .compute import Workload, estimate_compute
 from .hooks import HookCost, RecordCost
-from .recommend import Recommendation, StepPrediction
+from .recommend import StepPrediction
 
 __all__ = [
     'ShardUnit', 'ShardedCost', 'sharded_costs', 'UnitTimes',
-    'simulate_sharded', 'predict_sharded_step', 'recommend_sharded',
-    'gathered_bytes', 'shard_units'
+    'simulate_sharded', 'predict_sharded_step', 'gathered_bytes',
+    'shard_units', 'wire_itemsize', 'int8_segment'
 ]
+
+
+def int8_segment(chunk: int, block_size: int) -> int:
+    """Bytes of one rank's segment of an int8 all-to-all (FSDP2's int8
+    reduce-scatter, hybrid sharding's int8 all-reduce): ``chunk`` values'
+    fp32 scales, one per ``block_size``, then their int8 values, padded to
+    4 bytes."""
+    return 4 * ceil_div(chunk, block_size) + align_up(chunk, 4)
+
+
+def wire_itemsize(record, grad_itemsize: int) -> int:
+    """Bytes per element an averaging form sends (a reduce-scatter, or
+    hybrid sharding's all-reduce across nodes): half precision where the
+    hook's record says so, else the gradients' own."""
+    return 2 if record.half_precision else grad_itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,16 +162,8 @@ class ShardedCost(HookCost):
     def _int8(self) -> bool:
         return self.fsdp2_form == 'int8_reduce_scatter'
 
-    def _wire_itemsize(self, grad_itemsize: int) -> int:
-        """Bytes per element an averaging reduce-scatter sends: half
-        precision where the record says so, else the gradients' own."""
-        return 2 if self.flat.record.half_precision else grad_itemsize
-
     def _int8_bytes(self, chunk: int, ranks: int) -> int:
-        """An int8 all-to-all's send tensor: per rank, the chunk's fp32
-        scales then its int8 values, padded to 4 bytes."""
-        blocks = ceil_div(chunk, self.settings['block_size'])
-        return ranks * (4 * blocks + align_up(chunk, 4))
+        return ranks * int8_segment(chunk, self.settings['block_size'])
 
     def _scatter(self, chunk: int, ranks: int, grad_itemsize: int,
                  level: Optional[str]) -> Collective:
@@ -164,9 +171,10 @@ class ShardedCost(HookCost):
         if self._int8:
             return Collective('all_to_all', self._int8_bytes(chunk, ranks), 0,
                               level)
-        return Collective('reduce_scatter',
-                          ranks * chunk * self._wire_itemsize(grad_itemsize),
-                          0, level)
+        return Collective(
+            'reduce_scatter',
+            ranks * chunk * wire_itemsize(self.flat.record, grad_itemsize), 0,
+            level)
 
     def reduces(self, unit: ShardUnit, world_size: int) -> List[Collective]:
         """What ``unit``'s gradients cost on ``world_size`` ranks, in
@@ -198,6 +206,31 @@ class ShardedCost(HookCost):
     def splits(self) -> bool:
         """Whether it runs in two levels: several nodes of several ranks."""
         return self.layout is not None and min(self.layout) > 1
+
+    #: Which ``FSDP2Strategy`` sharding runs it: over every rank.
+    sharding = 'full'
+
+    def shard_ranks(self, cluster: Cluster) -> int:
+        """The ranks each parameter is sharded over: every rank."""
+        return cluster.world_size
+
+    def gathers(self, unit: ShardUnit, cluster: Cluster) -> List[Collective]:
+        """``unit``'s all-gather among every rank (none when it gathers
+        nothing)."""
+        gather = unit.gather(cluster.world_size)
+        return [] if gather is None else [gather]
+
+    def crosses(self, unit: ShardUnit, world_size: int) -> List[Collective]:
+        """Collectives after the reduce, on the node link of their own:
+        none (see :class:`~.hybrid.HybridCost`)."""
+        return []
+
+    def codec_seconds(self, codec: CodecCost, unit: ShardUnit,
+                      world_size: int) -> float:
+        """The codec on ``unit``'s gradients, beside its reduce."""
+        if not self.reduces(unit, world_size):
+            return 0.0
+        return codec.seconds(self, unit.grads, world_size)
 
     def collectives(self, buckets, world_size):
         """Per unit (``buckets`` are :class:`ShardUnit`), its reduce."""
@@ -251,25 +284,39 @@ def sharded_costs(hooks: Mapping[str, HookCost]) -> Dict[str, ShardedCost]:
 @dataclasses.dataclass(frozen=True)
 class UnitTimes:
     """One unit's part in :func:`simulate_sharded`: its share of the
-    compute, the seconds its gather and its reduce keep the link busy, and
-    whether it is gathered again in the backward, or is the root."""
+    compute, the seconds its gather and its reduce keep the link busy,
+    whether it is gathered again in the backward, or is the root, and the
+    seconds its all-reduce across nodes keeps the node link busy after its
+    reduce (hybrid sharding's; 0: none)."""
     share: float  # of the forward's and the backward's compute
     gather_s: float
     reduce_s: float
     resharded: bool
     root: bool
+    cross_s: float = 0.0
 
 
 def simulate_sharded(units: Sequence[UnitTimes], forward_s: float,
                      backward_s: float) -> float:
     """The time past ``forward_s + backward_s`` that the step waits for
-    communication (see the module docstring), units in forward order."""
-    link = 0.0
+    communication (see the module docstring), units in forward order.
+
+    Gathers and reduces share one link, first in first out; a unit's
+    all-reduce across nodes (:attr:`UnitTimes.cross_s`) starts when its
+    reduce is done and the previous one's has finished, on a second link
+    (the node's, while the first is the GPUs' inside it)."""
+    link = cross = 0.0
 
     def send(issued: float, busy: float) -> float:
         nonlocal link
         link = max(link, issued) + busy
         return link
+
+    def reduce(issued: float, unit: UnitTimes) -> None:
+        nonlocal cross
+        done = send(issued, unit.reduce_s)
+        if unit.cross_s:
+            cross = max(cross, done) + unit.cross_s
 
     roots = [u for u in units if u.root]
     inner = [u for u in units if not u.root]
@@ -292,13 +339,13 @@ def simulate_sharded(units: Sequence[UnitTimes], forward_s: float,
             ready[id(backward[i + 1])] = send(start, backward[i + 1].gather_s)
         now = start + backward_s * unit.share
         if not unit.root:
-            send(now, unit.reduce_s)
+            reduce(now, unit)
     for unit in roots:  # reduced after the whole backward
-        send(now, unit.reduce_s)
-    return max(0.0, max(now, link) - forward_s - backward_s)
+        reduce(now, unit)
+    return max(0.0, max(now, link, cross) - forward_s - backward_s)
 
 
-def predict_sharded_step(hook: ShardedCost,
+def predict_sharded_step(hook: HookCost,
                          units: Sequence[ShardUnit],
                          cluster: Cluster,
                          forward_s: float,
@@ -306,13 +353,16 @@ def predict_sharded_step(hook: ShardedCost,
                          compute_step_s: float,
                          constants: LinkConstants = GPU_CLUSTER_CONSTANTS,
                          codec: Optional[CodecCost] = None) -> StepPrediction:
-    """``hook``'s step under FSDP2 on ``cluster``.
+    """``hook``'s step under FSDP2 on ``cluster``: a :class:`ShardedCost`
+    (full sharding) or a :class:`~.hybrid.HybridCost` (hybrid sharding,
+    whose codec runs beside its all-reduce across nodes).
 
     Returns:
         StepPrediction: As :func:`~.recommend.predict_step`'s, except that
-        ``sent_bytes`` is the reduce-scatters' input as sent (what the
-        run's ``comm_MB`` counts) and ``node_bytes`` and ``wire_s`` count
-        the all-gathers too.
+        ``sent_bytes`` is what the run's ``comm_MB`` counts (the
+        reduce-scatters' input as sent, or hybrid sharding's all-reduces
+        across nodes) and ``node_bytes`` and ``wire_s`` count the
+        all-gathers too.
     """
     codec = GpuCodec() if codec is None else codec
     p = cluster.world_size
@@ -325,26 +375,33 @@ def predict_sharded_step(hook: ShardedCost,
             t.seconds(cluster, constants.alpha_s, constants.eta,
                       constants.intra_alpha_s) for t in loads)
 
+    def node_bytes(collectives):
+        return sum(traffic(c, cluster).node_bytes for c in collectives)
+
     total = sum(u.numel for u in units) or 1
     real, bound = [], []
     codec_s = wire = node = comm = 0.0
     count = 0
     for unit in units:
-        gather = [c for c in (unit.gather(p), ) if c is not None]
-        reduce = hook.reduces(unit, p)
-        local = codec.seconds(hook, unit.grads, p) if reduce else 0.0
+        gather = hook.gathers(unit, cluster)
+        reduce, cross = hook.reduces(unit, p), hook.crosses(unit, p)
+        local = hook.codec_seconds(codec, unit, p)
         share = unit.numel / total
-        g, r = seconds(gather), seconds(reduce) + local
-        g0, r0 = seconds(gather, True), seconds(reduce, True)
-        real.append(UnitTimes(share, g, r, unit.resharded, unit.root))
-        bound.append(UnitTimes(share, g0, r0, unit.resharded, unit.root))
+        g, r, x = seconds(gather), seconds(reduce), seconds(cross)
+        if cross:
+            x += local
+        else:
+            r += local
+        g0, r0, x0 = (seconds(c, True) for c in (gather, reduce, cross))
+        real.append(UnitTimes(share, g, r, unit.resharded, unit.root, x))
+        bound.append(UnitTimes(share, g0, r0, unit.resharded, unit.root, x0))
         codec_s += local
-        comm += unit.gathers * g + r
-        wire += unit.gathers * g0 + r0
-        node += unit.gathers * sum(
-            traffic(c, cluster).node_bytes for c in gather) + sum(
-                traffic(c, cluster).node_bytes for c in reduce)
-        count += unit.gathers * len(gather) + len(reduce)
+        comm += unit.gathers * g + r + x
+        wire += unit.gathers * g0 + r0 + x0
+        node += (
+            unit.gathers * node_bytes(gather) + node_bytes(reduce) +
+            node_bytes(cross))
+        count += unit.gathers * len(gather) + len(reduce) + len(cross)
     return StepPrediction.of(
         hook,
         constants,
@@ -360,68 +417,16 @@ def predict_sharded_step(hook: ShardedCost,
 
 
 def gathered_bytes(units: Sequence[ShardUnit], world_size: int) -> float:
-    """The parameters a rank gathers in one step, in bytes: each unit's
-    gathered tensor (one padded chunk per rank), twice for a unit the
-    backward gathers again."""
+    """The parameters a rank gathers in one step, in bytes, sharded over
+    ``world_size`` ranks (every rank, or a node's under hybrid sharding):
+    each unit's gathered tensor (one padded chunk per rank), twice for a
+    unit the backward gathers again."""
     out = 0.0
     for unit in units:
         c = unit.gather(world_size)
         if c is not None:
             out += unit.gathers * world_size * c.nbytes
     return out
-
-
-def recommend_sharded(units: Sequence[ShardUnit],
-                      cluster: Cluster,
-                      hooks: Mapping[str, HookCost],
-                      backward_s: Optional[float] = None,
-                      compute_step_s: Optional[float] = None,
-                      constants: LinkConstants = GPU_CLUSTER_CONSTANTS,
-                      codec: Optional[CodecCost] = None,
-                      workload: Workload = Workload(),
-                      total_params: Optional[int] = None,
-                      max_loss: str = 'quantized_ef',
-                      min_gain: float = 0.1,
-                      forward_flops: Optional[float] = None) -> Recommendation:
-    """Every FSDP2 form of ``hooks`` (:func:`sharded_costs`) predicted on
-    ``cluster`` and one picked, by the rule of
-    :func:`~.recommend.recommend` (whose arguments these are, ``units``
-    in place of parameters). The compute is estimated as for DDP, the
-    optimizer's part divided by the ranks (each updates its shard)."""
-    from mmcv_custom.comm.accuracy import check_class
-    check_class(max_loss)
-    require_positive(
-        'min_gain (a fraction: 0.1 is 10%)', min_gain, allow_zero=True)
-    codec = GpuCodec() if codec is None else codec
-    hbm = codec.hbm_Bps if isinstance(codec, GpuCodec) else GpuCodec().hbm_Bps
-    params = [p for u in units for p in u.reduced]
-    est_backward, est_step = estimate_compute(params, workload, total_params,
-                                              hbm, forward_flops)
-    ratio = 2 + workload.recompute
-    optimizer = est_step - est_backward - est_backward / ratio
-    if backward_s is None:
-        backward_s = est_backward
-    if compute_step_s is None:
-        compute_step_s = (
-            backward_s + backward_s / ratio + optimizer / cluster.world_size)
-    forward_s = backward_s / ratio
-    forms: Dict[str, HookCost] = {}
-    for hook in sharded_costs(hooks).values():
-        forms[hook.key] = hook
-        two = hook.two_level(cluster.gpus_per_node, cluster.nodes)
-        if two is not None and two.splits:
-            forms[two.key] = two
-    return Recommendation(
-        cluster=cluster,
-        predictions={
-            key:
-            predict_sharded_step(hook, units, cluster, forward_s, backward_s,
-                                 compute_step_s, constants, codec)
-            for key, hook in forms.items()
-        },
-        hooks=forms,
-        max_loss=max_loss,
-        min_gain=min_gain)
 
 
 def shard_units(layout: Sequence[Tuple[str, Sequence[Tuple[ParamSpec, bool]]]],

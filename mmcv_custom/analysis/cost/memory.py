@@ -10,24 +10,29 @@ its record
 error feedback keeps an fp32 residual per gradient element (6.39e9 x 4 B,
 23.79 GiB per GPU for InternViT-6B under DDP), PowerSGD an error in the
 gradients' dtype plus its warm-start factors; fp16, bf16 and the plain
-all-reduce keep none. A plugin's record without ``state_bytes`` is unknown
-(None), never counted as 0. Activations are not counted: what is left of
-the card is their room. Standard library only.
+all-reduce keep none. Under FSDP2's full sharding the hooks' forms keep
+none; under its hybrid sharding int8 keeps the residual of the rank's
+shard only (about 1/G of DDP's on nodes of G GPUs, FSDP2's padding aside:
+2.99 GiB for InternViT-6B on 8 in fp32, 1.49 GiB with
+``residual_dtype='bfloat16'``), beside parameters, gradients and moments
+sharded over the node. A plugin's record without ``state_bytes``
+is unknown (None), never counted as 0. Activations are not counted: what
+is left of the card is their room. Standard library only.
 """
 import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
 __all__ = [
     'GiB', 'STRATEGIES', 'GpuMemory', 'hook_state_bytes', 'ddp_memory',
-    'sharded_memory', 'hook_memory', 'fitting_variant'
+    'sharded_memory', 'hybrid_memory', 'hook_memory', 'fitting_variant'
 ]
 
 GiB = 2**30
 
-#: What :func:`hook_state_bytes` counts for. Hybrid sharding (a shard's
-#: residual is 1/G of DDP's, on a node of G GPUs) goes here once
-#: FSDP2Strategy offers it.
-STRATEGIES = ('ddp', 'fsdp2')
+#: What :func:`hook_state_bytes` counts for: DDP, FSDP2's full sharding
+#: and its hybrid sharding (the state of the rank's shard: int8's residual
+#: is 1/G of DDP's, on a node of G GPUs).
+STRATEGIES = ('ddp', 'fsdp2', 'hybrid')
 
 
 def hook_state_bytes(record,
@@ -38,12 +43,15 @@ def hook_state_bytes(record,
 
     Args:
         record (HookRecord): The hook's record.
-        buckets (Sequence[Bucket]): The trainable gradients in DDP's
-            buckets (:func:`~.buckets.ddp_buckets`).
+        buckets (Sequence[Bucket]): The trainable gradients the state is
+            kept for: in DDP's buckets (:func:`~.buckets.ddp_buckets`), or,
+            under ``'hybrid'``, the rank's shards
+            (:meth:`~.hybrid.HybridCost.state_buckets`).
         state_kwargs (Mapping, optional): The state's settings (the config's
             ``comm_hook`` keys); those left out take the state's defaults.
-        strategy (str): ``'ddp'`` or ``'fsdp2'`` (full sharding), see
-            :data:`STRATEGIES`. Defaults to ``'ddp'``.
+        strategy (str): ``'ddp'``, ``'fsdp2'`` (full sharding) or
+            ``'hybrid'`` (hybrid sharding), see :data:`STRATEGIES`.
+            Defaults to ``'ddp'``.
 
     Returns:
         int or None: The bytes; None where the record states none
@@ -51,15 +59,16 @@ def hook_state_bytes(record,
 
     Raises:
         ValueError: ``strategy`` is not one of :data:`STRATEGIES`, or the
-            hook has no FSDP2 form under ``'fsdp2'``.
+            hook has no FSDP2 form under ``'fsdp2'`` or ``'hybrid'``.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f'strategy should be one of {STRATEGIES}, but got '
                          f'{strategy!r}')
+    if strategy != 'ddp' and record.fsdp2_form is None:
+        under = 'hybrid sharding' if strategy == 'hybrid' else 'FSDP2'
+        raise ValueError('the hook has no FSDP2 form, so no state under '
+                         f'{under} to count')
     if strategy == 'fsdp2':
-        if record.fsdp2_form is None:
-            raise ValueError('the hook has no FSDP2 form, so no state under '
-                             'FSDP2 to count')
         # Both FSDP2 forms (an averaging reduce-scatter, int8 without error
         # feedback) keep nothing between steps.
         return 0
@@ -151,14 +160,35 @@ def sharded_memory(shards: Mapping[str, int], record) -> GpuMemory:
                                       'fsdp2'), shards['gathered_bytes'])
 
 
+def hybrid_memory(shards: Mapping[str, int], record,
+                  state_kwargs: Optional[Mapping[str, Any]],
+                  state_buckets: Sequence) -> GpuMemory:
+    """Per GPU under FSDP2's hybrid sharding: ``shards`` is
+    :func:`~mmcv_custom.analysis.model_stats.fsdp2_memory`'s dict over the
+    node's ranks (parameters, gradients and moments sharded over them),
+    and the hook's state is kept for the rank's shard
+    (``state_buckets``: int8's residual with error feedback, in fp32, or
+    in bf16 where ``state_kwargs`` has ``residual_dtype='bfloat16'``)."""
+    return GpuMemory(
+        shards['param_bytes'], shards['grad_bytes'], shards['optim_bytes'],
+        hook_state_bytes(record, state_buckets, state_kwargs, 'hybrid'),
+        shards['gathered_bytes'])
+
+
 def hook_memory(hook, buckets: Sequence, facts: Mapping) -> GpuMemory:
     """The memory per GPU of a :class:`~.hooks.HookCost` (any form: the
     two-level forms keep what the flat one does, int8's whole residual,
-    PowerSGD's factors at most), for a config's ``facts``
-    (:func:`~.model.config_params`'s, with ``world_size`` under FSDP2).
-    A hook cost without a record has an unknown state."""
+    PowerSGD's factors at most; hybrid sharding's,
+    :class:`~.hybrid.HybridCost`, the state of the rank's shard), for a
+    config's ``facts`` (:func:`~.model.config_params`'s, with
+    ``world_size`` under FSDP2, and ``ranks_per_node`` under hybrid
+    sharding). A hook cost without a record has an unknown state."""
     flat = getattr(hook, 'flat', hook)
     record = getattr(flat, 'record', None)
+    if getattr(hook, 'sharding', None) == 'hybrid':
+        return hybrid_memory(facts['fsdp2_node_memory'], record,
+                             hook.state_kwargs,
+                             hook.state_buckets(facts['fsdp2_units']))
     if facts.get('fsdp2'):
         return sharded_memory(facts['fsdp2_memory'], record)
     return ddp_memory(facts['param_bytes'], buckets, record,

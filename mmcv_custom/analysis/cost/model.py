@@ -73,10 +73,14 @@ def fsdp2_units(model, cfg) -> Tuple[list, str]:
     :class:`~.fsdp2.ShardUnit` in forward order (by the strategy's own
     :func:`~mmcv_custom.engine.fsdp2_units.select_units`), and the strategy
     in words."""
+    from mmcv_custom.engine.fsdp2_mesh import check_sharding
     from mmcv_custom.engine.fsdp2_units import (parse_mp_policy, select_units,
                                                 unit_parameters)
     from .fsdp2 import shard_units
     strategy = cfg.get('strategy') or {}
+    # The strategy's own check of sharding and ranks_per_node.
+    check_sharding(
+        strategy.get('sharding', 'full'), strategy.get('ranks_per_node'))
     reshard = strategy.get('reshard_after_forward', True)
     # The strategy's own check of mp_policy, and its dtype's name.
     policy = parse_mp_policy(strategy.get('mp_policy'))
@@ -100,10 +104,34 @@ def fsdp2_units(model, cfg) -> Tuple[list, str]:
         f'{param_dtype or "their own dtype"}')
 
 
+def _auto_fit(model, cfg, world_size: Optional[int],
+              ranks_per_node: Optional[int],
+              gpu_bytes: Optional[float]) -> Optional[Tuple[bool, str]]:
+    """Whether ``sharding='auto'`` keeps hybrid sharding on nodes of
+    ``ranks_per_node`` ranks, and why, by the strategy's own rule
+    (:func:`~mmcv_custom.engine.fsdp2_mesh.fit_on_node`: the node's shard
+    of parameters, gradients and optimizer states within a share of the
+    GPU); None where there are not several nodes of several ranks or no
+    GPU memory to check."""
+    if (gpu_bytes is None or world_size is None or ranks_per_node is None
+            or not 1 < ranks_per_node < world_size
+            or world_size % ranks_per_node):
+        return None
+    from mmcv_custom.engine.fsdp2_mesh import ShardingPlan, fit_on_node
+    from mmcv_custom.hooks.topology import blocks_layout
+    plan = fit_on_node(
+        ShardingPlan(blocks_layout(world_size, ranks_per_node), ''), model,
+        int(gpu_bytes), world_size, cfg.get('optim_wrapper'))
+    why = plan.describe.strip()
+    return plan.hybrid, why[1:-1] if plan.hybrid else why
+
+
 def config_params(config: str,
                   cfg_options: Optional[dict] = None,
                   count_flops: bool = False,
-                  world_size: Optional[int] = None) -> Tuple[list, int, dict]:
+                  world_size: Optional[int] = None,
+                  ranks_per_node: Optional[int] = None,
+                  gpu_bytes: Optional[float] = None) -> Tuple[list, int, dict]:
     """The config's trainable parameters, all parameters' count and facts.
 
     Args:
@@ -116,13 +144,21 @@ def config_params(config: str,
         world_size (int, optional): For a config that trains with
             FSDP2Strategy, the ranks to count the memory per GPU on
             (``fsdp2_memory``). Defaults to None: not counted.
+        ranks_per_node (int, optional): Likewise, the ranks of a node, for
+            hybrid sharding's memory (``fsdp2_node_memory``: sharded over
+            them). Defaults to None: not counted.
+        gpu_bytes (float, optional): A GPU's memory: with both counts,
+            whether ``sharding='auto'`` keeps hybrid sharding, as the
+            strategy decides (``auto_fit``). Defaults to None: not decided.
 
     Returns:
         tuple[list[ParamSpec], int, dict]: The trainable parameters in model
         order, the count of every parameter (frozen included) and
         ``fsdp2`` (whether it trains with FSDP2Strategy; then
-        ``fsdp2_units``, :func:`fsdp2_units`' units, and ``fsdp2_how``, the
-        strategy in words), ``with_cp``,
+        ``fsdp2_units``, :func:`fsdp2_units`' units, ``fsdp2_how``, the
+        strategy in words, and its ``sharding`` and ``ranks_per_node``,
+        None where the config leaves them out; ``auto_fit``, see
+        :func:`_auto_fit`), ``with_cp``,
         ``bucket_cap_mb``, ``forward_flops`` (None where they could not be
         counted) and ``flops_how``, ``gradient_as_bucket_view`` (DDP's,
         False by default), ``param_bytes`` (every parameter, in
@@ -163,12 +199,20 @@ def config_params(config: str,
                                for p in model.parameters())
     if facts['fsdp2']:
         facts['fsdp2_units'], facts['fsdp2_how'] = fsdp2_units(model, cfg)
-        if world_size is not None:
-            from ..model_stats import fsdp2_memory, fsdp2_strategy_args
-            strategy = fsdp2_strategy_args(cfg)
-            facts['fsdp2_memory'] = fsdp2_memory(model, world_size,
-                                                 strategy.get('shard_modules'),
-                                                 strategy.get('param_dtype'))
+        strategy = cfg.get('strategy') or {}
+        facts['sharding'] = strategy.get('sharding')
+        facts['ranks_per_node'] = strategy.get('ranks_per_node')
+        from ..model_stats import fsdp2_memory, fsdp2_strategy_args
+        args = fsdp2_strategy_args(cfg)
+        for key, ranks in (('fsdp2_memory', world_size), ('fsdp2_node_memory',
+                                                          ranks_per_node)):
+            if ranks is not None:
+                facts[key] = fsdp2_memory(model, ranks,
+                                          args.get('shard_modules'),
+                                          args.get('param_dtype'))
+        if facts['sharding'] == 'auto':
+            facts['auto_fit'] = _auto_fit(model, cfg, world_size,
+                                          ranks_per_node, gpu_bytes)
     facts['forward_flops'], facts['flops_how'] = (
         forward_flops(model, cfg) if count_flops else (None, 'not counted'))
     size, patch = backbone.get('img_size'), backbone.get('patch_size')

@@ -18,8 +18,13 @@ from .overlap import even_ready_times, simulate_overlap
 
 __all__ = [
     'StepPrediction', 'predict_step', 'Recommendation', 'recommend',
-    'assumptions'
+    'assumptions', 'SAME_SPEED'
 ]
+
+#: The model's resolution, as a fraction of a step: two forms whose steps
+#: differ by at most this are the same speed to it, and of two such forms
+#: of one accuracy class the one that keeps less memory per GPU is picked.
+SAME_SPEED = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +61,8 @@ class StepPrediction:
         node_bytes (float): Bytes through each node link per direction.
         collectives (int): Collectives per step.
         form (str): ``'flat'`` or ``'two-level'``
-            (:data:`~.hooks.FORMS`). Defaults to ``'flat'``.
+            (:data:`~.hooks.FORMS`), or ``'hybrid'`` (hybrid sharding's,
+            :class:`~.hybrid.HybridCost`). Defaults to ``'flat'``.
     """
     hook: str
     label: str
@@ -165,6 +171,11 @@ class Recommendation:
     at least ``min_gain`` faster than the pick of the classes below it,
     starting from the exact ``allreduce``. So a 1% saving never trades
     exactness for rounding, nor rounding for a low-rank approximation.
+    Within a class, forms whose steps are the fastest's within
+    :data:`SAME_SPEED` (the model's resolution) are the same speed, and the
+    one that keeps the least memory per GPU is taken (e.g. int8 with its
+    error feedback in bf16 under hybrid sharding, as fast as in fp32 with
+    half the residual).
 
     Attributes:
         cluster (Cluster): The cluster.
@@ -184,6 +195,13 @@ class Recommendation:
         gpu_bytes (float, optional): The memory of a GPU: only hooks whose
             memory is known and fits are weighed (:meth:`fits`). Defaults
             to None: every hook is.
+        reference (str): The key the speed-ups are against. Defaults to
+            ``'allreduce'`` (under hybrid sharding, ``'allreduce
+            (hybrid)'``).
+        sharding (str, optional): Under FSDP2, the sharding the config
+            runs (``'full'`` or ``'hybrid'``): a pick under the other one
+            names the strategy line that sets it (:meth:`config_lines`).
+            Defaults to None: DDP.
     """
     cluster: Cluster
     predictions: Mapping[str, StepPrediction]
@@ -192,6 +210,8 @@ class Recommendation:
     min_gain: float = 0.1
     memory: Mapping[str, GpuMemory] = dataclasses.field(default_factory=dict)
     gpu_bytes: Optional[float] = None
+    reference: str = 'allreduce'
+    sharding: Optional[str] = None
 
     def fits(self, hook: str) -> bool:
         """Whether ``hook`` (a key) fits the GPU, activations aside: True
@@ -240,17 +260,56 @@ class Recommendation:
                 self.max_loss,
                 self.min_gain,
                 tie=lambda h: getattr(self.hooks[h], 'overflows', False)):
-            why = None
+            why, key = None, self._leanest(step.key)
             if not step.taken:
-                why = (f'{self.predictions[step.key].label} '
-                       f'({_class_name(self.klass(step.key))})'
+                why = (f'{self.predictions[key].label} '
+                       f'({_class_name(self.klass(key))})'
                        f' would gain {step.gain:.0%} over '
                        f'{self.predictions[pick].label}, under the '
                        f'{self.min_gain:.0%} asked for')
             else:
-                pick = step.key
-            steps.append((step.key, why))
+                pick = key
+            steps.append((key, why))
         return steps
+
+    def _total(self, hook: str) -> Optional[int]:
+        memory = self.memory.get(hook)
+        return None if memory is None else memory.total
+
+    def _same_speed(self, hook: str) -> List[str]:
+        """The fitting forms of ``hook``'s class (``hook`` among them)
+        whose steps are within :data:`SAME_SPEED` of ``hook``'s, the
+        fastest of its class."""
+        step = self.predictions[hook].step_s
+        return [
+            h for h in self._fitting if self.klass(h) == self.klass(hook)
+            and self.predictions[h].step_s <= step * (1 + SAME_SPEED)
+        ]
+
+    def _leanest(self, hook: str) -> str:
+        """Of the forms as fast as ``hook`` (:meth:`_same_speed`), the one
+        that keeps the least memory per GPU; ``hook`` itself where none
+        keeps less, or its memory is unknown."""
+        held = self._total(hook)
+        for other in self._same_speed(hook):
+            total = self._total(other)
+            if held is not None and total is not None and total < held:
+                hook, held = other, total
+        return hook
+
+    def _lean_note(self, best: str) -> str:
+        """Where the pick is not the fastest of its class: as fast, and
+        how much less it keeps per GPU."""
+        fastest = min(
+            (h for h in self._fitting if self.klass(h) == self.klass(best)),
+            key=self._rank)
+        if fastest == best:
+            return ''
+        less = self._total(fastest) - self._total(best)
+        return (f', the same speed as {self.predictions[fastest].label} '
+                f'({self.predictions[fastest].step_s:.3f} s, within the '
+                f'model\'s {SAME_SPEED:.0%}) with {less / GiB:.2f} GiB less '
+                'per GPU')
 
     @property
     def best(self) -> Optional[str]:
@@ -265,10 +324,11 @@ class Recommendation:
         return min(lossless, key=self._rank, default=None)
 
     def speedup(self, hook: str) -> Optional[float]:
-        """``allreduce``'s step over ``hook``'s; None without allreduce."""
-        if 'allreduce' not in self.predictions:
+        """The reference's step (``allreduce``'s) over ``hook``'s; None
+        without it."""
+        if self.reference not in self.predictions:
             return None
-        return (self.predictions['allreduce'].step_s /
+        return (self.predictions[self.reference].step_s /
                 self.predictions[hook].step_s)
 
     def config(self, key: str) -> str:
@@ -287,6 +347,19 @@ class Recommendation:
         return 'comm_hook = dict(' + ', '.join(f'{k}={v!r}'
                                                for k, v in keys.items()) + ')'
 
+    def config_lines(self, key: str) -> List[str]:
+        """The config lines that run ``key``: its ``comm_hook`` line
+        (:meth:`config`), after the strategy line where it runs under
+        another sharding than the config's (e.g. ``strategy =
+        dict(type='FSDP2Strategy', sharding='hybrid')``)."""
+        lines = [self.config(key)]
+        sharding = getattr(self.hooks[key], 'sharding', None)
+        if self.sharding is not None and sharding not in (None, self.sharding):
+            lines.insert(
+                0, "strategy = dict(type='FSDP2Strategy', "
+                f'sharding={sharding!r})')
+        return lines
+
     def line(self) -> str:
         """One line: the hook (and form) to use, what it saves, its class,
         its caveat, its evidence and the config that sets it; why a lossier
@@ -300,10 +373,10 @@ class Recommendation:
                 (' and fits the GPU.' if self.gpu_bytes is not None else '.'))
         chosen = self.predictions[best]
         text = f'{rate}: use {chosen.label}: {chosen.step_s:.3f} s per step'
-        if 'allreduce' in self.predictions and best != 'allreduce':
-            ref = self.predictions['allreduce'].step_s
-            text += (f' against {ref:.3f} s with allreduce (saves '
-                     f'{ref - chosen.step_s:.3f} s, '
+        if self.reference in self.predictions and best != self.reference:
+            ref = self.predictions[self.reference]
+            text += (f' against {ref.step_s:.3f} s with {ref.label} (saves '
+                     f'{ref.step_s - chosen.step_s:.3f} s, '
                      f'{self.speedup(best):.2f}x)')
         memory = self.memory.get(best)
         if memory is not None and memory.total is not None:
@@ -311,9 +384,11 @@ class Recommendation:
             if self.gpu_bytes is not None:
                 text += (f', {(self.gpu_bytes - memory.total) / GiB:.2f} GiB '
                          'left for activations')
+            text += self._lean_note(best)
         accuracy = self.hooks[best].accuracy
         text += (f'; {CLASS_WORDS[accuracy.klass]}: '
-                 f'{self.hooks[best].caveat}; `{self.config(best)}`.')
+                 f'{self.hooks[best].caveat}; ' +
+                 ' and '.join(f'`{x}`' for x in self.config_lines(best)) + '.')
         text += (f' Evidence: {accuracy.evidence}.' if accuracy.evidence else
                  ' Evidence: none recorded for this hook.')
         for _, why in self._steps():

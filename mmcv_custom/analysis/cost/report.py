@@ -13,8 +13,9 @@ from .codecs import CodecCost
 from .collectives import Cluster, LinkConstants
 from .compute import Workload, estimate_compute
 from .fit import FitResult
-from .fsdp2 import gathered_bytes, recommend_sharded, sharded_costs
+from .fsdp2 import gathered_bytes, sharded_costs
 from .hooks import hook_costs, uncosted_hooks
+from .hybrid import config_sharding, recommend_sharded
 from .measurements import Benchmark
 from .memory import GiB, fitting_variant, hook_memory
 from .model import config_params
@@ -177,28 +178,49 @@ class ProjectionSettings:
     gpu_mem: Optional[float] = None
 
 
-def _fsdp2_line(facts: dict, hooks: dict, world_size: int) -> str:
-    """What an FSDP2 config's projection models, for the output."""
-    units = facts['fsdp2_units']
-    forms = ', '.join(hooks) or 'none of the hooks projected'
-    return (f'FSDP2Strategy, modelled as FSDP2: {facts["fsdp2_how"]}; '
-            f'each step gathers {_size(gathered_bytes(units, world_size))} '
-            'of parameters per rank (the forward, and the backward again '
-            'where resharded), the same for every hook, and reduce-scatters '
-            'each unit\'s gradients in the hook\'s format when its backward '
-            f'is done. Weighed: the hooks with an FSDP2 form ({forms}); '
-            'PowerSGD has none, int8_compress runs without error feedback. '
-            "Hybrid sharding (FSDP2Strategy sharding='hybrid' or 'auto') "
-            'is not modelled yet: every FSDP2 config is projected sharded '
-            'over every rank')
+def _fsdp2_line(facts: dict, rec, why: str) -> str:
+    """What an FSDP2 config's projection models, for the output: the
+    sharding it runs and why (``why``), its units, what each sharding
+    gathers per rank and the hooks weighed (``rec``'s)."""
+    units, cluster = facts['fsdp2_units'], rec.cluster
+    names = ', '.join(dict.fromkeys(h.name for h in rec.hooks.values()))
+    text = (f'FSDP2Strategy, {why}; modelled as FSDP2: {facts["fsdp2_how"]}. '
+            'Full sharding gathers '
+            f'{_size(gathered_bytes(units, cluster.world_size))} of '
+            'parameters per rank each step from every rank (the forward, '
+            'and the backward again where resharded), the same for every '
+            'hook, and reduce-scatters each unit\'s gradients in the hook\'s '
+            'format when its backward is done (int8_compress without error '
+            'feedback)')
+    if any(h.sharding == 'hybrid' for h in rec.hooks.values()):
+        text += (
+            '; hybrid sharding (rows (hybrid): sharding=\'hybrid\', or '
+            '\'auto\' here) gathers '
+            f'{_size(gathered_bytes(units, cluster.gpus_per_node))} per rank '
+            'inside the node only, reduce-scatters each unit\'s gradients '
+            'there in their own dtype, then all-reduces each rank\'s shard '
+            f'across the {cluster.nodes} nodes in the hook\'s format '
+            '(int8_compress with error feedback, its default, its residual '
+            'in fp32 or bf16, or without)')
+    else:
+        text += '; hybrid sharding is full sharding on this cluster'
+    return (text + '. Weighed: the hooks with an FSDP2 form (' +
+            (names or 'none of the hooks projected') + '); PowerSGD has none')
 
 
 def _memory_line(settings, facts) -> str:
     """What the memory per GPU counts, and the card it must fit."""
+    hybrid = settings.nodes > 1 and settings.gpus_per_node > 1
     where = (f'rank 0\'s shards under FSDP2 on '
-             f'{settings.nodes * settings.gpus_per_node} ranks plus the units '
-             'gathered at once (model_stats.py\'s count); the FSDP2 forms '
-             'keep no hook state' if facts['fsdp2'] else
+             f'{settings.nodes * settings.gpus_per_node} ranks' +
+             (f' (hybrid sharding: on a node\'s {settings.gpus_per_node})'
+              if hybrid else '') + ' plus the units gathered at once '
+             '(model_stats.py\'s count); the hook keeps no state under full '
+             'sharding' +
+             (', and under hybrid sharding int8_compress with error feedback '
+              'a residual of the rank\'s shard, in fp32 (4 B a value) or '
+              'in bf16 (2 B: residual_dtype=\'bfloat16\', rows bf16 EF)'
+              if hybrid else '') if facts['fsdp2'] else
              'under DDP, with its buckets (a second copy of the gradients '
              'unless model_wrapper_cfg sets gradient_as_bucket_view=True); '
              'the hook\'s state as its record states it (int8: '
@@ -229,6 +251,9 @@ def _left_out(rec, buckets, settings) -> list:
                 f'over the {settings.gpu_mem:g} GiB of a GPU before any '
                 'activation')
         flat = getattr(hook, 'flat', hook)
+        if getattr(hook, 'sharding', None) is not None:
+            lines.append(text + _sharded_fits(rec, hook))
+            continue
         found = fitting_variant(
             getattr(flat, 'record', None), flat.settings, buckets, memory,
             rec.gpu_bytes)
@@ -244,8 +269,7 @@ def _left_out(rec, buckets, settings) -> list:
                      f'{fitted.total / GiB:.2f} GiB per GPU, class {klass} '
                      f'(a class that needs --max-loss {klass})')
         elif dataclasses.replace(memory, state_bytes=0).fits(rec.gpu_bytes):
-            text += ('; no setting of it fits under DDP (hybrid sharding, '
-                     'a 1/G share of the state per GPU, is not modelled yet)')
+            text += '; no setting of it fits under DDP'
         else:
             text += ('; the model does not fit under DDP whatever the hook: '
                      'FSDP2 shards it (model_stats.py --gpus N)')
@@ -255,8 +279,31 @@ def _left_out(rec, buckets, settings) -> list:
                      'model_wrapper_cfg (no second copy of the gradients) '
                      f'it needs {viewed.total / GiB:.2f} GiB' +
                      (', which fits' if viewed.fits(rec.gpu_bytes) else ''))
+        g = settings.gpus_per_node
+        if (memory.state_bytes and settings.nodes > 1 and g > 1
+                and getattr(flat, 'record', None) is not None
+                and flat.record.fsdp2_form is not None):
+            text += (f'; under FSDP2Strategy(sharding=\'hybrid\') its state '
+                     f'is the rank\'s shard\'s, about {g} times less '
+                     f'({memory.state_bytes / g / GiB:.2f} GiB per GPU, '
+                     'half that with residual_dtype=\'bfloat16\'), and '
+                     'the parameters, gradients and moments are sharded over '
+                     'the node too: project an FSDP2 config of this model')
         lines.append(text)
     return lines
+
+
+def _sharded_fits(rec, hook) -> str:
+    """For a form under FSDP2 the GPU cannot hold: the forms of the same
+    hook that fit, with their memory, or that none does."""
+    fits = [
+        k for k, h in rec.hooks.items() if h.name == hook.name and rec.fits(k)
+    ]
+    if not fits:
+        return '; no form of it fits'
+    return '; what fits: ' + ', '.join(
+        f'{rec.predictions[k].label} ({rec.memory[k].total / GiB:.2f} GiB)'
+        for k in fits)
 
 
 def _size(nbytes: float) -> str:
@@ -282,7 +329,8 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
     params, total, facts = config_params(
         settings.config, settings.cfg_options, settings.backward_s is None
         and not settings.tokens_per_gpu,
-        settings.nodes * settings.gpus_per_node)
+        settings.nodes * settings.gpus_per_node, settings.gpus_per_node,
+        settings.gpu_mem * GiB if settings.gpu_mem else None)
     if not params:
         raise ValueError(f'{settings.config} has no trainable parameter: '
                          'nothing is communicated')
@@ -314,13 +362,21 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
         min_gain=settings.min_gain,
         forward_flops=flops)
     recs = []
+    sharding = why = None
     for gbps in settings.gbps:
         cluster = Cluster(settings.nodes, settings.gpus_per_node, gbps * 1e9,
                           settings.intra_gbps * 1e9)
-        recs.append(
-            recommend_sharded(facts['fsdp2_units'], cluster, **common
-                              ) if facts['fsdp2'] else
-            recommend(params, cluster, bucket_cap_mb=cap, **common))
+        if facts['fsdp2']:
+            sharding, why = config_sharding(facts['sharding'],
+                                            facts['ranks_per_node'], cluster,
+                                            facts.get('auto_fit'))
+            recs.append(
+                recommend_sharded(
+                    facts['fsdp2_units'], cluster, sharding=sharding,
+                    **common))
+        else:
+            recs.append(
+                recommend(params, cluster, bucket_cap_mb=cap, **common))
     if not recs[0].predictions:
         raise ValueError(
             f'none of the hooks projected ({", ".join(hooks)}) runs under '
@@ -379,9 +435,7 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
         f'- tokens per GPU: {workload.tokens_per_gpu:g} ({token_how})',
     ]
     if facts['fsdp2']:
-        lines.append('- strategy: ' +
-                     _fsdp2_line(facts, recs[0].hooks, settings.nodes *
-                                 settings.gpus_per_node))
+        lines.append('- strategy: ' + _fsdp2_line(facts, recs[0], why))
     if settings.hardware:
         lines.append(f'- hardware: {settings.hardware}')
     lines.append(_memory_line(settings, facts))
@@ -406,6 +460,15 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
     lines += [
         f'> - {a}' for a in assumptions(constants, codec, recs[0].cluster)
     ]
+    if any(
+            getattr(h, 'sharding', None) == 'hybrid'
+            for h in recs[0].hooks.values()):
+        lines.append(
+            '> - hybrid sharding: the gathers and reduce-scatters run inside '
+            'the node at the intra-node rate and latency, one after the '
+            'other; each rank\'s all-reduce across nodes on the node link '
+            'after its reduce-scatter and the previous all-reduce, at the '
+            'same time as them (the node\'s G all-reduces share the link)')
     lines += [
         '> - compute from FLOPs, unless --backward-s/--compute-step-s are '
         'given: the whole model\'s forward counted on the meta device '
@@ -428,6 +491,8 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
         codec=codec.describe(),
         backward_s=backward,
         strategy=('FSDP2Strategy' if facts['fsdp2'] else 'DDP'),
+        sharding=sharding,
+        sharding_why=why,
         rates={
             f'{g:g}':
             dict(
@@ -454,9 +519,8 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
 
 def _step_table(settings, recs, fsdp2=False) -> list:
     first = recs[0].predictions
-    sent = 'reduce-scattered per step' if fsdp2 else 'sent per step'
     lines = [
-        f'| hook | {sent} | per node link | memory per GPU | ' +
+        '| hook | sent per step | per node link | memory per GPU | ' +
         ' | '.join(f'{g:g} Gbit/s' for g in settings.gbps) + ' |',
         '|---|--:|--:|--:|' + '--:|' * len(recs)
     ]
@@ -475,10 +539,12 @@ def _step_table(settings, recs, fsdp2=False) -> list:
                      ' |')
     lines += [
         '', 'step = compute + exposed communication; (x) speed-up '
-        'against allreduce; ' +
-        ('reduce-scattered: the inputs one rank sends, as the run\'s '
-         'comm_MB counts them (across nodes only, for a two-level form); '
-         'per node link: bytes through it each way, all-gathers included'
+        f'against {recs[0].reference}; ' +
+        ('sent: what one rank sends, as the run\'s comm_MB counts it: the '
+         'reduce-scatters\' inputs under full sharding (across nodes only, '
+         'for a two-level form), the all-reduces of its shard across nodes '
+         'under hybrid sharding; per node link: bytes through it each way, '
+         'all-gathers included'
          if fsdp2 else 'sent: what one rank sends, as the run\'s comm_MB '
          'counts it (these bytes over 2**20; the one counting rule: the '
          'tensor an all-reduce would carry to move the same bytes), across '

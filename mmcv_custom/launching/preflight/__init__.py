@@ -19,6 +19,11 @@ about it, before any of that:
   URLs are left to MMEngine;
 * (training) every pretrained file of the model: ``pretrained`` keys and
   ``init_cfg=dict(type='Pretrained', checkpoint=...)`` anywhere in it;
+* ``strategy`` (FSDP2Strategy): its keys and values, and whether its
+  ``sharding`` holds on the nodes the launcher started (hybrid on one
+  node, ``ranks_per_node`` that does not divide the world or contradicts
+  the launcher), which the strategy would find only once every rank has
+  joined the process group;
 * ``comm_hook``: its names and values (:func:`check_comm_hook_cfg`, and
   under FSDP2 whether the type has a sharded form), which the runner hook
   would check only once the model is built;
@@ -44,8 +49,8 @@ Only configs and file systems are read; no model memory is allocated.
 Modules, one concern each: :mod:`.problems` (what is said),
 :mod:`.core` (the checks in order, the config read), :mod:`.report` (who
 says it, and the exit), and one per check: :mod:`.launcher_env`,
-:mod:`.config_values`, :mod:`.data`, :mod:`.weights`, :mod:`.work_dir`
-with :mod:`.checkpoint_size`.
+:mod:`.config_values`, :mod:`.strategy`, :mod:`.data`, :mod:`.weights`,
+:mod:`.work_dir` with :mod:`.checkpoint_size`.
 """
 from .checkpoint_size import (CheckpointSize, checkpoint_size,
                               estimate_checkpoint_bytes, format_size)

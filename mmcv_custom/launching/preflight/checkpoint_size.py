@@ -1,5 +1,11 @@
 """How large one save of a run is (weights, optimizer state, every rank's
 hook state file), estimated from the model built on the meta device.
+
+Under FSDP2 the hooks' state files are written under hybrid sharding only:
+``int8_compress`` with error feedback keeps, on every rank, the residual of
+its shard (4 bytes a value, 2 with ``residual_dtype='bfloat16'``), saved
+beside each checkpoint. Whether the run shards hybrid is decided as the
+strategy decides it, on the layout the launcher's environment states.
 """
 import copy
 import warnings
@@ -7,6 +13,10 @@ from typing import NamedTuple, Optional
 
 from mmengine.config import Config
 
+from ...engine.fsdp2_args import STRATEGY_DEFAULTS
+from ...engine.fsdp2_mesh import decide_sharding
+from ...engine.process_group import LAUNCH_ENV, launcher_layout
+from ...hooks.util import ceil_div
 from ..cpu_start import uses_fsdp2
 
 __all__ = [
@@ -74,12 +84,69 @@ def format_size(size: float) -> str:
     return f'{size / 2**20:.1f} MiB'
 
 
-def _hook_state_bytes(cfg: Config, params, world_size: int) -> int:
-    """Every rank's hook state file for one save: the keeper of the
-    ``comm_hook``'s record says how large one is (no table by hook)."""
-    comm_hook = cfg.get('comm_hook')
-    if not isinstance(comm_hook, dict) or uses_fsdp2(cfg):
+def _hybrid_ranks_per_node(cfg: Config, launcher: str) -> Optional[int]:
+    """The ranks of a node where ``cfg``'s FSDP2Strategy shards hybrid on
+    the layout ``launcher``'s environment states (the strategy's own
+    :func:`~mmcv_custom.engine.fsdp2_mesh.decide_sharding`); None where it
+    shards over every rank, or where the layout or the arguments cannot
+    hold (the strategy check says why). ``'auto'`` also weighs the GPU's
+    memory at start, which is not known here: counted as hybrid wherever
+    the layout allows it, the larger save."""
+    given = cfg.get('strategy') or {}
+    args = dict(STRATEGY_DEFAULTS, **{
+        k: v
+        for k, v in given.items() if k != 'type'
+    })
+    if args['sharding'] == 'full' or launcher not in LAUNCH_ENV:
+        return None
+    world, layout, why = launcher_layout(launcher)
+    if world is None:
+        return None
+    try:
+        plan = decide_sharding(args['sharding'], args['ranks_per_node'], world,
+                               layout, why)
+    except (TypeError, ValueError):
+        return None
+    return plan.layout.ranks_per_node if plan.hybrid else None
+
+
+def _hybrid_state_bytes(comm_hook: dict, params, ranks_per_node: int) -> int:
+    """One rank's hook state file under hybrid sharding: int8's error
+    feedback of its shard (each trainable parameter's rows split over the
+    node's ranks, rounded up as FSDP2 pads them: the fullest rank's), in
+    its ``residual_dtype``; nothing for the other hooks."""
+    from ...comm.sharded import build_sharded_comm
+    spec = build_sharded_comm(comm_hook, hybrid=True)
+    if not spec.error_feedback:
         return 0
+    shard = 0
+    for p in params:
+        if p.requires_grad and p.numel():
+            rows = p.shape[0] if p.dim() else 1
+            shard += ceil_div(rows, ranks_per_node) * (p.numel() // rows)
+    return shard * spec.residual_dtype.itemsize
+
+
+def _hook_state_bytes(cfg: Config,
+                      params,
+                      world_size: int,
+                      launcher: str = 'none') -> int:
+    """Every rank's hook state file for one save: the keeper of the
+    ``comm_hook``'s record says how large one is (no table by hook); under
+    FSDP2, only hybrid sharding's int8 error feedback
+    (:func:`_hybrid_state_bytes`)."""
+    comm_hook = cfg.get('comm_hook')
+    if not isinstance(comm_hook, dict):
+        return 0
+    if uses_fsdp2(cfg):
+        per_node = _hybrid_ranks_per_node(cfg, launcher)
+        if per_node is None or comm_hook.get('type') == 'auto':
+            return 0
+        try:
+            return world_size * _hybrid_state_bytes(comm_hook, params,
+                                                    per_node)
+        except (KeyError, TypeError, ValueError):
+            return 0  # said as a comm_hook problem
     try:
         from ...comm.builder import check_comm_hook_cfg, hook_record
         keeper = hook_record(comm_hook.get('type')).state_keeper
@@ -92,12 +159,14 @@ def _hook_state_bytes(cfg: Config, params, world_size: int) -> int:
 
 
 def checkpoint_size(cfg: Config,
-                    world_size: int = 1) -> Optional[CheckpointSize]:
+                    world_size: int = 1,
+                    launcher: str = 'none') -> Optional[CheckpointSize]:
     """About how large one save of ``cfg``'s run is: the model's
     parameters and buffers in their dtypes, the optimizer's state per
     trainable parameter (two for Adam/AdamW), and the state file every one
     of ``world_size`` ranks writes beside it for a stateful ``comm_hook``
-    (int8's and PowerSGD's error feedback).
+    (int8's and PowerSGD's error feedback; under FSDP2, int8's of each
+    rank's shard where ``launcher``'s layout shards hybrid).
 
     The model is built on the meta device, so no memory is allocated
     (InternViT-6B: about a second). Returns None when it cannot be built
@@ -125,11 +194,12 @@ def checkpoint_size(cfg: Config,
         return None
     return CheckpointSize(size,
                           _optimizer_states(cfg) * trainable,
-                          _hook_state_bytes(cfg, params, world_size))
+                          _hook_state_bytes(cfg, params, world_size, launcher))
 
 
 def estimate_checkpoint_bytes(cfg: Config,
-                              world_size: int = 1) -> Optional[int]:
+                              world_size: int = 1,
+                              launcher: str = 'none') -> Optional[int]:
     """:func:`checkpoint_size`'s total; None where it is unknown."""
-    size = checkpoint_size(cfg, world_size)
+    size = checkpoint_size(cfg, world_size, launcher)
     return None if size is None else size.total

@@ -29,20 +29,31 @@ def import_problems(cfg: Config) -> List[Problem]:
     return []
 
 
-def comm_hook_problems(cfg: Config) -> List[Problem]:
+def comm_hook_problems(cfg: Config,
+                       launcher: Optional[str] = None) -> List[Problem]:
     """``comm_hook`` checked as the runner hook will check it, but before
     the model is built (minutes for InternViT-6B). Its messages name the
-    bad value and the valid ones."""
+    bad value and the valid ones. Under FSDP2 by the sharding the config
+    will run on ``launcher``'s nodes (hybrid: the format of the
+    cross-node all-reduce), or, where that is not known before the ranks
+    start, by whether it has a form under either."""
     comm_hook = cfg.get('comm_hook')
     if comm_hook is None:
         return []
     from ...comm.builder import CommHookConfigError, check_comm_hook_cfg
     from ...comm.sharded import check_sharded_cfg
+    from .strategy import hybrid_at_start
 
-    # Under FSDP2, also whether the type has a sharded form (and runs
-    # under hybrid sharding, where it is asked for).
     if uses_fsdp2(cfg):
-        hybrid = (cfg.get('strategy') or {}).get('sharding') == 'hybrid'
+        hybrid = hybrid_at_start(cfg, launcher)
+        if hybrid is None:
+            # Unknown here: the runner hook checks again once the ranks
+            # have decided.
+            try:
+                check_sharded_cfg(comm_hook)
+                return []
+            except (KeyError, TypeError, ValueError):
+                hybrid = True
         check = functools.partial(check_sharded_cfg, hybrid=hybrid)
     else:
         check = check_comm_hook_cfg

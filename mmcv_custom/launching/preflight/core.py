@@ -13,7 +13,9 @@ from .config_values import (comm_hook_problems, custom_hooks_problems,
 from .data import data_problems
 from .launcher_env import launcher_problems
 from .problems import PreflightError, Problem
-from .weights import checkpoint_problems, pretrained_problems
+from .strategy import strategy_problems
+from .weights import (checkpoint_problems, pretrained_problems,
+                      resume_layout_problems)
 from .work_dir import work_dir_problems
 
 __all__ = ['preflight', 'check_preflight', 'checked_config']
@@ -60,7 +62,9 @@ def preflight(
     problems += imports
     # Hook types are looked up only once their modules are imported.
     problems += custom_hooks_problems(cfg, registered=not imports)
-    problems += comm_hook_problems(cfg)
+    # The runner builds the strategy before the comm_hook's runner hook.
+    problems += strategy_problems(cfg, launcher)
+    problems += comm_hook_problems(cfg, launcher)
     problems += data_problems(cfg, mode)
     if mode == 'train':
         # Runner.train initialises the weights (loading these) even when
@@ -71,9 +75,9 @@ def preflight(
                 cfg.load_from, 'load_from',
                 'correct the path, or leave load_from out')
         if resume_checkpoint:
-            problems += checkpoint_problems(resume_checkpoint,
-                                            'the checkpoint to resume from',
-                                            '')
+            problems += checkpoint_problems(
+                resume_checkpoint, 'the checkpoint to resume from',
+                '') or resume_layout_problems(cfg, resume_checkpoint)
     elif test_checkpoint is not None:
         problems += checkpoint_problems(
             test_checkpoint, 'checkpoint',

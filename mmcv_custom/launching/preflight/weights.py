@@ -1,6 +1,7 @@
 """The checkpoint files a run loads: every pretrained file of the model,
 ``load_from``, the checkpoint ``--resume`` takes and ``tools/test.py``'s
-CHECKPOINT: there, intact, and holding only what the safe loader allows.
+CHECKPOINT: there, intact, and holding only what the safe loader allows;
+the resumed one of the config's kind (sharded or not).
 """
 import os.path as osp
 import re
@@ -10,9 +11,12 @@ from ...integrity import CheckpointDamagedError
 from ...integrity.checkpoint import (UnsafeCheckpointError,
                                      is_sharded_checkpoint)
 from ...integrity.checkpoint_choice import check_checkpoint_file
+from ..cpu_start import uses_fsdp2
 from .problems import Problem, cwd_note
 
-__all__ = ['pretrained_problems', 'checkpoint_problems']
+__all__ = [
+    'pretrained_problems', 'checkpoint_problems', 'resume_layout_problems'
+]
 
 # The loaders of .safetensors and Hugging Face shard indexes execute
 # nothing: only their presence is checked.
@@ -106,3 +110,31 @@ def checkpoint_problems(path, source: str, fix_missing: str) -> List[Problem]:
         what = str(e) if source in str(e) else f'{source}={path!r}: {e}'
         return [Problem(what, 'load another checkpoint')]
     return []
+
+
+def resume_layout_problems(cfg, checkpoint: str) -> List[Problem]:
+    """A checkpoint resumed by a config of the other layout: an ordinary
+    config cannot resume a sharded checkpoint (its optimizer state is
+    sharded), nor an FSDP2 config an ordinary one (one file, a DDP run's).
+    A sharded checkpoint resumes under any sharding, full or hybrid, on
+    any number of ranks: DCP reshards it."""
+    sharded = is_sharded_checkpoint(checkpoint)
+    weights = ('to start this config from its weights, use --cfg-options '
+               f'load_from={checkpoint} without --resume')
+    if uses_fsdp2(cfg):
+        if sharded or not osp.isfile(checkpoint):
+            return []
+        return [
+            Problem(
+                f"{checkpoint} is an ordinary checkpoint (one file, a DDP "
+                "run's): an FSDP2 config resumes only a sharded checkpoint "
+                'directory that FSDP2Strategy wrote', weights)
+        ]
+    if not sharded:
+        return []
+    return [
+        Problem(
+            f'{checkpoint} is a sharded checkpoint of FSDP2Strategy: it '
+            'resumes under an FSDP2 config only (its optimizer state is '
+            'sharded)', weights)
+    ]

@@ -133,7 +133,7 @@ def work_dir_problems(cfg: Config,
     else:
         fix = 'free space there, or choose another --work-dir on a disk ' \
               'with room'
-    need = checkpoint_size(cfg, _world_size(launcher))
+    need = checkpoint_size(cfg, _world_size(launcher), launcher)
     if need is None:
         return []
     free = _free_bytes(existing)
