@@ -291,9 +291,11 @@ def install_cross_node(model: nn.Module, comm) -> int:
     """Make every FSDP2 unit of ``model`` (sharded over each node) average
     its gradient shard across nodes with ``comm`` (a
     :class:`CrossNodeAllReduce` or :class:`Int8CrossNodeAllReduce`; each
-    unit gets ``comm.for_unit(name)``). FSDP2 must then neither divide nor
-    average by itself: the shards reach the hook as the node's mean
-    (FSDP2's own reduce-scatter, or the project's averaging one).
+    unit gets ``comm.for_unit(name)``). The shards reach the hook as the
+    node's mean (FSDP2's own reduce-scatter averages over the node's
+    ranks, as the project's averaging one does), and it is the hook that
+    divides by the number of nodes: on a 1-D mesh FSDP2 knows of no other
+    node.
 
     Returns:
         int: How many units were set.

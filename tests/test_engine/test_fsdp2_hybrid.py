@@ -157,45 +157,50 @@ def test_hybrid_gradients_are_those_of_full_sharding():
                          for c in chunks))[case], case
 
 
-def _int8_steps(rank, world_size, feedback, steps, dtype=torch.float32):
-    """``steps`` steps of int8 with or without error feedback (kept in
-    ``dtype``), the state saved; and the exact means."""
-    state = HybridInt8State(16, feedback, dtype)
-    model = _hybrid_net(lambda g: Int8CrossNodeAllReduce(g, state))
-    grads = _grads(model, rank, steps, scale=1)
-    exact = _hybrid_net(lambda g: CrossNodeAllReduce(g))
-    keeper = HybridInt8Keeper(state, (2, 2))
-    return grads, _grads(exact, rank, steps, scale=1), keeper.state_dict()
+def _int8_steps(rank, world_size, steps):
+    """``steps`` steps of int8 with error feedback in fp32 and in bf16, and
+    without; each with its state saved. And the exact means."""
+    exact = _grads(
+        _hybrid_net(lambda g: CrossNodeAllReduce(g)), rank, steps, 1)
+    out = {}
+    for case, feedback, dtype in (('fp32', True, torch.float32),
+                                  ('bf16', True, torch.bfloat16),
+                                  ('none', False, torch.float32)):
+        state = HybridInt8State(16, feedback, dtype)
+        model = _hybrid_net(lambda g: Int8CrossNodeAllReduce(g, state))
+        out[case] = (_grads(model, rank, steps,
+                            1), HybridInt8Keeper(state, (2, 2)).state_dict())
+    return exact, out
+
+
+def _drift(grads, exact) -> tuple:
+    """How far the sum of ``grads`` over the steps is from the exact means'
+    sum, and one step's rounding."""
+    applied = {n: sum(g[n] for g in grads) for n in grads[0]}
+    true = {n: sum(g[n] for g in exact) for n in exact[0]}
+    drift = max((applied[n] - true[n]).abs().max() for n in true)
+    return drift, max((grads[0][n] - exact[0][n]).abs().max() for n in true)
 
 
 def test_int8_error_feedback_keeps_what_rounding_dropped():
     """Summed over steps, what int8 applied plus the residuals left equals
-    the sum of the exact means: error feedback loses nothing for good."""
-    steps = 4
-    results = run_ranks(_int8_steps, True, steps, world_size=4)
-    for grads, exact, saved in results:
-        applied = {n: sum(g[n] for g in grads) for n in grads[0]}
-        true = {n: sum(g[n] for g in exact) for n in exact[0]}
-        drift = max((applied[n] - true[n]).abs().max() for n in true)
-        # One step's rounding at most (block scale / 2), not four.
-        one = max((grads[0][n] - exact[0][n]).abs().max() for n in true)
-        assert drift <= 1.5 * one
-        assert set(saved['residuals']) == {'', 'a'}
-        assert saved['layout'] == (2, 2) and saved['block_size'] == 16
-    without = run_ranks(_int8_steps, False, steps, world_size=4)
-    assert without[0][2]['residuals'] == {}
-    # Kept in bf16: half the memory, the residual itself rounded to 8
-    # significant bits (1/256 of int8's rounding).
-    for grads, exact, saved in run_ranks(
-            _int8_steps, True, steps, torch.bfloat16, world_size=4):
-        applied = {n: sum(g[n] for g in grads) for n in grads[0]}
-        true = {n: sum(g[n] for g in exact) for n in exact[0]}
-        drift = max((applied[n] - true[n]).abs().max() for n in true)
-        one = max((grads[0][n] - exact[0][n]).abs().max() for n in true)
-        assert drift <= 1.5 * one
-        assert saved['residual_dtype'] == 'bfloat16'
-        assert {r.dtype
-                for r in saved['residuals'].values()} == {torch.bfloat16}
+    the sum of the exact means: error feedback loses nothing for good. In
+    bf16 (half the memory) the residual itself is rounded to 8 significant
+    bits, 1/256 of int8's rounding; without feedback the rounding adds
+    up."""
+    for exact, out in run_ranks(_int8_steps, 4, world_size=4):
+        for case, dtype in (('fp32', torch.float32), ('bf16', torch.bfloat16)):
+            grads, saved = out[case]
+            drift, one = _drift(grads, exact)
+            # One step's rounding at most (block scale / 2), not four.
+            assert drift <= 1.5 * one, case
+            assert set(saved['residuals']) == {'', 'a'}
+            assert saved['layout'] == (2, 2) and saved['block_size'] == 16
+            assert {r.dtype for r in saved['residuals'].values()} == {dtype}
+        grads, saved = out['none']
+        assert saved['residuals'] == {}
+        drift, one = _drift(grads, exact)
+        assert drift > 1.5 * one
 
 
 def test_int8_state_is_refused_on_another_layout():
@@ -516,7 +521,7 @@ def _resume_from_iter_2(whole, work, **overrides):
 
 
 @pytest.mark.slow
-def test_hybrid_resumes_bit_for_bit_and_loads_under_full(hybrid_run):
+def test_hybrid_resumes_bit_for_bit_with_its_residuals(hybrid_run):
     root, whole, results = hybrid_run
     done = consolidate_sharded_checkpoint(osp.join(whole, 'iter_3.pth'))
     done = done['state_dict']
@@ -529,17 +534,7 @@ def test_hybrid_resumes_bit_for_bit_and_loads_under_full(hybrid_run):
     assert weights.keys() == done.keys()
     for key, value in done.items():
         assert torch.equal(value, weights[key]), key
-    # The same checkpoint resumed under full sharding over the 4 ranks
-    # (DCP reshards it): the same weights at iteration 2, so the same loss.
-    full = str(root / 'full')
-    fully, weights = _resume_from_iter_2(
-        whole,
-        full,
-        comm_hook=dict(type='allreduce'),
-        strategy=dict(type='FSDP2Strategy', sharding='full'))
-    assert 'full: sharded over the 4 ranks' in _log_of(full)
-    assert fully[0]['local_numel'] < 0.3 * fully[0]['numel']
-    assert fully[0]['losses'][2] == pytest.approx(results[0]['losses'][2])
+    # Under full sharding, and back: test_fsdp2_layouts.py.
 
 
 @pytest.mark.slow
@@ -565,19 +560,24 @@ def test_auto_tries_each_cross_node_form_under_hybrid(tmp_path):
     then the kept one."""
     results = _train4(
         str(tmp_path / 'w'),
-        9,
+        5,
         strategy=dict(
             type='FSDP2Strategy', sharding='hybrid', ranks_per_node=2),
-        comm_hook=dict(type='auto', max_loss='quantized', trial_iters=1))
+        comm_hook=dict(
+            type='auto',
+            max_loss='quantized',
+            trial_iters=1,
+            candidates=['bf16_compress', 'int8_compress']))
     ratios = [r['comm_ratio'] for r in results]
-    assert ratios[0][:4] == pytest.approx([1, 0.5, 0.5, 0.254], abs=0.003)
-    assert ratios[0][4:8] == ratios[0][:4]
+    assert ratios[0][:2] == pytest.approx([0.5, 0.254], abs=0.003)
+    assert ratios[0][2:4] == ratios[0][:2]
     assert all(r == ratios[0] for r in ratios)
     log = _log_of(str(tmp_path / 'w'))
     assert 'int8_compress error_feedback=False' in log
     assert ('Registered the gradient reduction on the FSDP2 model (8 '
             'sharded modules, chosen by comm_hook auto, dict(type=') in log
     assert 'hybrid sharding: FSDP2 reduce-scatters inside the node' in log
+    assert results[0]['iter'] == 5
 
 
 def test_auto_keeps_hybrid_only_where_the_node_shard_fits():
