@@ -75,7 +75,7 @@ format: install
 
 test: install
 	$(CHECK_TEST_WORKERS)
-	$(PY) -m pytest $(PYTEST_PARALLEL) tests
+	$(PY) -m pytest $(PYTEST_PARALLEL) --durations=25 tests
 
 test-fast: install
 	$(CHECK_TEST_WORKERS)

@@ -296,7 +296,6 @@ def _train_py(tmp_path, work, environ, *options, resume=None):
         text=True)
 
 
-@pytest.mark.slow
 def test_train_py_stops_every_rank_before_any_work(tmp_path):
     """Exit 2 on every rank, one line from local rank 0, nothing written;
     a checkpoint of the other kind (an ordinary file under --resume) is
@@ -423,7 +422,6 @@ def _assert_same_state(a, b):
             assert torch.equal(value, b['optim'][key][name]), (key, name)
 
 
-@pytest.mark.slow
 def test_a_hybrid_checkpoint_records_its_layout_and_converts(
         hybrid_saved, tmp_path):
     _, work, _ = hybrid_saved
