@@ -649,9 +649,11 @@ else:
 def test_link_bytes_reports_what_crossed_each_nodes_link():
     """--link-bytes: after the command, each node's link counters over
     its run. Node 1's payload is the megabyte it sent, node 0's about 0
-    (acknowledgements are all headers), each within a few bytes: frames
-    whose headers are not a data segment's (the handshake's TCP options,
-    ARP: -16 bytes in all, seen) are counted at 66 bytes too."""
+    (acknowledgements are all headers): within a few bytes on an idle
+    machine, where frames whose headers are not a data segment's (the
+    handshake's TCP options, ARP: -16 bytes in all, seen) are counted at
+    66 bytes too; under load TCP adds options and the odd retransmission
+    (824 bytes more once, in the suite), so the bound is 0.5%."""
     proc = _tool('--nodes', '2', '--link-bytes', '--timeout', '60', '--',
                  sys.executable, '-c', _SEND_MB)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -668,9 +670,9 @@ def test_link_bytes_reports_what_crossed_each_nodes_link():
     assert sorted(found) == [0, 1], proc.stdout
     sent, packets, payload, _, _ = found[1]
     assert sent == payload + ec.counters.HEADER_BYTES * packets
-    assert abs(payload - 10**6) <= 200
+    assert -200 <= payload - 10**6 <= 5000
     assert found[0][3] >= 10**6  # node 0 received it
-    assert abs(found[0][2]) <= 200 and found[0][0] < 0.1 * 10**6
+    assert abs(found[0][2]) <= 5000 and found[0][0] < 0.1 * 10**6
     assert not _tool_namespaces(proc.stdout) & netns_names()
 
 
