@@ -70,32 +70,41 @@ class FSDP2CommMixin:
         counter = CommCounter() if self._telemetry else None
         ids = {id(p): n for p, n in names.items()}
         replicas = fsdp_replicas(model)
-        cfg = self._cfg
         if replicas > 1:
             self._install_hybrid(runner, names, counter, ids)
             return
-        if cfg['type'] == AUTO:
-            settings = check_comm_hook_cfg(cfg)
-            self._auto = AutoComm(settings, self._loaded_auto)
-            decision = self._auto.kept(runner)
-            if decision is None:
-                self._counters = [counter]
 
-                def build(config):
-                    spec, comm = self._sharded_comm(config, names, counter,
-                                                    replicas)
-                    return spec, comm, spec.topology_used.startswith(
-                        'two-level')
+        def build(config):
+            spec, comm = self._sharded_comm(config, names, counter, replicas)
+            return spec, comm, spec.topology_used.startswith('two-level')
 
-                self._auto.start_sharded(
-                    runner, sharded_auto_candidates(settings), build,
-                    lambda comm: set_reduce_scatter(model, comm))
-                self._installed = [('', self._auto.active()[0], counter, ids)]
-                return
-            cfg = decision.config
+        cfg = self._config_or_trials(
+            runner, build, lambda comm: set_reduce_scatter(model, comm),
+            counter, ids)
+        if cfg is None:
+            return
         spec, comm = self._sharded_comm(cfg, names, counter, replicas)
         self._register_sharded(runner, spec, set_reduce_scatter(model, comm),
                                counter, ids)
+
+    def _config_or_trials(self, runner, build, install, counter, ids: dict):
+        """The config to install: ``comm_hook`` itself, or under ``auto``
+        the choice a resumed run kept; None where ``auto``'s trials start
+        instead (each candidate built by ``build``, config -> ``(spec,
+        comm, two_level)``, and put on the model by ``install``)."""
+        cfg = self._cfg
+        if cfg['type'] != AUTO:
+            return cfg
+        settings = check_comm_hook_cfg(cfg)
+        self._auto = AutoComm(settings, self._loaded_auto)
+        decision = self._auto.kept(runner)
+        if decision is not None:
+            return decision.config
+        self._counters = [counter]
+        self._auto.start_sharded(runner, sharded_auto_candidates(settings),
+                                 build, install)
+        self._installed = [('', self._auto.active()[0], counter, ids)]
+        return None
 
     def _install_hybrid(self, runner, names: dict, counter, ids: dict) -> None:
         """Hybrid sharding: FSDP2 reduce-scatters inside the node as it
@@ -105,25 +114,16 @@ class FSDP2CommMixin:
         ``auto`` tries the candidates that run under full sharding too."""
         model = runner.model
         group = cross_node_group(model)
-        cfg = self._cfg
-        if cfg['type'] == AUTO:
-            settings = check_comm_hook_cfg(cfg)
-            self._auto = AutoComm(settings, self._loaded_auto)
-            decision = self._auto.kept(runner)
-            if decision is None:
-                self._counters = [counter]
 
-                def build(config):
-                    spec, comm, _ = self._hybrid_comm(config, names, counter,
-                                                      group)
-                    return spec, comm, False
+        def build(config):
+            spec, comm, _ = self._hybrid_comm(config, names, counter, group)
+            return spec, comm, False
 
-                self._auto.start_sharded(
-                    runner, sharded_auto_candidates(settings), build,
-                    lambda comm: install_cross_node(model, comm))
-                self._installed = [('', self._auto.active()[0], counter, ids)]
-                return
-            cfg = decision.config
+        cfg = self._config_or_trials(
+            runner, build, lambda comm: install_cross_node(model, comm),
+            counter, ids)
+        if cfg is None:
+            return
         spec, comm, state = self._hybrid_comm(cfg, names, counter, group)
         if self._cfg.get('topology', 'auto') != 'auto':
             spec.notes += (

@@ -56,6 +56,7 @@ __all__ = [
     'check_bf16_support',
     'CompressState',
     'default_predivide_factor',
+    'require_wire_dtype',
     'check_compress_args',
     'group_or_world',
     'require_dtype_support',
@@ -335,6 +336,14 @@ class CompressState:
 
 
 _TWO_BYTE_FLOATS = (torch.float16, torch.bfloat16)
+
+
+def require_wire_dtype(wire_dtype: Optional[torch.dtype]) -> None:
+    """Raise ``ValueError`` unless ``wire_dtype`` is a half-precision
+    dtype or None (the gradients' own), what the FSDP2 forms send."""
+    if wire_dtype not in (None, torch.float16, torch.bfloat16):
+        raise ValueError('wire_dtype should be torch.float16, '
+                         f'torch.bfloat16 or None, but got {wire_dtype}')
 
 
 def wire_dtype_for(dtype: torch.dtype, buffer: torch.Tensor) -> torch.dtype:

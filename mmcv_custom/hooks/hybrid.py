@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import cast, int8_codec
-from .half import require_dtype_support, wire_dtype_for
+from .half import require_dtype_support, require_wire_dtype, wire_dtype_for
 from .state import HookStateKeeper
 from .util import align_up, all_gather_single, ceil_div
 from .validation import require_bool, require_int
@@ -91,9 +91,7 @@ class CrossNodeAllReduce:
                  group: dist.ProcessGroup,
                  wire_dtype: Optional[torch.dtype] = None,
                  counter=None) -> None:
-        if wire_dtype not in (None, torch.float16, torch.bfloat16):
-            raise ValueError('wire_dtype should be torch.float16, '
-                             f'torch.bfloat16 or None, but got {wire_dtype}')
+        require_wire_dtype(wire_dtype)
         self.group = group
         self.wire_dtype = wire_dtype
         self.counter = counter

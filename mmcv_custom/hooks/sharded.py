@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import cast, int8_codec
-from .half import require_dtype_support, wire_dtype_for
+from .half import require_dtype_support, require_wire_dtype, wire_dtype_for
 from .hybrid import cross_node_group
 from .topology import NodeGroups
 from .util import align_up
@@ -121,9 +121,7 @@ class AveragingReduceScatter(_SummingReduceScatter):
     def __init__(self,
                  wire_dtype: Optional[torch.dtype] = None,
                  counter=None) -> None:
-        if wire_dtype not in (None, torch.float16, torch.bfloat16):
-            raise ValueError('wire_dtype should be torch.float16, '
-                             f'torch.bfloat16 or None, but got {wire_dtype}')
+        require_wire_dtype(wire_dtype)
         self.wire_dtype = wire_dtype
         self.counter = counter
 

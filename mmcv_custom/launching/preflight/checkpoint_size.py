@@ -13,11 +13,9 @@ from typing import NamedTuple, Optional
 
 from mmengine.config import Config
 
-from ...engine.fsdp2_args import STRATEGY_DEFAULTS
-from ...engine.fsdp2_mesh import decide_sharding
-from ...engine.process_group import LAUNCH_ENV, launcher_layout
 from ...hooks.util import ceil_div
 from ..cpu_start import uses_fsdp2
+from .strategy import plan_at_start
 
 __all__ = [
     'CheckpointSize', 'checkpoint_size', 'estimate_checkpoint_bytes',
@@ -87,27 +85,14 @@ def format_size(size: float) -> str:
 def _hybrid_ranks_per_node(cfg: Config, launcher: str) -> Optional[int]:
     """The ranks of a node where ``cfg``'s FSDP2Strategy shards hybrid on
     the layout ``launcher``'s environment states (the strategy's own
-    :func:`~mmcv_custom.engine.fsdp2_mesh.decide_sharding`); None where it
+    :func:`~.strategy.plan_at_start`, the ranks' own decision); None where it
     shards over every rank, or where the layout or the arguments cannot
     hold (the strategy check says why). ``'auto'`` also weighs the GPU's
     memory at start, which is not known here: counted as hybrid wherever
     the layout allows it, the larger save."""
-    given = cfg.get('strategy') or {}
-    args = dict(STRATEGY_DEFAULTS, **{
-        k: v
-        for k, v in given.items() if k != 'type'
-    })
-    if args['sharding'] == 'full' or launcher not in LAUNCH_ENV:
-        return None
-    world, layout, why = launcher_layout(launcher)
-    if world is None:
-        return None
-    try:
-        plan = decide_sharding(args['sharding'], args['ranks_per_node'], world,
-                               layout, why)
-    except (TypeError, ValueError):
-        return None
-    return plan.layout.ranks_per_node if plan.hybrid else None
+    plan = plan_at_start(cfg, launcher)
+    return plan.layout.ranks_per_node if plan is not None and (
+        plan.hybrid) else None
 
 
 def _hybrid_state_bytes(comm_hook: dict, params, ranks_per_node: int) -> int:

@@ -16,12 +16,12 @@ from typing import List, Optional
 from mmengine.config import Config
 
 from ...engine.fsdp2_args import STRATEGY_DEFAULTS, strategy_arg_errors
-from ...engine.fsdp2_mesh import decide_sharding
+from ...engine.fsdp2_mesh import ShardingPlan, decide_sharding
 from ...engine.process_group import LAUNCH_ENV, launcher_layout
 from ..cpu_start import uses_fsdp2
 from .problems import Problem
 
-__all__ = ['strategy_problems', 'hybrid_at_start']
+__all__ = ['strategy_problems', 'plan_at_start', 'hybrid_at_start']
 
 
 def strategy_problems(cfg: Config, launcher: str) -> List[Problem]:
@@ -53,31 +53,36 @@ def strategy_problems(cfg: Config, launcher: str) -> List[Problem]:
     return []
 
 
-def hybrid_at_start(cfg: Config, launcher: str) -> Optional[bool]:
-    """Whether the FSDP2 config will shard hybrid on the nodes
-    ``launcher``'s environment states: True or False, None where that is
-    not known before the ranks start (no launcher's word, or a sharding
-    that :func:`strategy_problems` refuses). ``'auto'``'s memory check
-    (:func:`~mmcv_custom.engine.fsdp2_mesh.fit_on_node`) needs the GPU,
-    so a hybrid answer may still become full sharding on a GPU the node's
-    shard does not fit."""
-    args = dict(STRATEGY_DEFAULTS, **{
+def plan_at_start(cfg: Config, launcher: str) -> Optional[ShardingPlan]:
+    """The sharding the FSDP2 config will run on the nodes ``launcher``'s
+    environment states, as the ranks will decide it
+    (:func:`~mmcv_custom.engine.fsdp2_mesh.decide_sharding`); None where
+    that is not known before the ranks start (no launcher's word, or
+    arguments or a layout that :func:`strategy_problems` refuses).
+    ``'auto'``'s memory check (:func:`~mmcv_custom.engine.fsdp2_mesh.
+    fit_on_node`) needs the GPU, so a hybrid plan may still become full
+    sharding on a GPU the node's shard does not fit."""
+    given = {
         k: v
-        for k, v in cfg.strategy.items() if k != 'type'
-    })
+        for k, v in (cfg.get('strategy') or {}).items() if k != 'type'
+    }
+    args = dict(STRATEGY_DEFAULTS, **given)
     if args['sharding'] == 'full':
-        return False
-    if launcher not in LAUNCH_ENV or strategy_arg_errors({
-            k: v
-            for k, v in cfg.strategy.items() if k != 'type'
-    }):
+        return ShardingPlan(None, 'full')
+    if launcher not in LAUNCH_ENV or strategy_arg_errors(given):
         return None
     world, layout, why = launcher_layout(launcher)
     if world is None:
         return None
     try:
-        plan = decide_sharding(args['sharding'], args['ranks_per_node'], world,
+        return decide_sharding(args['sharding'], args['ranks_per_node'], world,
                                layout, why)
     except ValueError:
         return None
-    return plan.hybrid
+
+
+def hybrid_at_start(cfg: Config, launcher: str) -> Optional[bool]:
+    """Whether the FSDP2 config will shard hybrid (:func:`plan_at_start`);
+    None where that is not known before the ranks start."""
+    plan = plan_at_start(cfg, launcher)
+    return None if plan is None else plan.hybrid
