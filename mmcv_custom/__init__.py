@@ -32,17 +32,19 @@ _MMENGINE_NAMES = ('COMM_HOOKS', 'COMM_HOOK_STATES', 'CommCounter',
                    'install_checkpoint_integrity')
 
 if importlib.util.find_spec('mmengine') is not None:
+    from .comm.builder import (CommHookSpec, build_comm_hook,
+                               check_comm_hook_cfg)
+    from .comm.registry import COMM_HOOK_STATES, COMM_HOOKS
+    from .comm.telemetry import CommCounter
     from .engine import (CommHookRegistrationHook, CPUAmpOptimWrapper,
                          FSDP2Strategy, LayerDecayOptimWrapperConstructor,
                          NonFiniteGradientsError, install_checkpoint_integrity)
+    from .hooks.validation import (require_bool, require_int, require_real,
+                                   with_args_check)
     from .integrity import CheckpointDamagedError
     from .integrity.checkpoint import (UnsafeCheckpointError,
                                        allow_mmengine_checkpoints,
                                        check_checkpoint, load_checkpoint_file)
-    from .registry import (COMM_HOOK_STATES, COMM_HOOKS, CommCounter,
-                           CommHookSpec, build_comm_hook, check_comm_hook_cfg,
-                           require_bool, require_int, require_real,
-                           with_args_check)
 
     allow_mmengine_checkpoints()
     install_checkpoint_integrity()

@@ -1,8 +1,10 @@
-"""The old import path ``mmcv_custom.ddp_hooks``, kept so that existing imports
-work. The half-precision hooks now live in :mod:`mmcv_custom.hooks.half`,
-and ``cpu_codec`` in :mod:`mmcv_custom.hooks.cast`; the hook math is the
-torch-only package :mod:`mmcv_custom.hooks`. This module only re-exports the
-same objects; code in this project imports them from their new module.
+"""The seed's import path, ``from mmcv_custom.ddp_hooks import
+fp16_compress_hook, bf16_compress_hook`` (InternVL's
+``segmentation/mmcv_custom/ddp_hooks.py``), kept because code copied from
+there imports it. The half-precision hooks live in
+:mod:`mmcv_custom.hooks.half` and ``cpu_codec`` in
+:mod:`mmcv_custom.hooks.cast`; this module only re-exports the same
+objects, and nothing in the project imports it.
 """
 from .hooks.cast import cpu_codec
 from .hooks.half import (CompressState, allreduce_hook, bf16_compress_hook,

@@ -21,7 +21,8 @@ from ..hooks.batched_powersgd import batched_powersgd_hook
 from ..hooks.half import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from ..hooks.int8 import Int8BucketPlan, Int8StateKeeper, int8_compress_hook
 from ..hooks.powersgd import compression, powersgd_hook
-from ..hooks.powersgd_state import BatchedPowerSGDRelayout, PowerSGDRelayout
+from ..hooks.powersgd_state import (BatchedPowerSGDStateKeeper,
+                                    PowerSGDStateKeeper)
 from .cost_records import (ALLREDUCE_COST, BATCHED_POWERSGD_COST,
                            HALF_PRECISION_COSTS, INT8_COST, POWERSGD_COST)
 from .records import HookRecord, HookVariant, sends_bucket
@@ -332,7 +333,7 @@ BUILTIN_HOOKS = (
             on_worker=True,
             waits_per_bucket=False,
             powersgd_state=True,
-            state_keeper=PowerSGDRelayout,
+            state_keeper=PowerSGDStateKeeper,
             defaults=_POWERSGD_DEFAULTS,
             count_bytes_sent=_powersgd_bytes_sent,
             model_bytes=_powersgd_bytes,
@@ -352,7 +353,7 @@ BUILTIN_HOOKS = (
             on_worker=True,
             waits_per_bucket=False,
             powersgd_state=True,
-            state_keeper=BatchedPowerSGDRelayout,
+            state_keeper=BatchedPowerSGDStateKeeper,
             defaults=_POWERSGD_DEFAULTS,
             count_bytes_sent=_powersgd_bytes_sent,
             cost=BATCHED_POWERSGD_COST,

@@ -19,8 +19,8 @@ from ..comm.sharded import (build_sharded_comm, sharded_auto_candidates,
 from ..comm.telemetry import CommCounter
 from ..hooks.cast import cpu_codec
 from ..hooks.half import CompressState
-from ..hooks.hybrid import (CrossNodeAllReduce, HybridInt8Keeper,
-                            HybridInt8State, Int8CrossNodeAllReduce,
+from ..hooks.hybrid import (CrossNodeAllReduce, HybridInt8State,
+                            HybridInt8StateKeeper, Int8CrossNodeAllReduce,
                             cross_node_group, install_cross_node)
 from ..hooks.int8 import Int8State
 from ..hooks.int8_codec import codec_in_use
@@ -135,7 +135,7 @@ class FSDP2CommMixin:
             world = torch.distributed.get_world_size()
             layout = (group.size(), world // group.size())
             self._state_files = HookStateFiles(
-                {'': HybridInt8Keeper(state, layout)}, cfg)
+                {'': HybridInt8StateKeeper(state, layout)}, cfg)
         self._register_sharded(runner, spec, install_cross_node(model, comm),
                                counter, ids)
         if self._state_files is not None:

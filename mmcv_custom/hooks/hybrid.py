@@ -20,8 +20,8 @@ in place); this module's objects are those hooks:
   feedback by default. A rank's shard is the same slice of the same
   parameters at every step, so the residual of what rounding drops is kept
   per unit, in the shard's layout (:class:`HybridInt8State`), saved beside
-  the checkpoints by :class:`HybridInt8Keeper` and refused where the layout
-  changed.
+  the checkpoints by :class:`HybridInt8StateKeeper` and refused where the
+  layout changed.
 
 The all-reduce is exact only in :class:`CrossNodeAllReduce` with the
 shard's own dtype, which :func:`install_cross_node` puts on a model the
@@ -44,7 +44,7 @@ from .validation import require_bool, require_int
 
 __all__ = [
     'CrossNodeAllReduce', 'Int8CrossNodeAllReduce', 'HybridInt8State',
-    'HybridInt8Keeper', 'install_cross_node', 'mark_hybrid',
+    'HybridInt8StateKeeper', 'install_cross_node', 'mark_hybrid',
     'cross_node_group', 'fsdp_units'
 ]
 
@@ -175,8 +175,8 @@ class HybridInt8State:
             raise ValueError(
                 f'the int8 error feedback of unit {unit or "(root)"} holds '
                 f'{kept.numel()} values, its shard now needs {numel}: it '
-                'belongs to another layout (HybridInt8Keeper refuses such '
-                'state on restore)')
+                'belongs to another layout (HybridInt8StateKeeper refuses '
+                'such state on restore)')
         self.residuals[unit] = kept = kept.to(device)
         return kept
 
@@ -304,7 +304,7 @@ def install_cross_node(model: nn.Module, comm) -> int:
     return len(units)
 
 
-class HybridInt8Keeper(HookStateKeeper):
+class HybridInt8StateKeeper(HookStateKeeper):
     """Saves and restores :class:`HybridInt8State`'s residuals per unit.
 
     A residual holds a rank's slice of a unit's parameters in the shard

@@ -409,10 +409,6 @@ class Int8StateKeeper(HookStateKeeper):
         self.state._pending = {}
 
 
-#: The name this class had before it was a HookStateKeeper.
-Int8Relayout = Int8StateKeeper
-
-
 def int8_compress_hook(
         state: Int8State,
         bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -18,7 +18,7 @@ layout, and a resumed run ends where the uninterrupted one does
 Errors and warm-start matrices keep PyTorch's per-bucket layout (one flat
 residual per bucket; ``Q`` factors grouped by matrix shape in order of
 first appearance), so
-:class:`~mmcv_custom.hooks.powersgd_state.PowerSGDRelayout` moves and saves
+:class:`~mmcv_custom.hooks.powersgd_state.PowerSGDStateKeeper` moves and saves
 them as before. CPU buckets run on
 :mod:`mmcv_custom.hooks.worker`'s thread, one after another in DDP's order.
 
@@ -335,7 +335,7 @@ class _TwoLevelPlan:
             slot or None)``.
         p_size, q_size (int): The bucket's ``P`` and ``Q`` memories, laid
             out as the flat form's (:func:`factor_layout`), so that
-            :class:`~.powersgd_state.PowerSGDRelayout` moves and saves them
+            :class:`~.powersgd_state.PowerSGDStateKeeper` moves and saves them
             unchanged; a rank uses the slots of its own tensors only.
     """
 

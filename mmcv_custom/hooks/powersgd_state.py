@@ -6,12 +6,12 @@ the first iteration and again after it, and a resumed run builds a fresh DDP
 whose first layout differs from the one the checkpoint was taken in. Restored
 as is, every residual lands on the wrong parameters.
 
-:class:`PowerSGDRelayout` keeps the state correct across layouts: it wraps
+:class:`PowerSGDStateKeeper` keeps the state correct across layouts: it wraps
 the hook, notices when a bucket's parameters change, and moves each
 parameter's residual and warm-start ``Q`` into the bucket that now holds it.
-The same per-parameter form is what :meth:`PowerSGDRelayout.state_dict`
+The same per-parameter form is what :meth:`PowerSGDStateKeeper.state_dict`
 saves, keyed by parameter name, so it can be laid out again for whatever
-buckets a resumed run builds. :class:`BatchedPowerSGDRelayout` does the
+buckets a resumed run builds. :class:`BatchedPowerSGDStateKeeper` does the
 same for batched PowerSGD, whose warm start belongs to a whole bucket.
 Imports only torch and numpy (which PyTorch's PowerSGD needs anyway).
 """
@@ -27,7 +27,7 @@ from .powersgd import factor_layout
 from .state import HookStateKeeper
 from .util import named_after
 
-__all__ = ['PowerSGDRelayout', 'BatchedPowerSGDRelayout']
+__all__ = ['PowerSGDStateKeeper', 'BatchedPowerSGDStateKeeper']
 
 _VERSION = 1
 # PowerSGDState settings that must match for saved residuals to mean the same.
@@ -59,7 +59,7 @@ class _Layout:
                 self.q[id(p)] = slot
 
 
-class PowerSGDRelayout(HookStateKeeper):
+class PowerSGDStateKeeper(HookStateKeeper):
     """Keep a ``PowerSGDState`` per parameter across bucket layouts.
 
     Args:
@@ -69,7 +69,7 @@ class PowerSGDRelayout(HookStateKeeper):
             what :meth:`state_dict` is keyed by.
 
     Example:
-        >>> relayout = PowerSGDRelayout(state, names)
+        >>> relayout = PowerSGDStateKeeper(state, names)
         >>> ddp.register_comm_hook(state, relayout.wrap(powerSGD_hook))
         >>> torch.save(relayout.state_dict(), path)        # later
         >>> relayout.load_state_dict(torch.load(path))     # new run
@@ -318,8 +318,8 @@ class PowerSGDRelayout(HookStateKeeper):
         self._where.clear()
 
 
-class BatchedPowerSGDRelayout(PowerSGDRelayout):
-    """:class:`PowerSGDRelayout` for :func:`batched_powersgd_hook`.
+class BatchedPowerSGDStateKeeper(PowerSGDStateKeeper):
+    """:class:`PowerSGDStateKeeper` for :func:`batched_powersgd_hook`.
 
     Its error feedback follows the bucket buffer as PowerSGD's does and is
     kept per parameter the same way. Its warm-start matrix ``Q`` compresses

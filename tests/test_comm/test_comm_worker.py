@@ -28,12 +28,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import \
     powerSGD_hook as powerSGD
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mmcv_custom.comm import build_comm_hook
 from mmcv_custom.hooks import worker
 from mmcv_custom.hooks.batched_powersgd import (_batched_powersgd,
                                                 batched_powersgd_hook)
 from mmcv_custom.hooks.int8 import Int8State, _int8_reduce, int8_compress_hook
 from mmcv_custom.hooks.powersgd import _powersgd, powersgd_hook
-from mmcv_custom.registry import build_comm_hook
 from mmcv_custom.testing import run_ranks
 
 

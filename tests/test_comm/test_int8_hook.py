@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mmcv_custom.comm import (CommCounter, build_comm_hook, build_sharded_comm,
+                              check_comm_hook_cfg)
 from mmcv_custom.hooks.int8 import Int8State, int8_compress_hook
 from mmcv_custom.hooks.sharded import Int8ReduceScatter
-from mmcv_custom.registry import (CommCounter, build_comm_hook,
-                                  build_sharded_comm, check_comm_hook_cfg)
 from mmcv_custom.testing import run_ranks
 
 # (numel, block_size): exact multiples of block_size * world_size, ragged

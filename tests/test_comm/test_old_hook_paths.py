@@ -1,11 +1,12 @@
 """The hook math as a package: ``mmcv_custom.hooks`` imports only torch,
-and the modules it was moved from still import, as thin re-exports.
+and the seed's path still imports, as a thin re-export.
 
-Users import the hooks on plain DDP models (``from mmcv_custom.ddp_hooks
-import bf16_compress_hook``) and name them in configs
-(``type='mmcv_custom.ddp_hooks.fp16_compress_hook'``), so every old path
-must hand out the very objects the new modules define; and the package
-must stay usable without MMEngine and without the rest of the project.
+Code copied from InternVL's ``segmentation/mmcv_custom/ddp_hooks.py``
+imports ``from mmcv_custom.ddp_hooks import fp16_compress_hook,
+bf16_compress_hook`` and its configs name
+``type='mmcv_custom.ddp_hooks.fp16_compress_hook'``, so that path must hand
+out the very objects the hooks package defines; and the package must stay
+usable without MMEngine and without the rest of the project.
 """
 import ast
 import importlib
@@ -20,20 +21,10 @@ import pytest
 
 import mmcv_custom.hooks
 
-# Old module -> the new module(s) its public names now come from.
+# The seed's module -> the modules its public names now come from.
 OLD_PATHS = {
     'mmcv_custom.ddp_hooks':
     ('mmcv_custom.hooks.half', 'mmcv_custom.hooks.cast'),
-    'mmcv_custom.int8_codec': ('mmcv_custom.hooks.int8_codec', ),
-    'mmcv_custom.int8_hooks': ('mmcv_custom.hooks.int8', ),
-    'mmcv_custom.powersgd': ('mmcv_custom.hooks.powersgd', ),
-    'mmcv_custom.powersgd_state': ('mmcv_custom.hooks.powersgd_state', ),
-    'mmcv_custom.batched_powersgd': ('mmcv_custom.hooks.batched_powersgd', ),
-    'mmcv_custom.comm_worker': ('mmcv_custom.hooks.worker', ),
-    'mmcv_custom.sharded_comm': ('mmcv_custom.hooks.sharded', ),
-    'mmcv_custom.hook_state': ('mmcv_custom.hooks.state', ),
-    'mmcv_custom.comm.validation': ('mmcv_custom.hooks.validation', ),
-    'mmcv_custom.comm.util': ('mmcv_custom.hooks.util', ),
 }
 
 HOOKS_DIR = osp.dirname(mmcv_custom.hooks.__file__)
@@ -85,9 +76,17 @@ def test_old_path_is_a_thin_re_export(old):
             assert [t.id for t in node.targets] == ['__all__'], path
 
 
+def test_the_seeds_import_still_works():
+    """The two names InternVL's file defines, as its users import them."""
+    from mmcv_custom.ddp_hooks import bf16_compress_hook, fp16_compress_hook
+    from mmcv_custom.hooks import half
+    assert fp16_compress_hook is half.fp16_compress_hook
+    assert bf16_compress_hook is half.bf16_compress_hook
+
+
 def test_config_type_may_still_name_an_old_path():
+    from mmcv_custom.comm import COMM_HOOKS
     from mmcv_custom.hooks.half import fp16_compress_hook
-    from mmcv_custom.registry import COMM_HOOKS
     assert (COMM_HOOKS.get('mmcv_custom.ddp_hooks.fp16_compress_hook')
             is fp16_compress_hook)
 

@@ -341,7 +341,7 @@ def test_load_from_a_damaged_file_names_it_and_the_alternative(
     work = _copy(trained, tmp_path)
     _flip(str(work / 'iter_6.pth'))
     code, log = _train(tmp_path / 'other', f'load_from={work}/iter_6.pth')
-    assert code == 2  # a preflight problem (mmcv_custom.preflight)
+    assert code == 2  # a preflight problem (mmcv_custom.launching.preflight)
     assert (f'train.py: error: load_from: {work}/iter_6.pth is damaged: its '
             'SHA-256 is ') in log
     assert 'Traceback' not in log

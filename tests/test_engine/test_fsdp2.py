@@ -20,13 +20,13 @@ import torch.distributed as dist
 from torch import nn
 
 import mmcv_custom  # noqa: F401  (registers the strategy and the hook)
+from mmcv_custom.comm import CommCounter, build_sharded_comm
 from mmcv_custom.hooks.sharded import (AveragingReduceScatter,
                                        install_reduce_scatter)
 from mmcv_custom.integrity.checkpoint import is_sharded_checkpoint
 from mmcv_custom.integrity.sharded_checkpoint import \
     consolidate_sharded_checkpoint
 from mmcv_custom.launching.ports import free_port
-from mmcv_custom.registry import CommCounter, build_sharded_comm
 from mmcv_custom.testing import run_ranks
 from tests.tool_utils import toy_set
 

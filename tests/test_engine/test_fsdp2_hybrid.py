@@ -19,16 +19,17 @@ import torch
 from mmengine.config import Config
 
 import mmcv_custom  # noqa: F401  (registers the strategy and the hook)
+from mmcv_custom.comm import CommCounter
 from mmcv_custom.comm.sharded import build_sharded_comm, check_sharded_cfg
 from mmcv_custom.engine.fsdp2_mesh import plan_sharding
-from mmcv_custom.hooks.hybrid import (CrossNodeAllReduce, HybridInt8Keeper,
-                                      HybridInt8State, Int8CrossNodeAllReduce,
+from mmcv_custom.hooks.hybrid import (CrossNodeAllReduce, HybridInt8State,
+                                      HybridInt8StateKeeper,
+                                      Int8CrossNodeAllReduce,
                                       install_cross_node, mark_hybrid)
 from mmcv_custom.hooks.sharded import fsdp_replicas, install_reduce_scatter
 from mmcv_custom.integrity.sharded_checkpoint import \
     consolidate_sharded_checkpoint
 from mmcv_custom.launching.preflight.config_values import comm_hook_problems
-from mmcv_custom.registry import CommCounter
 from mmcv_custom.testing import run_ranks
 from tests.test_engine.test_fsdp2 import _Net, _train
 
@@ -169,7 +170,8 @@ def _int8_steps(rank, world_size, steps):
         state = HybridInt8State(16, feedback, dtype)
         model = _hybrid_net(lambda g: Int8CrossNodeAllReduce(g, state))
         out[case] = (_grads(model, rank, steps,
-                            1), HybridInt8Keeper(state, (2, 2)).state_dict())
+                            1), HybridInt8StateKeeper(state,
+                                                      (2, 2)).state_dict())
     return exact, out
 
 
@@ -206,21 +208,24 @@ def test_int8_error_feedback_keeps_what_rounding_dropped():
 def test_int8_state_is_refused_on_another_layout():
     state = HybridInt8State(16)
     state.residuals = {'a': torch.ones(8)}
-    saved = HybridInt8Keeper(state, (2, 2)).state_dict()
-    HybridInt8Keeper(HybridInt8State(16), (2, 2)).check_state_dict(saved)
+    saved = HybridInt8StateKeeper(state, (2, 2)).state_dict()
+    HybridInt8StateKeeper(HybridInt8State(16), (2, 2)).check_state_dict(saved)
     with pytest.raises(ValueError) as info:
-        HybridInt8Keeper(HybridInt8State(16), (4, 1)).check_state_dict(saved)
+        HybridInt8StateKeeper(HybridInt8State(16),
+                              (4, 1)).check_state_dict(saved)
     assert str(info.value) == (
         'it was saved on 2 nodes x 2 ranks, this run has 4 nodes x 1 ranks: '
         'its shards are other slices of the parameters')
     with pytest.raises(ValueError, match='its block_size is 16, this run'):
-        HybridInt8Keeper(HybridInt8State(32), (2, 2)).check_state_dict(saved)
+        HybridInt8StateKeeper(HybridInt8State(32),
+                              (2, 2)).check_state_dict(saved)
     with pytest.raises(ValueError) as info:
-        HybridInt8Keeper(HybridInt8State(16, True, torch.bfloat16),
-                         (2, 2)).check_state_dict(saved)
+        HybridInt8StateKeeper(
+            HybridInt8State(16, True, torch.bfloat16),
+            (2, 2)).check_state_dict(saved)
     assert str(info.value) == ('its residuals are float32, this run keeps '
                                'them in bfloat16 (residual_dtype)')
-    keeper = HybridInt8Keeper(HybridInt8State(16), (2, 2))
+    keeper = HybridInt8StateKeeper(HybridInt8State(16), (2, 2))
     keeper.load_state_dict(saved)
     assert torch.equal(keeper.state.residuals['a'], torch.ones(8))
     # A residual of another size is never silently dropped or reused.

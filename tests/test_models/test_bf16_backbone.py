@@ -14,11 +14,11 @@ import torch.distributed as dist
 from torch import nn
 
 import mmcv_custom.models  # noqa: F401  (registers InternViT)
+from mmcv_custom.comm import CommCounter, build_comm_hook
 from mmcv_custom.hooks.half import (CompressState, allreduce_hook,
                                     bf16_compress_hook, fp16_compress_hook,
                                     fp16_compress_wrapper)
 from mmcv_custom.models.backbones.intern_vit import InternViT
-from mmcv_custom.registry import CommCounter, build_comm_hook
 from mmcv_custom.testing import run_ranks
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))

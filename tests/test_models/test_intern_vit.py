@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mmcv_custom.comm import CommCounter, build_comm_hook
 from mmcv_custom.models import InternViT, resize_pos_embed
-from mmcv_custom.registry import CommCounter, build_comm_hook
 from mmcv_custom.testing import run_ranks
 
 TINY = dict(img_size=56, embed_dims=32, depth=4, num_heads=4)

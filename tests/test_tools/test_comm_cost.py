@@ -1,5 +1,5 @@
-"""The communication cost model (mmcv_custom.comm_cost) and its command line
-(tools/analysis_tools/comm_cost_model.py): collective formulas on
+"""The communication cost model (mmcv_custom.analysis.cost) and its command
+line (tools/analysis_tools/comm_cost_model.py): collective formulas on
 hand-worked cases, each hook's bytes against a hand count and against the
 hooks' own layout code, the overlap simulation, the fit on data the model
 generates itself, the real hooks under a real DDP on a one-rank gloo
@@ -176,7 +176,7 @@ def test_powersgd_rule_agrees_with_model_stats_and_torch():
     from torch.distributed.algorithms.ddp_comm_hooks import \
         powerSGD_hook as powerSGD
 
-    from mmcv_custom.registry import hook_record
+    from mmcv_custom.comm import hook_record
     model_bytes = hook_record('powerSGD').model_bytes
     shapes = SHAPES + ((7, ), (1, 50), (50, 1), (16, 3, 3, 3), (4, 4), ())
     for rank in (1, 2, 4):
@@ -342,7 +342,7 @@ def test_a_records_world_size_dependent_traffic_is_costed(gather_hook):
     assert p.wire_s == pytest.approx(cc.all_gather_time(1000, cluster))
     # Its per-model bytes take the world size too: on 3 ranks each share
     # is rounded up to 1334 bytes.
-    from mmcv_custom.registry import hook_record
+    from mmcv_custom.comm import hook_record
     model_bytes = hook_record(gather_hook).model_bytes
     tensors = [torch.empty(1000, device='meta')]
     assert [model_bytes(tensors, {}, False, n)
