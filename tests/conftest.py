@@ -65,8 +65,8 @@ def small_disk(tmp_path):
 #: opening on another worker would remove a killed cluster's namespaces
 #: while a test has them in hand).
 ONE_WORKER = {
-    'tests/test_tools/test_emulated_cluster.py': 'emulated nodes',
-    'tests/test_tools/test_benchmark_step_time.py': 'emulated nodes',
+    'tests/test_launching/test_emulated_cluster.py': 'emulated nodes',
+    'tests/test_analysis/test_benchmark_step_time.py': 'emulated nodes',
 }
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Stands in for Slurm's ``srun`` on a machine without Slurm, for
-``tests/test_engine/test_restart.py``: it starts ``--ntasks`` copies of
+``tests/test_launching/test_restart.py``: it starts ``--ntasks`` copies of
 the command on this machine with the variables a Slurm task sees
 (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``,
 ``SLURM_JOB_NODELIST``) and, as ``--kill-on-bad-exit=1`` does, kills the

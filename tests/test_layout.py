@@ -207,3 +207,24 @@ def test_layout_page_lists_every_module():
     stale = sorted(p for p in listed if not osp.exists(osp.join(ROOT, p)))
     assert not stale, ('docs/en/design/layout.md lists modules that do not '
                        'exist: ' + ', '.join(stale))
+
+
+def test_tests_mirror_the_package():
+    """A folder of tests for each part of the package that has modules of
+    its own (``tests/test_hooks/`` for ``mmcv_custom/hooks/``, ...), and
+    besides them only the command lines' and the GPU's."""
+    tests = osp.join(ROOT, 'tests')
+    folders = {
+        name[len('test_'):]
+        for name in os.listdir(tests)
+        if name.startswith('test_') and osp.isdir(osp.join(tests, name))
+    }
+    # Parts whose tests live with the part that uses them: the test
+    # harness itself, the checkpoint files (tested through the engine's
+    # writers), the toy data and the demo (through the tools).
+    through_others = {
+        'testing', 'integrity', 'datasets', 'demo', 'version', 'ddp_hooks'
+    }
+    parts = {_part(name) for name in MODULES} - {None} - through_others
+    assert folders == parts | {'tools', 'cuda'
+                               }, sorted(folders ^ (parts | {'tools', 'cuda'}))

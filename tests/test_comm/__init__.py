@@ -1,2 +1,2 @@
-"""The communication core: hook math on real gloo ranks, the registry,
-config checks, records, the comm worker, PowerSGD and int8."""
+"""The communication core: config checks, the registry and records,
+telemetry, accuracy classes, ``auto``."""

@@ -255,7 +255,7 @@ def test_each_hook_on_an_nccl_group_of_one_is_its_cpu_result():
 def test_the_fused_int8_kernels_compiled_are_the_torch_path():
     """The Triton kernels compiled for this GPU (not interpreted): the
     same bits as the torch path on the same GPU, every case of
-    ``tests/test_comm/int8_fused_cases.py``."""
+    ``tests/test_hooks/int8_fused_cases.py``."""
     import subprocess
     import sys
 
@@ -264,7 +264,7 @@ def test_the_fused_int8_kernels_compiled_are_the_torch_path():
         pytest.skip('Triton is not installed')
     env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
     out = subprocess.run(
-        [sys.executable, '-m', 'tests.test_comm.int8_fused_cases', 'cuda'],
+        [sys.executable, '-m', 'tests.test_hooks.int8_fused_cases', 'cuda'],
         cwd=ROOT,
         env=env,
         capture_output=True,

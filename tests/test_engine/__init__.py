@@ -1,2 +1,2 @@
 """The MMEngine adapters in real Runners: the runner hook, hook state
-files, checkpoints, FSDP2, restarts."""
+files, checkpoints, FSDP2."""

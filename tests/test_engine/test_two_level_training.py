@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mmcv_custom.launching.ports import free_port
-from tests.test_engine.test_restart import FCN, FCN_FAST
+from tests.test_launching.test_restart import FCN, FCN_FAST
 from tests.tool_utils import ROOT
 
 DIST_TRAIN = osp.join(ROOT, 'tools', 'dist_train.sh')

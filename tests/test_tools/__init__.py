@@ -1,1 +1,2 @@
-"""The command-line tools, the cost model, emulated nodes and the docs."""
+"""The command lines end to end, the converters, the tools' usage errors,
+the docs and ``make install``."""

@@ -16,8 +16,8 @@ import pytest
 from mmcv_custom import integrity
 from mmcv_custom.integrity.checkpoint_choice import run_of
 from mmcv_custom.launching.work_dir_lock import LOCK_FILE, WorkDirLock
-from .test_checkpoint_integrity import MLP
-from .test_checkpoint_integrity import _train as train
+from tests.test_engine.test_checkpoint_integrity import MLP
+from tests.test_engine.test_checkpoint_integrity import _train as train
 from .test_restart import _dist_train
 
 # One process, a checkpoint every 2 iterations, a validation at the end.

@@ -43,7 +43,7 @@ def _run(code_or_module, env=None, module=False):
 
 @needs_triton
 def test_the_fused_kernels_are_the_torch_path_bit_for_bit():
-    out = _run('tests.test_comm.int8_fused_cases', module=True)
+    out = _run('tests.test_hooks.int8_fused_cases', module=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ['OK'], out.stdout
 

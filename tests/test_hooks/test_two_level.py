@@ -14,7 +14,7 @@ from mmcv_custom.comm.sharded import build_sharded_comm
 from mmcv_custom.comm.traffic import sent_bytes
 from mmcv_custom.hooks.topology import NodeClaim
 from mmcv_custom.testing import run_ranks
-from tests.test_comm.test_int8_hook import Net
+from tests.test_hooks.test_int8_hook import Net
 
 TWO_BY_TWO = dict(ranks_per_node=2)
 

@@ -1,6 +1,6 @@
 """The fused int8 kernels against the torch path, case by case: run by
 ``test_int8_fused.py`` under Triton's interpreter (CPU) and by
-``tests/test_cuda`` on a GPU. ``python -m tests.test_comm.int8_fused_cases
+``tests/test_cuda`` on a GPU. ``python -m tests.test_hooks.int8_fused_cases
 DEVICE`` prints one line per case that differs, then ``OK`` or ``DIFF``."""
 import sys
 

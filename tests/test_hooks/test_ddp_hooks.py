@@ -366,7 +366,7 @@ def test_hook_modules_import_without_mmengine(tmp_path):
     run without MMEngine: imported in a fresh interpreter whose
     ``mmcv_custom`` package skips its ``__init__`` (which registers the
     MMEngine glue). What else ``mmcv_custom.hooks`` may import:
-    ``tests/test_comm/test_old_hook_paths.py``."""
+    ``tests/test_hooks/test_hooks_package.py``."""
     code = (
         'import sys, types\n'
         f'pkg = types.ModuleType("mmcv_custom"); pkg.__path__ = '
