@@ -29,27 +29,4 @@ if is_count "$CHECKPOINT" && ! is_count "$NPROC"; then
 fi
 check_config "$CONFIG"
 check_count NPROC_PER_NODE "$NPROC"
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-PORT=${PORT:-29500}
-MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
-VENV_PYTHON="$(dirname "$HERE")/.venv/bin/python"
-if [ -z "$PYTHON" ] && [ -x "$VENV_PYTHON" ]; then
-    PYTHON=$VENV_PYTHON
-fi
-# torchrun's own default, without its banner.
-if [ -z "${OMP_NUM_THREADS+set}" ] && [ "$NPROC" -gt 1 ]; then
-    export OMP_NUM_THREADS=1
-fi
-
-PYTHONPATH="$HERE/..":$PYTHONPATH \
-exec "${PYTHON:-python}" "$(dirname "$HERE")/mmcv_custom/launching/torchrun.py" "$PROG" \
-    --nnodes="$NNODES" \
-    --node_rank="$NODE_RANK" \
-    --master_addr="$MASTER_ADDR" \
-    --nproc_per_node="$NPROC" \
-    --master_port="$PORT" \
-    "$HERE/test.py" \
-    "$CONFIG" \
-    "$CHECKPOINT" \
-    --launcher pytorch "${@:4}"
+exec_torchrun "$HERE/test.py" "$CONFIG" "$CHECKPOINT" --launcher pytorch "${@:4}"

@@ -24,33 +24,6 @@ if is_count "$CONFIG" && is_config "$NPROC"; then
 fi
 check_config "$CONFIG"
 check_count NPROC_PER_NODE "$NPROC"
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-PORT=${PORT:-29500}
-MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
-MAX_RESTARTS=${MAX_RESTARTS:-0}
-case "$MAX_RESTARTS" in
-    ''|*[!0-9]*)
-        echo "dist_train.sh: MAX_RESTARTS=$MAX_RESTARTS: expected a whole number >= 0 (restarts after a failure)" >&2
-        exit 2 ;;
-esac
-VENV_PYTHON="$(dirname "$HERE")/.venv/bin/python"
-if [ -z "$PYTHON" ] && [ -x "$VENV_PYTHON" ]; then
-    PYTHON=$VENV_PYTHON
-fi
-# torchrun's own default, without its banner.
-if [ -z "${OMP_NUM_THREADS+set}" ] && [ "$NPROC" -gt 1 ]; then
-    export OMP_NUM_THREADS=1
-fi
-
-PYTHONPATH="$HERE/..":$PYTHONPATH \
-exec "${PYTHON:-python}" "$(dirname "$HERE")/mmcv_custom/launching/torchrun.py" "$PROG" \
-    --nnodes="$NNODES" \
-    --node_rank="$NODE_RANK" \
-    --master_addr="$MASTER_ADDR" \
-    --nproc_per_node="$NPROC" \
-    --master_port="$PORT" \
-    --max-restarts="$MAX_RESTARTS" \
-    "$HERE/train.py" \
-    "$CONFIG" \
-    --launcher pytorch "${@:3}"
+check_max_restarts
+exec_torchrun --max-restarts="$MAX_RESTARTS" \
+    "$HERE/train.py" "$CONFIG" --launcher pytorch "${@:3}"

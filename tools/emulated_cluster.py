@@ -49,12 +49,13 @@ import time
 from mmcv_custom.launching.emulated_cluster.availability import (
     ClusterUnavailable, reexec_in_user_namespace)
 from mmcv_custom.launching.emulated_cluster.calibrate import calibrate
-from mmcv_custom.launching.emulated_cluster.cluster import (MAX_NODES,
-                                                            EmulatedCluster,
+from mmcv_custom.launching.emulated_cluster.cluster import (EmulatedCluster,
                                                             Interrupted)
 from mmcv_custom.launching.emulated_cluster.counters import (
     HEADER_BYTES, namespace_link_bytes)
 from mmcv_custom.launching.emulated_cluster.namespaces import ClusterError
+from mmcv_custom.launching.emulated_cluster.node_options import (
+    add_node_options, check_node_options)
 from mmcv_custom.launching.emulated_cluster.node_start import signal_exit_code
 from mmcv_custom.launching.emulated_cluster.run import (DEFAULT_PORT,
                                                         TIMEOUT_EXIT_CODE,
@@ -95,20 +96,13 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog='COMMAND runs on every node as it is (no shell: use '
         "`bash -c '...'` for one). Only the link rate is emulated; "
         'propagation delay, jitter and loss are not.')
-    parser.add_argument(
-        '--nodes',
-        type=int,
-        default=2,
-        help=f'emulated nodes, 2 to {MAX_NODES} (default: 2)')
-    parser.add_argument(
-        '--ranks-per-node',
-        type=int,
-        default=1,
-        metavar='N',
-        help='ranks on each node, an int >= 1, set as NPROC_PER_NODE on '
-        'every node for its launcher (e.g. `tools/dist_train.sh CONFIG '
-        '$NPROC_PER_NODE`); ranks of a node talk inside it, only '
-        'traffic between nodes crosses the shaped link (default: 1)')
+    add_node_options(
+        parser,
+        ranks_per_node_help='ranks on each node, an int >= 1, set as '
+        'NPROC_PER_NODE on every node for its launcher (e.g. '
+        '`tools/dist_train.sh CONFIG $NPROC_PER_NODE`); ranks of a node '
+        'talk inside it, only traffic between nodes crosses the shaped '
+        'link (default: 1)')
     parser.add_argument(
         '--bandwidth',
         type=_bandwidth,
@@ -185,12 +179,7 @@ def parse_args(args=None) -> argparse.Namespace:
         parser.error(f'unrecognized arguments: {" ".join(extra)} (put the '
                      'command to run on every node after --)')
     parsed.command = command
-    if not 2 <= parsed.nodes <= MAX_NODES:
-        parser.error(f'--nodes should be an int from 2 to {MAX_NODES} (one '
-                     f'network namespace per node), but got {parsed.nodes}')
-    if parsed.ranks_per_node < 1:
-        parser.error('--ranks-per-node should be an int >= 1 (ranks on '
-                     f'each emulated node), but got {parsed.ranks_per_node}')
+    check_node_options(parser, parsed)
     if not 1 <= parsed.port <= 65535:
         parser.error(f'--port should be from 1 to 65535, but got '
                      f'{parsed.port}')

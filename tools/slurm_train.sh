@@ -19,46 +19,14 @@ PARTITION=$1
 JOB_NAME=$2
 CONFIG=$3
 check_config "$CONFIG"
-GPUS=${GPUS:-4}
-GPUS_PER_NODE=${GPUS_PER_NODE:-4}
-CPUS_PER_TASK=${CPUS_PER_TASK:-5}
-check_count GPUS "$GPUS"
-check_count GPUS_PER_NODE "$GPUS_PER_NODE"
-SRUN_ARGS=${SRUN_ARGS:-""}
-# CPU nodes: GRES= (empty) to ask for no GPUs.
-GRES=${GRES-"--gres=gpu:${GPUS_PER_NODE}"}
+check_slurm_sizes
 PY_ARGS=${@:4}
-# The interpreter of every task: PYTHON, else the repository's
-# .venv/bin/python when it exists (`make install`), else python on PATH.
-VENV_PYTHON="$(dirname "$HERE")/.venv/bin/python"
-if [ -z "$PYTHON" ] && [ -x "$VENV_PYTHON" ]; then
-    export PYTHON=$VENV_PYTHON
-fi
-# MASTER_ADDR for gloo on CPU nodes: the first host of the allocation.
-export MASTER_PORT=${MASTER_PORT:-29500}
-MAX_RESTARTS=${MAX_RESTARTS:-0}
-case "$MAX_RESTARTS" in
-    ''|*[!0-9]*)
-        echo "slurm_train.sh: MAX_RESTARTS=$MAX_RESTARTS: expected a whole number >= 0 (restarts after a failure)" >&2
-        exit 2 ;;
-esac
+check_max_restarts
 
-# Each task names its parent (slurmstepd) in MMCV_CUSTOM_LAUNCHER_PID: a rank
-# ends with it, SIGKILL included (mmcv_custom/launching/lifetime.py).
 attempt=0
 while true; do
-    PYTHONPATH="$HERE/..":$PYTHONPATH \
-        MMCV_CUSTOM_RESTART_COUNT=$attempt \
-        srun -p "${PARTITION}" \
-        --job-name="${JOB_NAME}" \
-        ${GRES} \
-        --ntasks="${GPUS}" \
-        --ntasks-per-node="${GPUS_PER_NODE}" \
-        --cpus-per-task="${CPUS_PER_TASK}" \
-        --kill-on-bad-exit=1 \
-        ${SRUN_ARGS} \
-        bash -c 'export MMCV_CUSTOM_LAUNCHER_PID=$PPID MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}; exec "${PYTHON:-python}" -u "$0" "$@" --launcher slurm' \
-        "$HERE/train.py" "${CONFIG}" ${PY_ARGS}
+    MMCV_CUSTOM_RESTART_COUNT=$attempt \
+        srun_ranks "$HERE/train.py" "${CONFIG}" ${PY_ARGS}
     status=$?
     # 2: a usage or preflight error (a missing file, a bad value), which a
     # restart would only print again.

@@ -20,22 +20,16 @@ Examples:
 import argparse
 import contextlib
 import os
-import sys
-
-from mmengine.config import DictAction
-from mmengine.logging import print_log
 
 import mmcv_custom  # noqa: F401  (safe loading of MMEngine checkpoints)
-from mmcv_custom.engine.process_group import is_launch_rank0
-from mmcv_custom.integrity import CheckpointDamagedError
-from mmcv_custom.integrity.checkpoint import is_sharded_checkpoint
-from mmcv_custom.integrity.sharded_checkpoint import consolidated_file
-from mmcv_custom.launching.console import ToolConsole, report_failure
-from mmcv_custom.launching.cpu_start import prepare_launch, uses_fsdp2
-from mmcv_custom.launching.lifetime import die_with_launcher
+from mmcv_custom.launching.cpu_start import prepare_launch
 from mmcv_custom.launching.preflight import (PreflightError, check_preflight,
-                                             checked_config, exit_on_problems)
+                                             exit_on_problems)
 from mmcv_custom.launching.running import run_runner
+from mmcv_custom.launching.tool_main import (add_launch_arguments,
+                                             load_consolidated,
+                                             parse_tool_args, run_tool,
+                                             start_tool)
 
 
 def parse_args():
@@ -61,30 +55,13 @@ def parse_args():
         'to the work_dir/timestamp/show_dir')
     parser.add_argument(
         '--wait-time', type=float, default=2, help='the interval of show (s)')
-    parser.add_argument(
-        '--cfg-options',
-        nargs='+',
-        action=DictAction,
-        help='override some settings in the used config, the key-value pair '
-        'in xxx=yyy format will be merged into config file.')
-    parser.add_argument(
-        '--launcher',
-        choices=['none', 'pytorch', 'slurm', 'mpi'],
-        default='none',
-        help='job launcher')
+    add_launch_arguments(
+        parser,
+        cfg_options_help='override some settings in the used config, the '
+        'key-value pair in xxx=yyy format will be merged into config file.')
     parser.add_argument(
         '--tta', action='store_true', help='Test time augmentation')
-    parser.add_argument(
-        '--verbose',
-        action='store_true',
-        help='print the environment, the full config, the hook table and '
-        'third-party warnings on the console too (the log file always has '
-        'them)')
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
-    args = parser.parse_args()
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
-    return args
+    return parse_tool_args(parser)
 
 
 def trigger_visualization_hook(cfg, args):
@@ -107,16 +84,7 @@ def trigger_visualization_hook(cfg, args):
 
 def main():
     args = parse_args()
-    # A rank ends with its launcher (torchrun, srun), SIGKILL included.
-    die_with_launcher(args.launcher)
-    # A header, the progress and a summary; the rest in the log file.
-    console = ToolConsole('test.py', verbose=args.verbose).start()
-    console.work_dir = args.work_dir
-    try:
-        cfg = checked_config(args.config, args.cfg_options, args.work_dir)
-    except PreflightError as e:
-        exit_on_problems(e, 'test.py', args.launcher)
-    console.work_dir = cfg.work_dir
+    cfg = start_tool('test.py', args)
 
     # The checkpoint, the test data and the work dir, all named at once,
     # before the model, the process group or the runner exists.
@@ -158,26 +126,10 @@ def main():
 
     prepare_launch(cfg, args.launcher)
     with contextlib.ExitStack() as stack:
-        if is_sharded_checkpoint(args.checkpoint) and not uses_fsdp2(cfg):
-            # Written by FSDP2Strategy, evaluated with an ordinary (DDP)
-            # config.
-            cfg.load_from = stack.enter_context(
-                consolidated_file(args.checkpoint))
-            if is_launch_rank0():
-                print_log(
-                    f'{args.checkpoint} is a sharded checkpoint: '
-                    'evaluating its consolidated weights.',
-                    logger='current')
+        # Written by FSDP2Strategy, evaluated with an ordinary (DDP) config.
+        load_consolidated(stack, cfg, args.checkpoint, 'evaluating')
         run_runner(cfg, 'test')
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except CheckpointDamagedError as e:
-        # One line that names the damaged file and the newest intact one.
-        sys.exit(report_failure(e, 'test.py', plain=True))
-    except (Exception, KeyboardInterrupt) as e:
-        # The cause once, from the first rank that failed; the traceback
-        # in the log file.
-        sys.exit(report_failure(e, 'test.py'))
+    run_tool(main, 'test.py')

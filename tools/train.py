@@ -48,28 +48,26 @@ import argparse
 import contextlib
 import logging
 import os
-import sys
 from typing import Optional
 
 import torch
-from mmengine.config import Config, DictAction
+from mmengine.config import Config
 from mmengine.logging import print_log
 
 import mmcv_custom  # noqa: F401  (registers the runner hook and hooks)
 from mmcv_custom.engine.hook_state_files import remove_orphan_state_files
 from mmcv_custom.engine.process_group import is_launch_rank0, restart_count
-from mmcv_custom.integrity import CheckpointDamagedError
-from mmcv_custom.integrity.checkpoint import is_sharded_checkpoint
 from mmcv_custom.integrity.checkpoint_choice import checkpoint_folder
-from mmcv_custom.integrity.sharded_checkpoint import consolidated_file
-from mmcv_custom.launching.console import ToolConsole, report_failure
-from mmcv_custom.launching.cpu_start import prepare_launch, uses_fsdp2
-from mmcv_custom.launching.lifetime import die_with_launcher
+from mmcv_custom.launching.cpu_start import prepare_launch
 from mmcv_custom.launching.preflight import (PreflightError, check_preflight,
-                                             checked_config, exit_on_problems)
+                                             exit_on_problems)
 from mmcv_custom.launching.preflight.work_dir import take_work_dir
 from mmcv_custom.launching.run_start import apply_start_plan, plan_start
 from mmcv_custom.launching.running import run_runner
+from mmcv_custom.launching.tool_main import (add_launch_arguments,
+                                             load_consolidated,
+                                             parse_tool_args, run_tool,
+                                             start_tool)
 from mmcv_custom.launching.work_dir_lock import WorkDirLock
 
 RUNNER_HOOK = 'CommHookRegistrationHook'
@@ -102,33 +100,15 @@ def parse_args():
         action='store_true',
         default=False,
         help='enable automatic-mixed-precision training')
-    parser.add_argument(
-        '--cfg-options',
-        nargs='+',
-        action=DictAction,
-        help='override some settings in the used config, the key-value pair '
-        'in xxx=yyy format will be merged into config file. If the value to '
-        'be overwritten is a list, it should be like key="[a,b]" or key=a,b '
-        'It also allows nested list/tuple values, e.g. key="[(a,b),(c,d)]" '
-        'Note that the quotation marks are necessary and that no white space '
-        'is allowed.')
-    parser.add_argument(
-        '--launcher',
-        choices=['none', 'pytorch', 'slurm', 'mpi'],
-        default='none',
-        help='job launcher')
-    parser.add_argument(
-        '--verbose',
-        action='store_true',
-        help='print the environment, the full config, the hook table and '
-        'third-party warnings on the console too (the log file always has '
-        'them)')
-    # torch.distributed.launch passed --local_rank; torchrun sets LOCAL_RANK.
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
-    args = parser.parse_args()
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
-    return args
+    add_launch_arguments(
+        parser,
+        cfg_options_help='override some settings in the used config, the '
+        'key-value pair in xxx=yyy format will be merged into config file. '
+        'If the value to be overwritten is a list, it should be like '
+        'key="[a,b]" or key=a,b It also allows nested list/tuple values, '
+        'e.g. key="[(a,b),(c,d)]" Note that the quotation marks are '
+        'necessary and that no white space is allowed.')
+    return parse_tool_args(parser)
 
 
 def _hook_type(hook) -> str:
@@ -172,16 +152,7 @@ def add_comm_hook_runner_hook(cfg: Config) -> None:
 
 def main():
     args = parse_args()
-    # A rank ends with its launcher (torchrun, srun), SIGKILL included.
-    die_with_launcher(args.launcher)
-    # A header, the progress and a summary; the rest in the log file.
-    console = ToolConsole('train.py', verbose=args.verbose).start()
-    console.work_dir = args.work_dir
-    try:
-        cfg = checked_config(args.config, args.cfg_options, args.work_dir)
-    except PreflightError as e:
-        exit_on_problems(e, 'train.py', args.launcher)
-    console.work_dir = cfg.work_dir
+    cfg = start_tool('train.py', args)
 
     if args.amp:
         optim_wrapper = cfg.optim_wrapper.get('type', 'OptimWrapper')
@@ -271,28 +242,11 @@ def _train(cfg: Config, args, plan, lock: Optional[WorkDirLock]) -> None:
                  (f'removed {len(orphans)} communication-hook state files '
                   'whose checkpoint is missing (a save that failed or was '
                   f'killed): {", ".join(map(os.path.basename, orphans))}')))
-    sharded = (
-        checkpoint and is_sharded_checkpoint(checkpoint)
-        and not uses_fsdp2(cfg))
     with contextlib.ExitStack() as stack:
-        if sharded:
-            # Fine-tuning an ordinary config from a sharded run.
-            cfg.load_from = stack.enter_context(consolidated_file(checkpoint))
-            if is_launch_rank0():
-                print_log(
-                    f'{checkpoint} is a sharded checkpoint: loading '
-                    'its consolidated weights.',
-                    logger='current')
+        # Fine-tuning an ordinary config from a sharded run.
+        load_consolidated(stack, cfg, checkpoint, 'loading')
         run_runner(cfg, 'train', notes)
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except CheckpointDamagedError as e:
-        # One line that names the damaged file and the newest intact one.
-        sys.exit(report_failure(e, 'train.py', plain=True))
-    except (Exception, KeyboardInterrupt) as e:
-        # The cause once, from the first rank that failed; the traceback
-        # in the log file.
-        sys.exit(report_failure(e, 'train.py'))
+    run_tool(main, 'train.py')

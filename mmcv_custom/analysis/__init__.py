@@ -23,8 +23,8 @@ their hooks through :mod:`.registered`.
 
 ``tools/analysis_tools/`` holds the command lines over them.
 """
-from .cli import (cfg_options, check_output, check_work_dir, read_config,
-                  rendezvous_port, tool_error, write_failure_reason)
+from .cli import (cfg_options, check_output, check_work_dir, convert_file,
+                  read_config, tool_error, write_failure_reason)
 from .held_memory import GatheredPeak, held_bytes
 from .model_stats import fsdp2_memory, fsdp2_units, shard_numel, stats
 from .progress import Progress, format_eta
@@ -33,6 +33,6 @@ from .tool_warnings import filter_tool_warnings
 __all__ = [
     'stats', 'fsdp2_units', 'fsdp2_memory', 'shard_numel', 'held_bytes',
     'GatheredPeak', 'filter_tool_warnings', 'Progress', 'format_eta',
-    'check_output', 'read_config', 'cfg_options', 'rendezvous_port',
-    'check_work_dir', 'tool_error', 'write_failure_reason'
+    'check_output', 'read_config', 'cfg_options', 'check_work_dir',
+    'convert_file', 'tool_error', 'write_failure_reason'
 ]

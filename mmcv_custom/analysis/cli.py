@@ -8,16 +8,14 @@ import math
 import os
 import os.path as osp
 import sys
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from mmcv_custom.launching.output_paths import check_writable
-# Re-exported (it lives beside free_port): tools import it from here too.
-from mmcv_custom.launching.ports import rendezvous_port
 from mmcv_custom.launching.preflight import PreflightError, checked_config
 
 __all__ = [
-    'check_output', 'check_work_dir', 'read_config', 'cfg_options',
-    'rendezvous_port', 'WORK_DIRS', 'tool_error', 'write_failure_reason',
+    'check_output', 'check_work_dir', 'convert_file', 'read_config',
+    'cfg_options', 'WORK_DIRS', 'tool_error', 'write_failure_reason',
     'checked_type', 'positive_int', 'positive_float'
 ]
 
@@ -96,6 +94,28 @@ def tool_error(prog: str, error, code: int) -> int:
     message = str(error).strip().splitlines() or [type(error).__name__]
     print(f'{prog}: error: {message[0]}', file=sys.stderr)
     return code
+
+
+def convert_file(prog: str, dst: str, prepare: Callable[[], Any],
+                 write: Callable[[Any], str]) -> int:
+    """A converter's two steps and their exit codes: ``prepare()`` (read
+    and check the source) refused is a usage-like error, exit 2, nothing
+    written; ``write(prepared)`` failing (a full disk, say) is exit 1,
+    ``DST`` untouched (the writers write a temporary and rename it). The
+    line ``write`` returns goes to stdout; 0."""
+    try:
+        prepared = prepare()
+    except (OSError, EOFError, ValueError, RuntimeError) as e:
+        # A missing file, an unknown layout, another model, an unsafe,
+        # damaged, unverified or unreadable file, a DST over SRC.
+        return tool_error(prog, e, 2)
+    try:
+        print(write(prepared))
+    except (OSError, RuntimeError) as e:
+        return tool_error(
+            prog, f'cannot write {dst} ({write_failure_reason(e)}): '
+            'nothing written', 1)
+    return 0
 
 
 def write_failure_reason(error: BaseException) -> str:

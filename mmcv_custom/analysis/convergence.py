@@ -231,7 +231,11 @@ def summarize(runs: Dict[str, dict], smooth: float) -> List[dict]:
 
 
 def _fmt(value, spec: str) -> str:
-    return '-' if value is None else format(value, spec)
+    if value is None:
+        return '-'
+    # NaN: what a run logged as unknown (the comm_ratio of a hook without
+    # a record, whose bytes are not counted).
+    return 'unknown' if value != value else format(value, spec)
 
 
 def format_table(rows: List[dict]) -> str:

@@ -16,7 +16,10 @@ from .convergence import (find_runs, hook_options, mismatch, read_comm_hook,
                           read_scalars, variants)
 from .progress import Progress, format_eta
 
-__all__ = ['train_options', 'TrainLog', 'train', 'collect', 'from_work_dirs']
+__all__ = [
+    'train_options', 'check_run_options', 'TrainLog', 'train', 'collect',
+    'from_work_dirs'
+]
 
 
 def train_options(args, variant: str) -> List[str]:
@@ -28,6 +31,28 @@ def train_options(args, variant: str) -> List[str]:
     if args.seed is not None:
         options.append(f'randomness.seed={args.seed}')
     return options + args.max_iters_options + args.cfg_options
+
+
+def check_run_options(parser, args) -> None:
+    """``--cfg-options`` as every run takes them, or ``parser.error``:
+    one that is not ``KEY=VALUE``, one that sets what the variants set
+    (``comm_hook``; its other keys, int8's ``residual_dtype`` under hybrid
+    sharding, go to every run), or the length ``--max-iters`` gives."""
+    known = variants()
+    chosen = [known[v] for v in args.variants if v in known]
+    taken = {o.split('=')[0] for v in chosen for o in hook_options(v, 1)}
+    for option in args.cfg_options:
+        key = option.split('=')[0]
+        if key in ('comm_hook', 'comm_hook.type') or key in taken:
+            parser.error(f'--cfg-options {option}: comm_hook is set by the '
+                         'tool per variant (use --variants, --block-size)')
+        if '=' not in option:
+            parser.error(f'--cfg-options expects KEY=VALUE, but got '
+                         f'{option!r}')
+        if (args.max_iters is not None
+                and option.startswith('train_cfg.max_iters=')):
+            parser.error(f'--cfg-options {option}: give the length once, '
+                         'as --max-iters or in --cfg-options')
 
 
 #: MMEngine's training log line: ``Iter(train) [ 50/600]  ... loss: 0.51``.

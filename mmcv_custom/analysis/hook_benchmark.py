@@ -14,7 +14,6 @@ flat parameter of a bucket here has none. A hook's codec
 (:attr:`~mmcv_custom.comm.records.HookRecord.codec`) is timed where its
 record names one, beside PyTorch's cast to the same half-precision format.
 """
-import importlib
 import os
 import statistics
 import time
@@ -32,6 +31,7 @@ from mmcv_custom.comm.traffic import COLLECTIVE_KINDS, sent_bytes
 from mmcv_custom.hooks import int8_codec
 from mmcv_custom.launching.bench_ranks import write_results
 from mmcv_custom.launching.running import shutdown_distributed
+from .plugins import import_modules
 from .progress import Progress
 from .registered import RegisteredHook, registered_hooks
 
@@ -306,8 +306,7 @@ def worker(rank, world_size, folder, args):
     dist.init_process_group(
         args.backend, store=store, rank=rank, world_size=world_size)
     # Spawned: a plugin's hooks are registered here anew.
-    for module in args.imports:
-        importlib.import_module(module)
+    import_modules(args.imports)
     hooks = compared_hooks()
     steps = _progress_steps(args, hooks)
     # On stderr, from rank 0 only: the tables go to stdout at the end.

@@ -96,7 +96,12 @@ def report(results, world_size, backend, repeat=None):
         lines.append(f'CPU casts: {cpu_codec()}')
     lines.append(f'int8 codec (block {INT8_BLOCK}): '
                  f'{_int8_codec_note(results)}')
-    compared, columns = pairs(), codec_columns()
+    # The hooks and codecs the results hold: results saved before a hook
+    # was registered report what they measured (the published tables
+    # are checked so against their JSON).
+    held = results[0] if results else dict(hooks={}, codec_s={})
+    compared = [p for p in pairs() if p.ours in held['hooks']]
+    columns = [c for c in codec_columns() if c[0] in held['codec_s']]
     # Only pairs with a PyTorch hook have a ratio and a target; per
     # family, the ratio per size and, per size, the paired ratio of each
     # round (the hooks take turns in every round).

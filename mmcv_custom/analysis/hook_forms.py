@@ -23,6 +23,7 @@ A hook whose config does not take ``topology`` refuses both suffixes in
 the config check (:func:`~mmcv_custom.comm.builder.check_comm_hook_cfg`),
 which a tool runs before any node starts.
 """
+import argparse
 import functools
 
 from .registered import registered_hooks
@@ -89,12 +90,13 @@ def form_config(name: str):
 
 
 def parse_form_name(text: str) -> str:
-    """``text`` if it names a hook form; else a ``ValueError`` saying what
-    is valid (a command line's ``--hooks``)."""
+    """``text`` if it names a hook form; else an
+    ``argparse.ArgumentTypeError`` saying what is valid: the ``type`` of a
+    command line's ``--hooks``."""
     try:
         form_config(text)
     except KeyError:
-        raise ValueError(
+        raise argparse.ArgumentTypeError(
             f'invalid choice: {text!r} (choose from NAME or NAME:FORM, NAME '
             f'one of {", ".join(map(repr, hook_configs()))}, FORM one of '
             f'{", ".join(map(repr, FORMS))})') from None

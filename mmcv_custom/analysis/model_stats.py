@@ -48,7 +48,8 @@ from mmengine.registry import init_default_scope
 from mmengine.utils import import_modules_from_strings
 
 from ..comm.auto import AUTO
-from ..comm.builder import check_comm_hook_cfg, hook_record
+from ..comm.builder import check_comm_hook_cfg, hook_record, lookup_hook
+from ..comm.records import HOOK_RECORDS
 from ..comm.sharded import build_sharded_comm, check_sharded_cfg
 from ..engine.fsdp2_units import (DEFAULT_SHARD_MODULES, select_units,
                                   unit_parameters)
@@ -357,6 +358,8 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
         unless ``model_wrapper_cfg`` sets ``gradient_as_bucket_view``),
         ``hook_state_bytes`` (what the hook keeps per GPU under DDP, see
         :func:`~.cost.memory.hook_state_bytes`; None: unknown) and
+        ``hook_has_record`` (False for a hook registered without a
+        record: its bytes and state are unknown),
         ``hook_state_fsdp2`` (under FSDP2's full sharding; None where it
         does not run there: no FSDP2 form, or ``int8_compress`` with error
         feedback, which runs under hybrid sharding only); ``hybrid``:
@@ -445,6 +448,7 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
     # The hook's state per GPU under DDP and FSDP2 (None: unknown, or no
     # FSDP2 form); none without a hook.
     out['hook_state_bytes'], out['hook_state_fsdp2'] = 0, 0
+    out['hook_has_record'] = True
     if hook is None:
         out['hook'], out['hook_bytes'] = 'none (plain all-reduce)', out[
             'grad_bytes']
@@ -456,6 +460,7 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
         out['hook_state_bytes'] = out['hook_state_fsdp2'] = None
         return out
     record = hook_record(checked['type'])
+    out['hook_has_record'] = lookup_hook(checked['type']) in HOOK_RECORDS
     out['hook_state_bytes'] = hook_state_bytes(record, buckets,
                                                checked['state_kwargs'])
     try:

@@ -8,14 +8,21 @@ shows under its registry name.
 """
 from typing import Callable, List, NamedTuple, Optional
 
-from mmcv_custom.comm.records import HookRecord, record_of
+from mmcv_custom.comm.records import HOOK_RECORDS, HookRecord, record_of
 from mmcv_custom.comm.registry import COMM_HOOKS
 
-__all__ = ['RegisteredHook', 'registered_hooks', 'DEFAULT_COLOURS']
+__all__ = [
+    'RegisteredHook', 'registered_hooks', 'DEFAULT_COLOURS', 'HOW_TO_RECORD'
+]
 
 #: Plot colours for hooks whose record names none, in turn (none of them
 #: a built-in's).
 DEFAULT_COLOURS = ('tab:pink', 'tab:olive', 'tab:cyan', 'tab:gray')
+
+#: How a hook gets a record, for a tool that says what it cannot tell of
+#: a hook without one.
+HOW_TO_RECORD = ('register it with @COMM_HOOKS.register_module(record='
+                 'HookRecord(...)), see docs/en/advanced_guides/own_hooks.md')
 
 
 class RegisteredHook(NamedTuple):
@@ -35,6 +42,12 @@ class RegisteredHook(NamedTuple):
     record: HookRecord
     label: str
     colour: Optional[str]
+
+    @property
+    def has_record(self) -> bool:
+        """Whether it was registered with a record (else its record is
+        the empty one: what it sends is unknown)."""
+        return self.hook in HOOK_RECORDS
 
 
 def registered_hooks() -> List[RegisteredHook]:

@@ -28,6 +28,7 @@ import time
 from datetime import timedelta
 
 from .hook_forms import form_config, hook_configs, hook_labels
+from .plugins import import_modules
 
 __all__ = [
     'hook_configs', 'hook_labels', 'rate_label', 'progress_steps',
@@ -450,6 +451,8 @@ def _measure(spec, rank, world_size):
 
     from mmcv_custom.launching.running import load_config
     cfg = load_config(spec['config'], spec.get('cfg_options'))
+    # The tool's --import (the config's custom_imports: _build's).
+    import_modules(spec.get('imports', ()))
     model, data = _build(cfg)
     if spec.get('comm_only'):
         model = _comm_only(model)

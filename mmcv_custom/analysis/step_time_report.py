@@ -229,6 +229,9 @@ def summarize(results, rates, hooks, world_size, rounds=1, ranks_per_node=1):
         label = rate_label(mbit)
         for name in hooks:
             wire_bytes = max(r['wire_bytes'].get(name, 0) for r in results)
+            # None: not counted (a hook without a record), so its wire time
+            # and bounds are unknown; its link bytes are measured all the same.
+            sent = ring * wire_bytes if wire_bytes or name == 'noop' else None
             row = dict(
                 rate=label,
                 mbit=mbit,
@@ -236,7 +239,7 @@ def summarize(results, rates, hooks, world_size, rounds=1, ranks_per_node=1):
                 step_s=median[label][name],
                 compute_s=median[label]['noop'],
                 codec_s=_codec(results, name),
-                sent_bytes=ring * wire_bytes)
+                sent_bytes=sent)
             tx, rx, payload = link_per_step(results, label, name)
             if tx is not None:
                 row.update(
@@ -254,6 +257,7 @@ def summarize(results, rates, hooks, world_size, rounds=1, ranks_per_node=1):
                     round_error(rank0['steps'][label][name],
                                 rank0['steps'][rate_label(None)][name],
                                 rounds))
+            if mbit is not None and name in unshaped and sent is not None:
                 row['wire_s'] = row['sent_bytes'] / rate
                 fraction = (row['sent_bytes'] / total) if total else 0.0
                 row['bound_s'] = overlap_bound(buckets, rank0['backward_s'],
@@ -385,7 +389,8 @@ def plot(summary, path):
             xs, [rows[m]['step_s'] for m in xs],
             marker='o',
             label=form_label(name, labels))
-        if None in rows and name != 'noop':
+        if (None in rows and name != 'noop'
+                and all('bound_s' in rows[m] for m in xs)):
             base = rows[None]['step_s']
             ax.plot(
                 xs, [

@@ -453,10 +453,10 @@ def _resolved_two_level(spec) -> bool:
     return str(getattr(spec, 'topology', '')).startswith('two-level')
 
 
-def build_candidates(
-        candidates: Sequence[AutoCandidate],
-        build: Callable[[dict], Any],
-        two_level: Callable[[Any], bool] = _resolved_two_level) -> tuple:
+def build_candidates(candidates: Sequence[AutoCandidate],
+                     build: Callable[[Any], Any],
+                     two_level: Callable[[Any], bool] = _resolved_two_level,
+                     configs: Optional[Sequence] = None) -> tuple:
     """Build every candidate with ``build`` (a config -> its built hook,
     collective for a two-level form: every rank builds in this order);
     a two-level candidate that resolved flat (one node, or one rank per
@@ -468,13 +468,19 @@ def build_candidates(
         two_level (Callable): What ``build`` gave -> whether it runs in
             two levels. Defaults to reading a ``CommHookSpec``'s
             ``topology``.
+        configs (Sequence, optional): What ``build`` is given for each
+            candidate, e.g. their configs checked once beforehand
+            (``CommHookConfig``). Defaults to None: a copy of each
+            candidate's ``config``.
 
     Returns:
         tuple: ``(candidates, built)`` kept, in order.
     """
+    if configs is None:
+        configs = [dict(c.config) for c in candidates]
     kept, specs = [], []
-    for candidate in candidates:
-        spec = build(dict(candidate.config))
+    for candidate, config in zip(candidates, configs):
+        spec = build(config)
         if candidate.config.get('topology') == 'auto' and not two_level(spec):
             continue
         kept.append(candidate)

@@ -9,13 +9,18 @@ half-precision *wrapper*. What the project knows about a hook (the format
 it sends, its worker, state keeper, defaults), a built-in's or a plugin's,
 is its :class:`~.records.HookRecord`.
 
-:func:`check_comm_hook_cfg` checks a config with no process group (the
-runner hook calls it at the start of every run, distributed or not);
-:func:`build_comm_hook` builds the hook, its state and the chain around it.
+:meth:`CommHookConfig.check` checks a config with no process group and
+gives the checked, read-only :class:`CommHookConfig` that a run hands on
+(a run reads its config once: :func:`~.config.comm_hook_config`);
+:func:`check_comm_hook_cfg` is the same check as a plain dict;
+:func:`build_comm_hook` builds the hook, its state and the chain around it
+from a checked config, without checking it again.
 """
 import dataclasses
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from types import MappingProxyType
+from typing import (Any, Callable, Dict, List, Mapping, Optional, Sequence,
+                    Tuple, Union)
 
 import torch
 import torch.distributed as dist
@@ -35,8 +40,9 @@ from .telemetry import CommCounter, add_baseline_count, add_sent_count
 from .topology import check_topology, resolve_topology
 
 __all__ = [
-    'CommHookSpec', 'check_comm_hook_cfg', 'build_comm_hook', 'hook_record',
-    'lookup_hook', 'describe_sent_as_they_are', 'CommHookConfigError'
+    'CommHookConfig', 'CommHookSpec', 'check_comm_hook_cfg', 'build_comm_hook',
+    'hook_record', 'lookup_hook', 'describe_sent_as_they_are',
+    'CommHookConfigError'
 ]
 
 _WRAPPERS: Dict[str, Callable] = {
@@ -320,12 +326,124 @@ def _raise_all(errors: Sequence[Exception]) -> None:
         raise CommHookConfigError(errors)
 
 
+@dataclasses.dataclass(frozen=True)
+class CommHookConfig:
+    """A ``comm_hook`` config, checked: all a run reads of it, read-only.
+
+    Made once per rank (:func:`~.config.comm_hook_config`, the one check:
+    ``docs/en/design/layout.md``, "The path of ``comm_hook``") and handed
+    to what acts on it: :func:`build_comm_hook`, the FSDP2 forms
+    (:func:`~.sharded.build_sharded_comm`), ``auto``'s trials, the hook
+    state files. None of them checks it again, so the rules live in one
+    place.
+
+    Attributes:
+        given (Mapping): The config as written.
+        type: Its ``type``: a registered name, an import path, the hook
+            itself, or ``'auto'``.
+        wrapper (str, optional): ``'fp16'``, ``'bf16'`` or None.
+        topology: ``'auto'``, ``'flat'`` or ``dict(ranks_per_node=N)``.
+        state_kwargs (Mapping): The state arguments in effect, including
+            the defaults this project sets (``defaults_set``).
+        defaults_set (tuple[str]): Names in ``state_kwargs`` the user did
+            not write.
+        base_hook (Callable, optional): The hook ``type`` names; None for
+            ``auto``.
+        record (HookRecord, optional): Its record; None for ``auto``.
+        auto (Mapping, optional): ``auto``'s settings, defaults included
+            (:func:`~.auto.check_auto_cfg`); None for a named hook.
+        candidates (tuple): ``auto``'s candidates that run where it was
+            checked, each ``(AutoCandidate, CommHookConfig)``, checked
+            once here.
+        sharding (str, optional): Where it was checked for: None for DDP,
+            ``'full'`` or ``'hybrid'`` for FSDP2 (see :mod:`.sharded`).
+        residual_dtype (str, optional): ``int8_compress``'s under hybrid
+            sharding (:data:`~.sharded.RESIDUAL_DTYPES`); None: not given.
+    """
+    given: Mapping
+    type: Any
+    wrapper: Optional[str] = None
+    topology: Any = 'auto'
+    state_kwargs: Mapping = dataclasses.field(
+        default_factory=lambda: MappingProxyType({}))
+    defaults_set: tuple = ()
+    base_hook: Optional[Callable] = dataclasses.field(default=None, repr=False)
+    record: Optional[HookRecord] = dataclasses.field(default=None, repr=False)
+    auto: Optional[Mapping] = None
+    candidates: tuple = dataclasses.field(default=(), repr=False)
+    sharding: Optional[str] = None
+    residual_dtype: Optional[str] = None
+
+    @classmethod
+    def check(
+            cls,
+            cfg: Any,
+            runnable: Optional[Callable[[dict],
+                                        Any]] = None) -> 'CommHookConfig':
+        """The checks of :func:`check_comm_hook_cfg`, as a
+        :class:`CommHookConfig` for DDP (``runnable``: ``auto``'s, see
+        :func:`~.auto.check_auto_cfg`; the FSDP2 form adds its own checks
+        in :func:`~.sharded.check_sharded_cfg`)."""
+        if not isinstance(cfg, dict):
+            raise TypeError(
+                "comm_hook should be a dict such as dict(type='bf16_compress'"
+                f'), but got {type(cfg).__name__}: {cfg!r}')
+        given = MappingProxyType(dict(cfg))
+        cfg = dict(cfg)
+        wrapper = cfg.pop('wrapper', None)
+        topology = cfg.pop('topology', 'auto')
+        if 'type' not in cfg:
+            _raise_all([
+                KeyError(f'comm_hook needs a `type` key, but got '
+                         f'{dict(given)!r}. Valid types: {_valid_types()}')
+            ] + _check_wrapper(None, wrapper, None))
+        hook_type = cfg.pop('type')
+        if hook_type == AUTO and AUTO not in COMM_HOOKS.module_dict:
+            # Not a hook: the run picks one (see .auto).
+            settings = check_auto_cfg(dict(given), runnable)
+            return cls(given=given, type=AUTO, auto=MappingProxyType(settings))
+        try:
+            base_hook = lookup_hook(hook_type)
+        except (KeyError, TypeError) as e:
+            # The keys depend on the type: only the wrapper can be judged.
+            _raise_all([e] + _check_wrapper(hook_type, wrapper, None))
+        record = record_of(base_hook)
+        errors = _check_wrapper(hook_type, wrapper, record)
+        errors += check_topology(topology, hook_type, record,
+                                 _two_level_types())
+        defaults_set, found = _check_state_keys(hook_type, wrapper, record,
+                                                cfg)
+        _raise_all(errors + found)
+        return cls(
+            given=given,
+            type=hook_type,
+            wrapper=wrapper,
+            topology=topology,
+            state_kwargs=MappingProxyType(cfg),
+            defaults_set=defaults_set,
+            base_hook=base_hook,
+            record=record)
+
+    def as_dict(self) -> dict:
+        """What :func:`check_comm_hook_cfg` returns: ``auto``'s settings,
+        or the names with the state keys under ``state_kwargs``."""
+        if self.auto is not None:
+            return dict(self.auto)
+        return dict(
+            type=self.type,
+            wrapper=self.wrapper,
+            topology=self.topology,
+            state_kwargs=dict(self.state_kwargs),
+            defaults_set=self.defaults_set)
+
+
 def check_comm_hook_cfg(cfg: Any) -> dict:
     """Check a ``comm_hook`` config without building anything.
 
-    Needs no process group, so the runner hook calls it at the start of
-    every run, distributed or not: a typo or a value out of range fails on
-    a one-GPU debugging run as it would on 64 GPUs. Checks the names
+    Needs no process group, so a run checks its config at its start,
+    distributed or not (as a :class:`CommHookConfig`, the same checks): a
+    typo or a value out of range fails on a one-GPU debugging run as it
+    would on 64 GPUs. Checks the names
     (``type``, ``wrapper``, the state keys), then the values, with the
     ``check_args`` of the state factory (see :func:`with_args_check`): the
     built-in ones check the type and range of every key of
@@ -356,38 +474,7 @@ def check_comm_hook_cfg(cfg: Any) -> dict:
             of range (``comm_hook powerSGD: matrix_approximation_rank should
             be an int >= 1, but got 0``).
     """
-    if not isinstance(cfg, dict):
-        raise TypeError(
-            "comm_hook should be a dict such as dict(type='bf16_compress'), "
-            f'but got {type(cfg).__name__}: {cfg!r}')
-    given = dict(cfg)
-    cfg = dict(cfg)
-    wrapper = cfg.pop('wrapper', None)
-    topology = cfg.pop('topology', 'auto')
-    if 'type' not in cfg:
-        _raise_all([
-            KeyError(f'comm_hook needs a `type` key, but got {given!r}. '
-                     f'Valid types: {_valid_types()}')
-        ] + _check_wrapper(None, wrapper, None))
-    hook_type = cfg.pop('type')
-    if hook_type == AUTO and AUTO not in COMM_HOOKS.module_dict:
-        # Not a hook: the run picks one (see .auto).
-        return check_auto_cfg(given)
-    try:
-        record = record_of(lookup_hook(hook_type))
-    except (KeyError, TypeError) as e:
-        # The keys depend on the type: only the wrapper can be judged.
-        _raise_all([e] + _check_wrapper(hook_type, wrapper, None))
-    errors = _check_wrapper(hook_type, wrapper, record)
-    errors += check_topology(topology, hook_type, record, _two_level_types())
-    defaults_set, found = _check_state_keys(hook_type, wrapper, record, cfg)
-    _raise_all(errors + found)
-    return dict(
-        type=hook_type,
-        wrapper=wrapper,
-        topology=topology,
-        state_kwargs=cfg,
-        defaults_set=defaults_set)
+    return CommHookConfig.check(cfg).as_dict()
 
 
 def _two_level_types() -> list:
@@ -396,13 +483,13 @@ def _two_level_types() -> list:
                   if record_of(hook).two_level)
 
 
-def describe_sent_as_they_are(checked: dict, base_hook: Callable,
+def describe_sent_as_they_are(checked: CommHookConfig, base_hook: Callable,
                               param_names: dict) -> Optional[str]:
     """Say which parameters a half-precision hook or wrapper sends in their
     own 2-byte dtype instead of its own (see ``hooks.half.wire_dtype_for``),
     e.g. a bf16 backbone under ``fp16_compress``: a user who asked for fp16
     should read that part of the model goes as bf16, and why."""
-    wrapper = checked['wrapper']
+    wrapper = checked.wrapper
     sent_format = wrapper or record_of(base_hook).half_precision
     if sent_format is None:
         return None
@@ -416,7 +503,7 @@ def describe_sent_as_they_are(checked: dict, base_hook: Callable,
         return None
     shown = ', '.join(
         names[:3]) + (f', ... ({len(names)} in all)' if len(names) > 3 else '')
-    what = (f"type={checked['type']!r}" +
+    what = (f'type={checked.type!r}' +
             (f', wrapper={wrapper!r}' if wrapper is not None else ''))
     instead = (f"wrapper='{other}'"
                if wrapper is not None else f"type='{other}_compress'")
@@ -430,7 +517,7 @@ def describe_sent_as_they_are(checked: dict, base_hook: Callable,
             f'For one wire format everywhere use {instead}.')
 
 
-def build_comm_hook(cfg: dict,
+def build_comm_hook(cfg: Union[dict, CommHookConfig],
                     process_group: Optional[dist.ProcessGroup] = None,
                     device: Optional[torch.device] = None,
                     counter: Optional[CommCounter] = None,
@@ -439,7 +526,8 @@ def build_comm_hook(cfg: dict,
     """Build the hook and state a ``comm_hook`` config describes.
 
     Args:
-        cfg (dict): See :func:`check_comm_hook_cfg`.
+        cfg (dict or CommHookConfig): See :func:`check_comm_hook_cfg`; a
+            :class:`CommHookConfig` is not checked again.
         process_group (ProcessGroup, optional): The group the DDP model
             reduces over. Defaults to None (WORLD). A process group must be
             initialised.
@@ -465,23 +553,23 @@ def build_comm_hook(cfg: dict,
     Raises:
         The errors of :func:`check_comm_hook_cfg`.
     """
-    checked = check_comm_hook_cfg(cfg)
-    if checked['type'] == AUTO:
+    checked = cfg if isinstance(cfg,
+                                CommHookConfig) else CommHookConfig.check(cfg)
+    if checked.type == AUTO:
         raise ValueError(
             "comm_hook type='auto' is not one hook: the runner hook "
             '(CommHookRegistrationHook) tries the allowed ones and keeps '
             'one (mmcv_custom.comm.auto); build_comm_hook builds a named '
             f'hook, one of {_valid_types()}')
-    hook_type, wrapper = checked['type'], checked['wrapper']
-    base_hook = lookup_hook(hook_type)
+    hook_type, wrapper = checked.type, checked.wrapper
+    base_hook, record = checked.base_hook, checked.record
     factory = _lookup_state_factory(hook_type)
-    state_kwargs = checked['state_kwargs']
+    state_kwargs = dict(checked.state_kwargs)
     state = (
         process_group
         if factory is None else factory(process_group, **state_kwargs))
 
-    record = record_of(base_hook)
-    topology = resolve_topology(checked['topology'], record, process_group,
+    topology = resolve_topology(checked.topology, record, process_group,
                                 node_claim)
     if topology.groups is not None:
         state.node_groups = topology.groups
@@ -520,7 +608,7 @@ def build_comm_hook(cfg: dict,
         base_hook=base_hook,
         wrapper=wrapper,
         state_kwargs=state_kwargs,
-        defaults_set=checked['defaults_set'],
+        defaults_set=checked.defaults_set,
         on_worker=on_worker,
         state_keeper=state_keeper,
         notes=notes,

@@ -16,15 +16,15 @@ residual is a shard's size); PowerSGD does not (:func:`build_sharded_comm`
 says why).
 """
 import dataclasses
-from typing import Any, List, Optional
+from types import MappingProxyType
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
 from ..hooks.topology import NodeClaim
 from .accuracy import ACCURACY_CLASSES, class_rank
-from .auto import AUTO, AutoCandidate, auto_candidates, check_auto_cfg
-from .builder import (check_comm_hook_cfg, describe_sent_as_they_are,
-                      hook_record, lookup_hook)
+from .auto import AUTO, AutoCandidate, auto_candidates
+from .builder import CommHookConfig, describe_sent_as_they_are, hook_record
 from .records import record_of
 from .registry import COMM_HOOKS
 from .topology import Topology, resolve_topology
@@ -113,13 +113,16 @@ class ShardedCommSpec:
                 f'{self.topology_used})')
 
 
-def build_sharded_comm(cfg: dict,
+def build_sharded_comm(cfg: Union[dict, CommHookConfig],
                        param_names: Optional[dict] = None,
                        hybrid: bool = False) -> ShardedCommSpec:
     """The sharded (FSDP2) form of a ``comm_hook`` config.
 
     Args:
-        cfg (dict): See :func:`check_comm_hook_cfg`.
+        cfg (dict or CommHookConfig): See :func:`check_sharded_cfg`; a
+            config it checked for this sharding (or for full sharding,
+            whose forms all run under hybrid sharding too) is not checked
+            again.
         param_names (dict, optional): Parameter -> name of the sharded
             model, for ``spec.notes`` (a bf16 backbone under
             ``fp16_compress``). Defaults to None.
@@ -129,26 +132,62 @@ def build_sharded_comm(cfg: dict,
             False.
 
     Raises:
-        ValueError: A type without a sharded form (PowerSGD, user hooks,
-            ``int8_compress`` with error feedback under full sharding), a
-            ``wrapper``, or
-            CompressState keys that change nothing under FSDP2
-            (``predivide_factor``: the whole division is done before the
-            cast; ``check_finite``). Besides the errors of
-            :func:`check_comm_hook_cfg`.
+        ValueError: The errors of :func:`check_sharded_cfg`; ``auto``,
+            which is not one reduce-scatter.
     """
-    cfg, residual = _hybrid_keys(cfg, hybrid)
-    checked = check_comm_hook_cfg(cfg)
-    hook_type = checked['type']
-    what = f'comm_hook type={hook_type!r}'
-    checked['residual_dtype'] = residual
+    checked = _sharded_config(cfg, hybrid)
+    hook_type = checked.type
     if hook_type == AUTO:
         raise ValueError(
-            f"{what} is not one reduce-scatter: the runner hook tries the "
-            'allowed ones (sharded_auto_candidates) and keeps one.')
-    record = hook_record(hook_type)
+            f"comm_hook type={hook_type!r} is not one reduce-scatter: the "
+            'runner hook tries the allowed ones (sharded_auto_candidates) '
+            'and keeps one.')
+    if checked.record.fsdp2_form == 'int8_reduce_scatter':
+        kwargs = checked.state_kwargs
+        feedback = kwargs.get('error_feedback', True)
+        return ShardedCommSpec(
+            type='int8_compress',
+            sent_dtype=None,
+            int8_block_size=kwargs.get('block_size', 256),
+            topology=checked.topology,
+            hybrid=hybrid,
+            error_feedback=bool(feedback and hybrid),
+            residual_dtype=RESIDUAL_DTYPES[checked.residual_dtype
+                                           or 'float32'])
+    notes = ()
+    if param_names is not None:
+        note = describe_sent_as_they_are(checked, checked.base_hook,
+                                         param_names)
+        notes = (note, ) if note else ()
+    return ShardedCommSpec(
+        type=hook_type,
+        sent_dtype=checked.record.sent_dtype,
+        notes=notes,
+        topology=checked.topology,
+        hybrid=hybrid)
+
+
+def _sharded_config(cfg: Any, hybrid: bool) -> CommHookConfig:
+    """``cfg`` checked for FSDP2 where ``hybrid`` says: as it is where it
+    was (or for full sharding, whose forms all run under hybrid too)."""
+    if isinstance(cfg, CommHookConfig):
+        if cfg.sharding == ('hybrid' if hybrid else
+                            'full') or (hybrid and cfg.sharding == 'full'):
+            return cfg
+        if cfg.sharding is not None:
+            cfg = dict(cfg.given)
+    return check_sharded_cfg(cfg, hybrid=hybrid)
+
+
+def _check_sharded_form(checked: CommHookConfig, hybrid: bool) -> None:
+    """The FSDP2 form's own rules for a named hook (:func:`check_sharded_cfg`
+    says which)."""
+    hook_type = checked.type
+    what = f'comm_hook type={hook_type!r}'
+    record = checked.record
     if record.fsdp2_form == 'int8_reduce_scatter':
-        return _sharded_int8(checked, what, hybrid)
+        _check_sharded_int8(checked, what, hybrid)
+        return
     if record.fsdp2_form != 'averaging_reduce_scatter' and hybrid:
         forms = [
             name for name, hook in COMM_HOOKS.module_dict.items()
@@ -174,15 +213,15 @@ def build_sharded_comm(cfg: dict,
             'communication hooks. Use one of '
             f'{", ".join(repr(t) for t in forms)}, or train this hook '
             'with DDP (the default Runner).')
-    if checked['wrapper'] is not None:
+    if checked.wrapper is not None:
         raise ValueError(
-            f"{what}, wrapper={checked['wrapper']!r}: wrappers have no "
-            f"sharded form under FSDP2; use type='{checked['wrapper']}"
+            f"{what}, wrapper={checked.wrapper!r}: wrappers have no "
+            f"sharded form under FSDP2; use type='{checked.wrapper}"
             "_compress' instead.")
     given = {
         k: v
-        for k, v in checked['state_kwargs'].items() if
-        k not in checked['defaults_set'] and v is not None and v is not False
+        for k, v in checked.state_kwargs.items()
+        if k not in checked.defaults_set and v is not None and v is not False
     }
     if given:
         raise ValueError(
@@ -191,17 +230,6 @@ def build_sharded_comm(cfg: dict,
             'by the whole world size before the cast (fp16 overflows only '
             'if the mean does) and does not record non-finite buckets. '
             f"Remove it, e.g. comm_hook = dict(type='{hook_type}').")
-    notes = ()
-    if param_names is not None:
-        note = describe_sent_as_they_are(checked, lookup_hook(hook_type),
-                                         param_names)
-        notes = (note, ) if note else ()
-    return ShardedCommSpec(
-        type=hook_type,
-        sent_dtype=record.sent_dtype,
-        notes=notes,
-        topology=checked['topology'],
-        hybrid=hybrid)
 
 
 def sharded_auto_candidates(settings: dict) -> List[AutoCandidate]:
@@ -215,6 +243,14 @@ def sharded_auto_candidates(settings: dict) -> List[AutoCandidate]:
             candidates that run under FSDP2 and the ``max_loss`` each
             needs (:func:`_no_sharded_candidate`).
     """
+    return [candidate for candidate, _ in _sharded_candidates(settings)]
+
+
+def _sharded_candidates(
+        settings: dict) -> List[Tuple[AutoCandidate, CommHookConfig]]:
+    """:func:`sharded_auto_candidates`, each with its config as checked
+    for full sharding (the forms that run there run under hybrid sharding
+    too)."""
     out = _sharded(
         auto_candidates(settings['max_loss'], names=settings['candidates']))
     if not out:
@@ -222,15 +258,16 @@ def sharded_auto_candidates(settings: dict) -> List[AutoCandidate]:
     return out
 
 
-def _sharded(candidates: List[AutoCandidate]) -> List[AutoCandidate]:
-    """Those of ``candidates`` that have a sharded form."""
+def _sharded(candidates: List[AutoCandidate]) -> list:
+    """Those of ``candidates`` that have a sharded form, each with its
+    checked config."""
     out = []
     for candidate in candidates:
         try:
-            build_sharded_comm(dict(candidate.config))
+            checked = check_sharded_cfg(dict(candidate.config))
         except ValueError:
             continue
-        out.append(candidate)
+        out.append((candidate, checked))
     return out
 
 
@@ -240,7 +277,7 @@ def _no_sharded_candidate(settings: dict) -> str:
     lossier class (``int8_compress`` without error feedback); else the
     hooks to name instead, with the ``max_loss`` each needs."""
     names, max_loss = settings['candidates'], settings['max_loss']
-    runs = _sharded(auto_candidates('any', two_level=False))
+    runs = [c for c, _ in _sharded(auto_candidates('any', two_level=False))]
     named = [c for c in runs if names is None or c.config['type'] in names]
     what = f'none of {names}' if names else 'no hook'
     allowed = ('at any max_loss'
@@ -272,29 +309,58 @@ def _max_loss_for(klass: str) -> str:
     return klass if klass in ACCURACY_CLASSES else 'any'
 
 
-def check_sharded_cfg(cfg: Any, hybrid: bool = False) -> None:
-    """A ``comm_hook`` config checked for FSDP2 without building anything:
-    a named type needs a sharded form (:func:`build_sharded_comm`),
-    ``auto`` at least one allowed candidate with one
-    (:func:`sharded_auto_candidates`, in place of the check for DDP,
-    whose advice to raise ``max_loss`` may not help here).
+def check_sharded_cfg(cfg: Any, hybrid: bool = False) -> CommHookConfig:
+    """A ``comm_hook`` config checked for FSDP2, without building anything:
+    the checks of :meth:`~.builder.CommHookConfig.check`, then a named type
+    needs a sharded form (no ``wrapper``, no CompressState keys, which
+    change nothing under FSDP2: ``predivide_factor``, the whole division
+    is done before the cast; ``check_finite``), ``auto`` at least one
+    allowed candidate with one (:func:`sharded_auto_candidates`, in place
+    of the check for DDP, whose advice to raise ``max_loss`` may not help
+    here).
 
     Args:
-        cfg: The ``comm_hook`` config.
+        cfg (dict or CommHookConfig): The ``comm_hook`` config; one
+            checked for DDP gets only the FSDP2 form's checks.
         hybrid (bool): Under hybrid sharding (the form of the cross-node
-            all-reduce). Defaults to False.
+            all-reduce, where ``int8_compress`` with error feedback runs).
+            Defaults to False.
+
+    Returns:
+        CommHookConfig: Checked for ``'hybrid'`` or ``'full'`` sharding;
+        ``auto``'s with its candidates that run under FSDP2.
 
     Raises:
-        ValueError: The errors of those two and of
-            :func:`check_comm_hook_cfg`.
+        ValueError: A type without a sharded form (PowerSGD, user hooks,
+            ``int8_compress`` with error feedback under full sharding), or
+            the keys above; besides the errors of
+            :func:`~.builder.check_comm_hook_cfg`.
     """
-    if (isinstance(cfg, dict) and cfg.get('type') == AUTO
-            and AUTO not in COMM_HOOKS.module_dict):
+    sharding = 'hybrid' if hybrid else 'full'
+    if isinstance(cfg, CommHookConfig):
+        checked = cfg
+    elif (isinstance(cfg, dict) and cfg.get('type') == AUTO
+          and AUTO not in COMM_HOOKS.module_dict):
         # Under hybrid sharding too: the same candidates, each the format
-        # of the cross-node all-reduce.
-        check_auto_cfg(cfg, runnable=sharded_auto_candidates)
+        # of the cross-node all-reduce. Found once, while checking.
+        found = []
+        checked = CommHookConfig.check(
+            cfg, runnable=lambda s: found.extend(_sharded_candidates(s)))
+        return dataclasses.replace(
+            checked, candidates=tuple(found), sharding=sharding)
     else:
-        build_sharded_comm(cfg, hybrid=hybrid)
+        plain, residual = _hybrid_keys(cfg, hybrid)
+        checked = dataclasses.replace(
+            CommHookConfig.check(plain),
+            given=MappingProxyType(dict(cfg)),
+            residual_dtype=residual)
+    if checked.auto is not None:
+        candidates = tuple(_sharded_candidates(checked.auto))
+    else:
+        _check_sharded_form(checked, hybrid)
+        candidates = ()
+    return dataclasses.replace(
+        checked, candidates=candidates, sharding=sharding)
 
 
 def sharded_topology(spec: ShardedCommSpec,
@@ -357,7 +423,8 @@ def _hybrid_keys(cfg: Any, hybrid: bool) -> tuple:
     return cfg, residual
 
 
-def _sharded_int8(checked: dict, what: str, hybrid: bool) -> ShardedCommSpec:
+def _check_sharded_int8(checked: CommHookConfig, what: str,
+                        hybrid: bool) -> None:
     """``int8_compress`` under FSDP2: under full sharding only without error
     feedback; under hybrid sharding with it too.
 
@@ -367,12 +434,11 @@ def _sharded_int8(checked: dict, what: str, hybrid: bool) -> ShardedCommSpec:
     FSDP2 saves. Under hybrid sharding what crosses the nodes is the rank's
     own shard, so its residual is a shard's size.
     """
-    if checked['wrapper'] is not None:
+    if checked.wrapper is not None:
         raise ValueError(
-            f"{what}, wrapper={checked['wrapper']!r}: int8_compress already "
+            f"{what}, wrapper={checked.wrapper!r}: int8_compress already "
             'quantizes; drop the wrapper.')
-    kwargs = checked['state_kwargs']
-    feedback = kwargs.get('error_feedback', True)
+    feedback = checked.state_kwargs.get('error_feedback', True)
     if feedback and not hybrid:
         raise ValueError(
             f'{what} with error_feedback=True has no form under full '
@@ -383,11 +449,3 @@ def _sharded_int8(checked: dict, what: str, hybrid: bool) -> ShardedCommSpec:
             "in int8 without it, use type='bf16_compress', or shard hybrid "
             "(strategy.sharding='hybrid' on several nodes), where the "
             "residual is of the rank's shard only.")
-    return ShardedCommSpec(
-        type='int8_compress',
-        sent_dtype=None,
-        int8_block_size=kwargs.get('block_size', 256),
-        topology=checked['topology'],
-        hybrid=hybrid,
-        error_feedback=bool(feedback and hybrid),
-        residual_dtype=RESIDUAL_DTYPES[checked['residual_dtype'] or 'float32'])

@@ -18,8 +18,9 @@ import torch.distributed as dist
 from mmengine.dist import is_main_process
 
 from ..comm.auto import (DECIDING_KEYS, AutoDecision, AutoDispatch, AutoTrials,
-                         auto_candidates, auto_hook, build_candidates,
-                         describe_candidates)
+                         auto_hook, build_candidates, describe_candidates)
+from ..comm.builder import CommHookConfig
+from ..comm.config import comm_hook_config
 from .process_group import launcher_claim
 
 __all__ = ['AutoComm', 'CHECKPOINT_KEY']
@@ -52,14 +53,16 @@ class AutoComm:
     """``auto`` in one run: see the module docstring.
 
     Args:
-        settings (dict): The checked config (:func:`~mmcv_custom.comm.auto.
-            check_auto_cfg`).
+        config (CommHookConfig): The run's ``auto`` config, checked with
+            its candidates (:func:`~mmcv_custom.comm.config.
+            comm_hook_config`), which are built from it as they are.
         loaded (dict, optional): What the checkpoint loaded holds under
             :data:`CHECKPOINT_KEY`. Defaults to None.
     """
 
-    def __init__(self, settings: dict, loaded=None) -> None:
-        self.settings = settings
+    def __init__(self, config: CommHookConfig, loaded=None) -> None:
+        self.config = config
+        self.settings = config.as_dict()
         self.trials: Optional[AutoTrials] = None
         self.dispatchers: List[AutoDispatch] = []
         self.decision: Optional[AutoDecision] = None
@@ -107,6 +110,15 @@ class AutoComm:
                 'its choice.\n' + '\n'.join(saved.lines()))
         return saved
 
+    def chosen(self) -> CommHookConfig:
+        """The decision's config, as checked with the candidates; one a
+        checkpoint holds that is none of them, checked here."""
+        for candidate, checked in self.config.candidates:
+            if candidate.key == self.decision.key:
+                return checked
+        return comm_hook_config(
+            dict(self.decision.config), self.config.sharding)
+
     def start(self, runner, targets: List[Tuple[str, object]],
               build: Callable[[object, dict], object]) -> None:
         """Build every candidate on every DDP module and register the one
@@ -115,16 +127,15 @@ class AutoComm:
         Args:
             runner: The runner.
             targets (list): ``(name, ddp)`` per DDP module.
-            build (Callable): ``(i, config)`` -> ``config`` built for the
-                ``i``-th module (a ``CommHookSpec``).
+            build (Callable): ``(i, config)`` -> the checked ``config``
+                built for the ``i``-th module (a ``CommHookSpec``).
         """
-        candidates = auto_candidates(
-            self.settings['max_loss'], names=self.settings['candidates'])
+        candidates, configs = zip(*self.config.candidates)
         kept = None
         built = []
         for i in range(len(targets)):
             kept, specs = build_candidates(
-                candidates, lambda cfg, i=i: build(i, cfg))
+                candidates, lambda cfg, i=i: build(i, cfg), configs=configs)
             built.append(specs)
         self.trials = AutoTrials(kept, self.settings, self._layout)
         for (_, ddp), specs in zip(targets, built):
@@ -133,23 +144,22 @@ class AutoComm:
             self.dispatchers.append(dispatch)
         self._announce(runner)
 
-    def start_sharded(self, runner, candidates: list, build: Callable[[dict],
-                                                                      tuple],
+    def start_sharded(self, runner, build: Callable[[CommHookConfig], tuple],
                       install: Callable[[object], None]) -> None:
-        """FSDP2: build every candidate's reduce-scatter and install the
+        """FSDP2: build every candidate's reduce-scatter (those the config
+        was checked with: the ones that run under FSDP2) and install the
         first; each turn installs the next (FSDP2 takes a new one between
         iterations), the decision the chosen one.
 
         Args:
             runner: The runner.
-            candidates (list): :func:`~mmcv_custom.comm.sharded.
-                sharded_auto_candidates`.
-            build (Callable): config -> ``(spec, reduce_scatter,
+            build (Callable): checked config -> ``(spec, reduce_scatter,
                 two_level)``. Collective for a two-level form.
             install (Callable): Installs a reduce-scatter on the model.
         """
+        candidates, configs = zip(*self.config.candidates)
         kept, built = build_candidates(
-            candidates, build, two_level=lambda b: b[2])
+            candidates, build, two_level=lambda b: b[2], configs=configs)
         self.trials = AutoTrials(kept, self.settings, self._layout)
         self._sharded = built
         self._switch = lambda i: install(built[i][1])

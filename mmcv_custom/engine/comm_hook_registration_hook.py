@@ -12,8 +12,8 @@ from mmengine.runner import find_latest_checkpoint
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.auto import AUTO
-from ..comm.builder import build_comm_hook, check_comm_hook_cfg
-from ..comm.sharded import check_sharded_cfg
+from ..comm.builder import CommHookConfig, build_comm_hook
+from ..comm.config import comm_hook_config
 from ..comm.telemetry import CommCounter
 from ..hooks.sharded import fsdp_modules, fsdp_replicas
 from ..hooks.validation import require_int
@@ -100,7 +100,9 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
 
     * ``before_run`` (every ``train()``, ``val()`` and ``test()``): checks the
       ``comm_hook`` config and the model wrapper once, even when the run is
-      not distributed, so a typo fails on a one-GPU debugging run too.
+      not distributed, so a typo fails on a one-GPU debugging run too. The
+      checked config (:func:`~mmcv_custom.comm.config.comm_hook_config`)
+      is what the rest reads: nothing checks it again.
     * ``before_train`` (after resuming, before the first backward): builds
       the hook and registers it once on the ``DistributedDataParallel``
       model; on each inner DDP module of
@@ -160,8 +162,10 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
                  comm_hook: Optional[dict] = None,
                  telemetry: bool = True,
                  max_nonfinite_iters: Optional[int] = 10) -> None:
-        if comm_hook is not None:
-            check_comm_hook_cfg(comm_hook)
+        # Checked for DDP here, so that a bad argument fails when the hook
+        # is built; before_run adds FSDP2's checks where the model is so.
+        self._arg_config = (None if comm_hook is None else
+                            comm_hook_config(comm_hook))
         if not isinstance(telemetry, bool):
             raise TypeError('telemetry should be True or False, but got '
                             f'{telemetry!r}')
@@ -170,7 +174,8 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
         self._hook_arg = comm_hook
         self._telemetry = telemetry
         self._guard = NonFiniteGuard(max_nonfinite_iters)
-        self._cfg: Optional[dict] = None
+        # The run's comm_hook, checked once (in before_run).
+        self._config: Optional[CommHookConfig] = None
         self._checked = False
         self._registered = False
         # (where, spec, counter, parameter names by id) per DDP module.
@@ -186,11 +191,13 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
         self._counters: list = []
         self._loaded_auto = None
 
-    def _resolve_cfg(self, runner) -> Optional[dict]:
+    def _resolve_cfg(self, runner):
+        """The config's ``comm_hook`` (a dict), else the argument's (as
+        checked in ``__init__``), else None."""
         from_config = runner.cfg.get('comm_hook', None)
         if from_config is not None and not isinstance(from_config, dict):
             # Let the checker name the bad value.
-            check_comm_hook_cfg(from_config)
+            comm_hook_config(from_config)
         if from_config is not None:
             from_config = dict(from_config)
         if (from_config is not None and self._hook_arg is not None
@@ -200,13 +207,13 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
                 f'says {describe_cfg(from_config)}, the '
                 'CommHookRegistrationHook argument says '
                 f'{describe_cfg(dict(self._hook_arg))}. Keep one.')
-        return from_config if from_config is not None else self._hook_arg
+        return from_config if from_config is not None else self._arg_config
 
     def before_run(self, runner) -> None:
         if self._checked:
             return
-        self._cfg = self._resolve_cfg(runner)
-        if self._cfg is None:
+        cfg = self._resolve_cfg(runner)
+        if cfg is None:
             runner.logger.warning(
                 'CommHookRegistrationHook is enabled but the config sets no '
                 "`comm_hook` (e.g. comm_hook = dict(type='bf16_compress')); "
@@ -214,16 +221,16 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
         elif fsdp_modules(runner.model):
             # FSDP2 (FSDP2Strategy): only types with a sharded form (and
             # under hybrid sharding, only those that run there).
-            check_sharded_cfg(
-                self._cfg, hybrid=fsdp_replicas(runner.model) > 1)
+            self._config = comm_hook_config(
+                cfg, 'hybrid' if fsdp_replicas(runner.model) > 1 else 'full')
         else:
-            check_comm_hook_cfg(self._cfg)
+            self._config = comm_hook_config(cfg)
             # Raises for FSDP1, DeepSpeed & co. before any heavy work.
             self._ddp_modules(runner.model)
         self._checked = True
 
     def before_train(self, runner) -> None:
-        if self._registered or self._cfg is None:
+        if self._registered or self._config is None:
             return
         self._registered = True
         if fsdp_modules(runner.model):
@@ -232,15 +239,16 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
         targets = self._ddp_modules(runner.model)
         if not targets:
             runner.logger.info(
-                f'comm_hook={describe_cfg(self._cfg)} not registered: the '
-                f'model ({type(runner.model).__name__}) is not distributed '
+                f'comm_hook={describe_cfg(self._config.given)} not '
+                f'registered: the model ({type(runner.model).__name__}) is '
+                'not distributed '
                 '(neither wrapped in DistributedDataParallel nor sharded by '
                 'FSDP2), so there is no gradient reduction to change.')
             return
 
-        cfg = self._cfg
-        if cfg['type'] == AUTO:
-            self._auto = AutoComm(check_comm_hook_cfg(cfg), self._loaded_auto)
+        config = self._config
+        if config.type == AUTO:
+            self._auto = AutoComm(config, self._loaded_auto)
             decision = self._auto.kept(runner)
             if decision is None:
                 self._counters = [
@@ -255,8 +263,8 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
                         targets, self._auto.active(), self._counters)
                 ]
                 return
-            cfg = decision.config
-        self._register(runner, targets, cfg)
+            config = self._auto.chosen()
+        self._register(runner, targets, config)
 
     def _follow_auto(self) -> None:
         """During ``auto``'s trials: what is installed is the hook under
@@ -282,7 +290,7 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
                                    ids)
             return
         targets = self._ddp_modules(runner.model)
-        config = self._auto.decision.config
+        config = self._auto.chosen()
         specs = [
             self._build(ddp, config, counter)
             for (_, ddp), counter in zip(targets, self._counters)
@@ -290,11 +298,12 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
         self._auto.settle(specs)
         self._register(runner, targets, config, specs)
 
-    def _build(self, ddp, cfg: dict, counter: Optional[CommCounter]):
-        """``cfg``'s hook built for the DDP module ``ddp``."""
+    def _build(self, ddp, config: CommHookConfig,
+               counter: Optional[CommCounter]):
+        """``config``'s hook built for the DDP module ``ddp``."""
         param = next(ddp.module.parameters(), None)
         return build_comm_hook(
-            cfg,
+            config,
             process_group=ddp.process_group,
             device=param.device if param is not None else None,
             counter=counter,
@@ -310,8 +319,12 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
         prefix = f'{name}.' if name else ''
         return {id(p): prefix + n for n, p in ddp.module.named_parameters()}
 
-    def _register(self, runner, targets, cfg: dict, specs=None) -> None:
-        """Register ``cfg``'s hook on each DDP module (or, given ``specs``,
+    def _register(self,
+                  runner,
+                  targets,
+                  config: CommHookConfig,
+                  specs=None) -> None:
+        """Register ``config``'s hook on each DDP module (or, given ``specs``,
         hand ``auto``'s buckets to them), log what was registered and set
         up its state files."""
         keepers = {}
@@ -319,7 +332,7 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
         for i, (name, ddp) in enumerate(targets):
             if specs is None:
                 counter = CommCounter() if self._telemetry else None
-                spec = self._build(ddp, cfg, counter)
+                spec = self._build(ddp, config, counter)
                 ddp.register_comm_hook(spec.state, spec.hook)
             else:
                 spec, counter = specs[i], self._counters[i]
@@ -339,8 +352,9 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
                 where += ' submodules ' + ', '.join(
                     name for name, *_ in self._installed)
             spec = self._installed[0][1]
-            chosen = (f' (chosen by comm_hook auto, {describe_cfg(cfg)})'
-                      if self._auto else '')
+            chosen = (
+                f' (chosen by comm_hook auto, {describe_cfg(config.given)})'
+                if self._auto else '')
             runner.logger.info(
                 f'Registered DDP communication hook on {where}{chosen}: '
                 f'{spec.describe()}; process group: {group.size()} '
@@ -354,7 +368,7 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
                 runner.logger.warning(_unknown_traffic_note(spec))
 
         if keepers:
-            self._state_files = HookStateFiles(keepers, cfg)
+            self._state_files = HookStateFiles(keepers, config)
             self._state_files.start()
             if runner.iter > 0 and specs is None:
                 self._state_files.restore(runner, self._loaded_record,

@@ -1,6 +1,6 @@
 """How the ``comm_hook`` config is carried out on an FSDP2 model: the part
 of :class:`~.comm_hook_registration_hook.CommHookRegistrationHook` for
-models ``FSDP2Strategy`` sharded (that hook reads and checks the config,
+models ``FSDP2Strategy`` sharded (that hook reads and checks the config once,
 and keeps telemetry, state files and ``auto``'s trials for both kinds).
 
 Under full sharding the config sets every unit's reduce-scatter
@@ -9,13 +9,14 @@ reduce-scatters inside the node as it does, and the config sets the format
 of each unit's cross-node all-reduce (:mod:`mmcv_custom.hooks.hybrid`),
 ``int8_compress``'s per-unit error feedback saved beside the checkpoints.
 """
+from typing import Optional
+
 import torch
 from mmengine.dist import is_main_process
 
 from ..comm.auto import AUTO
-from ..comm.builder import check_comm_hook_cfg
-from ..comm.sharded import (build_sharded_comm, sharded_auto_candidates,
-                            sharded_topology)
+from ..comm.builder import CommHookConfig
+from ..comm.sharded import build_sharded_comm, sharded_topology
 from ..comm.telemetry import CommCounter
 from ..hooks.cast import cpu_codec
 from ..hooks.half import CompressState
@@ -33,7 +34,8 @@ from .process_group import launcher_claim
 __all__ = ['FSDP2CommMixin', 'describe_cfg', 'codec_note']
 
 
-def describe_cfg(cfg: dict) -> str:
+def describe_cfg(cfg) -> str:
+    """A config (a mapping) as written, ``dict(type=..., ...)``."""
     return 'dict(' + ', '.join(f'{k}={v!r}' for k, v in cfg.items()) + ')'
 
 
@@ -57,9 +59,9 @@ def codec_note(spec, param) -> str:
 
 class FSDP2CommMixin:
     """The FSDP2 methods of the runner hook (see the module docstring);
-    they use its ``_cfg``, ``_telemetry``, ``_auto``, ``_loaded_auto``,
-    ``_loaded_record``, ``_state_files``, ``_counters`` and
-    ``_installed``."""
+    they use its ``_config`` (checked for FSDP2), ``_telemetry``,
+    ``_auto``, ``_loaded_auto``, ``_loaded_record``, ``_state_files``,
+    ``_counters`` and ``_installed``."""
 
     def _install_sharded(self, runner) -> None:
         """FSDP2: the same config sets every sharded module's
@@ -78,31 +80,30 @@ class FSDP2CommMixin:
             spec, comm = self._sharded_comm(config, names, counter, replicas)
             return spec, comm, spec.topology_used.startswith('two-level')
 
-        cfg = self._config_or_trials(
+        config = self._config_or_trials(
             runner, build, lambda comm: set_reduce_scatter(model, comm),
             counter, ids)
-        if cfg is None:
+        if config is None:
             return
-        spec, comm = self._sharded_comm(cfg, names, counter, replicas)
+        spec, comm = self._sharded_comm(config, names, counter, replicas)
         self._register_sharded(runner, spec, set_reduce_scatter(model, comm),
                                counter, ids)
 
-    def _config_or_trials(self, runner, build, install, counter, ids: dict):
+    def _config_or_trials(self, runner, build, install, counter,
+                          ids: dict) -> Optional[CommHookConfig]:
         """The config to install: ``comm_hook`` itself, or under ``auto``
         the choice a resumed run kept; None where ``auto``'s trials start
-        instead (each candidate built by ``build``, config -> ``(spec,
-        comm, two_level)``, and put on the model by ``install``)."""
-        cfg = self._cfg
-        if cfg['type'] != AUTO:
-            return cfg
-        settings = check_comm_hook_cfg(cfg)
-        self._auto = AutoComm(settings, self._loaded_auto)
-        decision = self._auto.kept(runner)
-        if decision is not None:
-            return decision.config
+        instead (each candidate built by ``build``, checked config ->
+        ``(spec, comm, two_level)``, and put on the model by
+        ``install``)."""
+        config = self._config
+        if config.type != AUTO:
+            return config
+        self._auto = AutoComm(config, self._loaded_auto)
+        if self._auto.kept(runner) is not None:
+            return self._auto.chosen()
         self._counters = [counter]
-        self._auto.start_sharded(runner, sharded_auto_candidates(settings),
-                                 build, install)
+        self._auto.start_sharded(runner, build, install)
         self._installed = [('', self._auto.active()[0], counter, ids)]
         return None
 
@@ -119,15 +120,15 @@ class FSDP2CommMixin:
             spec, comm, _ = self._hybrid_comm(config, names, counter, group)
             return spec, comm, False
 
-        cfg = self._config_or_trials(
+        config = self._config_or_trials(
             runner, build, lambda comm: install_cross_node(model, comm),
             counter, ids)
-        if cfg is None:
+        if config is None:
             return
-        spec, comm, state = self._hybrid_comm(cfg, names, counter, group)
-        if self._cfg.get('topology', 'auto') != 'auto':
+        spec, comm, state = self._hybrid_comm(config, names, counter, group)
+        if self._config.topology != 'auto':
             spec.notes += (
-                f"comm_hook topology={self._cfg['topology']!r} changes "
+                f'comm_hook topology={self._config.topology!r} changes '
                 'nothing under hybrid sharding: the all-reduce that crosses '
                 'the nodes already runs among one rank a node, and the '
                 'reduce-scatter stays inside the node. Remove topology.', )
@@ -135,7 +136,7 @@ class FSDP2CommMixin:
             world = torch.distributed.get_world_size()
             layout = (group.size(), world // group.size())
             self._state_files = HookStateFiles(
-                {'': HybridInt8StateKeeper(state, layout)}, cfg)
+                {'': HybridInt8StateKeeper(state, layout)}, config)
         self._register_sharded(runner, spec, install_cross_node(model, comm),
                                counter, ids)
         if self._state_files is not None:
@@ -145,10 +146,11 @@ class FSDP2CommMixin:
                                           self._resumed_checkpoint(runner))
 
     @staticmethod
-    def _hybrid_comm(cfg: dict, names: dict, counter, group) -> tuple:
-        """``(spec, cross-node all-reduce, int8 state or None)`` of ``cfg``
-        under hybrid sharding, ``group`` the nodes."""
-        spec = build_sharded_comm(cfg, param_names=names, hybrid=True)
+    def _hybrid_comm(config: CommHookConfig, names: dict, counter,
+                     group) -> tuple:
+        """``(spec, cross-node all-reduce, int8 state or None)`` of
+        ``config`` under hybrid sharding, ``group`` the nodes."""
+        spec = build_sharded_comm(config, param_names=names, hybrid=True)
         sharded_topology(spec, None, group.size())
         if spec.int8_block_size is None:
             return spec, CrossNodeAllReduce(group, spec.sent_dtype,
@@ -158,14 +160,14 @@ class FSDP2CommMixin:
         return spec, Int8CrossNodeAllReduce(group, state, counter), state
 
     @staticmethod
-    def _sharded_comm(cfg: dict,
+    def _sharded_comm(config: CommHookConfig,
                       names: dict,
                       counter,
                       replicas: int = 1) -> tuple:
-        """``(spec, reduce-scatter)`` of ``cfg`` under FSDP2, sharded over
-        each node with ``replicas`` > 1 (hybrid). Collective: the topology
-        is decided on every rank together."""
-        spec = build_sharded_comm(cfg, param_names=names)
+        """``(spec, reduce-scatter)`` of ``config`` under FSDP2, sharded
+        over each node with ``replicas`` > 1 (hybrid). Collective: the
+        topology is decided on every rank together."""
+        spec = build_sharded_comm(config, param_names=names)
         topology = sharded_topology(spec, launcher_claim(), replicas)
         return spec, make_reduce_scatter(spec.sent_dtype, counter,
                                          spec.int8_block_size, topology.groups)

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from mmengine.dist import get_rank, get_world_size, is_main_process
 from mmengine.hooks import CheckpointHook
 
+from ..comm.builder import CommHookConfig
 from ..hooks.state import HookStateKeeper
 from ..integrity import CheckpointDamagedError, atomic_write_bytes, digest_path
 from ..integrity.checkpoint import UnsafeCheckpointError, load_checkpoint_file
@@ -119,13 +120,14 @@ class HookStateFiles:
         keepers (dict): DDP submodule name ('' for the whole model) ->
             the :class:`~mmcv_custom.hooks.state.HookStateKeeper` of its
             hook, whose ``state_dict`` is what is saved.
-        cfg (dict): The ``comm_hook`` config (its type and wrapper must
-            match for saved state to be used).
+        config (CommHookConfig): The ``comm_hook`` config, checked (its
+            type and wrapper must match for saved state to be used).
     """
 
-    def __init__(self, keepers: Dict[str, HookStateKeeper], cfg: dict) -> None:
+    def __init__(self, keepers: Dict[str, HookStateKeeper],
+                 config: CommHookConfig) -> None:
         self.keepers = keepers
-        self.cfg = cfg
+        self.config = config
         self.run_id: Optional[str] = None
         # (checkpoint path, step) while the CheckpointHook saves this
         # iteration, else None.
@@ -202,8 +204,8 @@ class HookStateFiles:
         path, step = self._due
         checkpoint['comm_hook_state'] = dict(
             format=_FORMAT,
-            type=self.cfg.get('type'),
-            wrapper=self.cfg.get('wrapper'),
+            type=self.config.type,
+            wrapper=self.config.wrapper,
             world_size=get_world_size(),
             run=self.run_id,
             step=step,
@@ -280,7 +282,7 @@ class HookStateFiles:
         if dist.is_available() and dist.is_initialized():
             reasons = [None] * world_size
             dist.all_gather_object(reasons, reason)
-        hook_type = self.cfg.get('type')
+        hook_type = self.config.type
         if not any(reasons):
             for name, keeper in self.keepers.items():
                 keeper.load_state_dict(payload['hooks'][name])
@@ -325,12 +327,12 @@ class HookStateFiles:
                 'this version does not read (an older mmcv_custom, whose '
                 'files do not prove which checkpoint they belong to)')
         saved = (record.get('type'), record.get('wrapper'))
-        if saved != (self.cfg.get('type'), self.cfg.get('wrapper')):
+        if saved != (self.config.type, self.config.wrapper):
             raise _Refused(
                 f'the resumed checkpoint holds the state of comm_hook '
                 f'type={saved[0]!r}, wrapper={saved[1]!r}, not of '
-                f"type={self.cfg.get('type')!r}, "
-                f"wrapper={self.cfg.get('wrapper')!r}")
+                f'type={self.config.type!r}, '
+                f'wrapper={self.config.wrapper!r}')
         if record.get('world_size') != world_size:
             raise _Refused(f"the resumed checkpoint holds the state of "
                            f"{record.get('world_size')} ranks, this run has "

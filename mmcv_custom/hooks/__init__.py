@@ -41,6 +41,7 @@ from .half import (CompressState, allreduce_hook, bf16_compress_hook,
                    fp16_compress_wrapper)
 from .int8 import Int8State, int8_compress_hook
 from .powersgd import powersgd_hook
+from .state import HookStateKeeper
 
 __all__ = [
     'allreduce_hook',
@@ -56,4 +57,5 @@ __all__ = [
     'int8_compress_hook',
     'powersgd_hook',
     'batched_powersgd_hook',
+    'HookStateKeeper',
 ]

@@ -38,8 +38,9 @@ from torch import nn
 
 from . import cast, int8_codec
 from .half import require_dtype_support, require_wire_dtype, wire_dtype_for
+from .int8_plan import Int8Chunks
 from .state import HookStateKeeper
-from .util import align_up, all_gather_single, ceil_div
+from .util import all_gather_single, ceil_div
 from .validation import require_bool, require_int
 
 __all__ = [
@@ -216,17 +217,12 @@ class Int8CrossNodeAllReduce:
         return Int8CrossNodeAllReduce(self.group, self.state, self.counter,
                                       name)
 
-    def _segment(self, chunk: int) -> Tuple[int, int]:
-        """``(blocks, bytes)`` of one owner's segment of ``chunk`` values."""
-        blocks = int8_codec.num_blocks(chunk, self.state.block_size)
-        return blocks, 4 * blocks + align_up(chunk, 4)
-
     def __call__(self, shard: torch.Tensor) -> None:
         nodes, me = self.group.size(), self.group.rank()
         block = self.state.block_size
         n = shard.numel()
         chunk = ceil_div(n, nodes)
-        blocks, size = self._segment(chunk)
+        chunks = Int8Chunks(nodes, chunk, block)
         device = shard.device
         x = torch.zeros(nodes * chunk, dtype=torch.float32, device=device)
         x[:n].copy_(shard.reshape(-1))
@@ -234,31 +230,12 @@ class Int8CrossNodeAllReduce:
         residual = kept
         if kept is not None and kept.dtype is not torch.float32:
             residual = kept.float()  # the arithmetic in fp32
-        send = torch.zeros(nodes * size, dtype=torch.uint8, device=device)
-        for j in range(nodes):
-            at, values = j * size, slice(j * chunk, (j + 1) * chunk)
-            int8_codec.quantize(
-                x[values],
-                block,
-                1.0 / nodes,
-                None if residual is None else residual[values],
-                out=send[at + 4 * blocks:at + 4 * blocks + chunk].view(
-                    torch.int8),
-                scales=send[at:at + 4 * blocks].view(torch.float32))
+        send = chunks.quantize(x, 1.0 / nodes, residual)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        total = torch.empty(chunk, dtype=torch.float32, device=device)
-        for i in range(nodes):
-            at = i * size
-            int8_codec.dequantize(
-                recv[at + 4 * blocks:at + 4 * blocks + chunk].view(torch.int8),
-                recv[at:at + 4 * blocks].view(torch.float32),
-                block,
-                total,
-                accumulate=i > 0)
-        own = torch.zeros(size, dtype=torch.uint8, device=device)
-        q = own[4 * blocks:4 * blocks + chunk].view(torch.int8)
-        scales = own[:4 * blocks].view(torch.float32)
+        total = chunks.sum(recv)
+        own = torch.zeros(chunks.size, dtype=torch.uint8, device=device)
+        q, scales = chunks.segment(own, 0)
         int8_codec.quantize(total, block, out=q, scales=scales)
         if residual is not None:
             # The owner feeds back what the second rounding (and the cast
@@ -273,16 +250,12 @@ class Int8CrossNodeAllReduce:
         gathered = torch.empty_like(send)
         all_gather_single(gathered, own, group=self.group)
         for j in range(nodes):
-            at = j * size
-            int8_codec.dequantize(
-                gathered[at + 4 * blocks:at + 4 * blocks + chunk].view(
-                    torch.int8),
-                gathered[at:at + 4 * blocks].view(torch.float32), block,
-                x[j * chunk:(j + 1) * chunk])
+            int8_codec.dequantize(*chunks.segment(gathered, j), block,
+                                  x[j * chunk:(j + 1) * chunk])
         shard.view(-1).copy_(x[:n])
         if self.counter is not None:
             self.counter.baseline_bytes += n * shard.element_size()
-            self.counter.bytes_sent += nodes * size
+            self.counter.bytes_sent += chunks.nbytes
 
 
 def install_cross_node(model: nn.Module, comm) -> int:
@@ -321,14 +294,12 @@ class HybridInt8StateKeeper(HookStateKeeper):
     """
 
     RESTORED = 'error feedback of each unit\'s shard'
+    FRESH_NOTE = 'error feedback from zero'
     FEEDBACK_KEY = 'error_feedback'
 
     def __init__(self, state: HybridInt8State, layout: tuple) -> None:
         self.state = state
         self.layout = tuple(layout)
-
-    def wrap(self, hook):
-        return hook
 
     def state_dict(self) -> dict:
         return dict(
@@ -371,9 +342,6 @@ class HybridInt8StateKeeper(HookStateKeeper):
             unit: residual.clone()
             for unit, residual in saved['residuals'].items()
         }
-
-    def fresh_note(self, steps_done: int) -> str:
-        return 'error feedback from zero'
 
     def start_fresh(self, steps_done: int) -> None:
         self.state.residuals = {}

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from . import int8_codec
 from .half import group_or_world
-from .int8_plan import Int8BucketPlan, sum_and_requantize
+from .int8_plan import Int8BucketPlan, exchange_and_requantize
 from .int8_two_level import TwoLevelPlan, two_level_reduce
 from .state import HookStateKeeper
 from .topology import NodeGroups
@@ -370,6 +370,7 @@ class Int8StateKeeper(HookStateKeeper):
 
     #: What a restore brings back, for the log.
     RESTORED = 'error feedback'
+    FRESH_NOTE = 'error feedback from zero'
     FEEDBACK_KEY = 'error_feedback'
 
     @classmethod
@@ -386,10 +387,6 @@ class Int8StateKeeper(HookStateKeeper):
         self.state = state
         self.names = names
 
-    def wrap(self, hook):
-        """``hook`` itself: there is nothing to lay out."""
-        return hook
-
     def state_dict(self) -> dict:
         return self.state.state_dict(self.names)
 
@@ -398,10 +395,6 @@ class Int8StateKeeper(HookStateKeeper):
 
     def load_state_dict(self, saved: dict) -> None:
         self.state.load_state_dict(saved, self.names)
-
-    def fresh_note(self, steps_done: int) -> str:
-        """What :meth:`start_fresh` means for the run, for the log."""
-        return 'error feedback from zero'
 
     def start_fresh(self, steps_done: int) -> None:
         """Forget every residual (the saved ones could not be used)."""
@@ -471,26 +464,13 @@ def _int8_reduce(state: Int8State,
 
     # This rank's share (the bucket times 1 / world_size, plus the residual
     # of earlier steps), quantized into the owners' segments in one pass.
+    # Each owner sums its blocks over the ranks and quantizes the sum; the
+    # owner feeds back what this rounding drops (see Int8State).
     x = buffer if buffer.dtype is torch.float32 else buffer.float()
     residual = (
         state._residual(bucket, layout) if state.error_feedback else None)
-    send = torch.empty(plan.send_bytes, dtype=torch.uint8, device=device)
-    out = torch.empty(plan.padded, dtype=torch.uint8, device=device)
-    plan.zero_padding(send, out, rank)
-    int8_codec.quantize_blocks(x, plan.send, send, 1.0 / world_size, residual)
-
-    mine = plan.splits[rank]
-    recv = torch.empty(world_size * mine, dtype=torch.uint8, device=device)
-    dist.all_to_all_single(
-        recv,
-        send,
-        output_split_sizes=[mine] * world_size,
-        input_split_sizes=plan.splits,
-        group=group)
-
-    # Sum this rank's blocks over the ranks and quantize the sum; the
-    # owner feeds back what this rounding drops (see Int8State).
-    sum_and_requantize(plan, recv, world_size, out, residual, buffer.dtype)
+    out = exchange_and_requantize(plan, x, 1.0 / world_size, residual, rank,
+                                  world_size, group, buffer.dtype)
 
     gathered = torch.empty(
         world_size * plan.padded, dtype=torch.uint8, device=device)

@@ -1,17 +1,22 @@
 """How one bucket layout is quantized and exchanged by the int8 hook: which
 rank owns which block, and where each block's bytes go on the wire. Kept
-apart from the hook so that its flat and two-level forms share it. Imports
-only torch.
+apart from the hook so that its flat and two-level forms share it; the same
+segments cut from equal chunks (:class:`Int8Chunks`) are what FSDP2's int8
+forms send. Imports only torch.
 """
 from typing import List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from . import int8_codec
 from .int8_codec import BlockTable
 from .util import align_up, ceil_div
 
-__all__ = ['Int8BucketPlan', 'sum_and_requantize']
+__all__ = [
+    'Int8BucketPlan', 'sum_and_requantize', 'exchange_and_requantize',
+    'Int8Chunks'
+]
 
 
 def _align4(nbytes: int) -> int:
@@ -159,3 +164,97 @@ def sum_and_requantize(plan: Int8BucketPlan, recv: torch.Tensor, ranks: int,
         residual.index_add_(
             0, plan.own.residual_index(recv.device),
             torch.where(torch.isfinite(lost), lost, torch.zeros_like(lost)))
+
+
+def exchange_and_requantize(plan: Int8BucketPlan, x: torch.Tensor,
+                            prescale: float, residual: Optional[torch.Tensor],
+                            rank: int, ranks: int, group: dist.ProcessGroup,
+                            dtype: torch.dtype) -> torch.Tensor:
+    """The flat exchange up to the all-gather, on rank ``rank`` of the
+    ``ranks`` of ``group``: ``x * prescale`` (plus ``residual``) quantized
+    into the owners' segments, each segment sent to its owner with one
+    all-to-all, and this rank's blocks summed and quantized again
+    (:func:`sum_and_requantize`, which feeds back into ``residual`` too).
+    Returns the int8 result, ``plan.padded`` bytes, for the all-gather."""
+    device = x.device
+    send = torch.empty(plan.send_bytes, dtype=torch.uint8, device=device)
+    out = torch.empty(plan.padded, dtype=torch.uint8, device=device)
+    plan.zero_padding(send, out, rank)
+    int8_codec.quantize_blocks(x, plan.send, send, prescale, residual)
+    mine = plan.splits[rank]
+    recv = torch.empty(ranks * mine, dtype=torch.uint8, device=device)
+    dist.all_to_all_single(
+        recv,
+        send,
+        output_split_sizes=[mine] * ranks,
+        input_split_sizes=plan.splits,
+        group=group)
+    sum_and_requantize(plan, recv, ranks, out, residual, dtype)
+    return out
+
+
+class Int8Chunks:
+    """``parts`` equal chunks of ``chunk`` values, each quantized into a
+    segment of its own: the chunk's fp32 scales, then its int8 values,
+    padded to 4 bytes (an :class:`Int8BucketPlan` segment, for a buffer
+    cut in equal chunks). What FSDP2's int8 reduce-scatter and hybrid
+    sharding's int8 cross-node all-reduce send.
+
+    Args:
+        parts (int): Chunks (segments) in a buffer.
+        chunk (int): Values per chunk.
+        block (int): ``block_size``.
+    """
+
+    def __init__(self, parts: int, chunk: int, block: int) -> None:
+        self.parts, self.chunk, self.block = parts, chunk, block
+        self.blocks = int8_codec.num_blocks(chunk, block)
+        #: Bytes of one segment.
+        self.size = 4 * self.blocks + align_up(chunk, 4)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of a buffer of every segment."""
+        return self.parts * self.size
+
+    def segment(self, buf: torch.Tensor,
+                j: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(int8 values, fp32 scales)`` of segment ``j`` of ``buf``,
+        as views."""
+        at = j * self.size
+        values = at + 4 * self.blocks
+        return (buf[values:values + self.chunk].view(torch.int8),
+                buf[at:values].view(torch.float32))
+
+    def quantize(self,
+                 x: torch.Tensor,
+                 prescale: float,
+                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A new buffer of :attr:`nbytes`: chunk ``j`` of ``x`` (fp32,
+        ``parts * chunk`` values) times ``prescale``, plus its slice of
+        ``residual`` (which keeps what rounding dropped), in segment
+        ``j``; the padding zero, so no stale memory goes on the wire."""
+        buf = torch.empty(self.nbytes, dtype=torch.uint8, device=x.device)
+        for j in range(self.parts):
+            values = slice(j * self.chunk, (j + 1) * self.chunk)
+            end = j * self.size + 4 * self.blocks + self.chunk
+            buf[end:(j + 1) * self.size].zero_()  # alignment
+            q, scales = self.segment(buf, j)
+            int8_codec.quantize(
+                x[values],
+                self.block,
+                prescale,
+                None if residual is None else residual[values],
+                out=q,
+                scales=scales)
+        return buf
+
+    def sum(self, buf: torch.Tensor) -> torch.Tensor:
+        """The fp32 sum of every segment of ``buf``, in segment order, so
+        that every run sums alike."""
+        total = torch.empty(self.chunk, dtype=torch.float32, device=buf.device)
+        for i in range(self.parts):
+            q, scales = self.segment(buf, i)
+            int8_codec.dequantize(
+                q, scales, self.block, total, accumulate=i > 0)
+        return total

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import int8_codec
-from .int8_plan import Int8BucketPlan, sum_and_requantize
+from .int8_plan import Int8BucketPlan, exchange_and_requantize
 from .topology import NodeGroups
 from .util import all_gather_single, ceil_div
 
@@ -201,19 +201,8 @@ def two_level_reduce(groups: NodeGroups, bucket: dist.GradBucket,
     cross = plan.cross
     me = groups.cross_rank
     dropped = torch.zeros_like(sums) if residual is not None else None
-    send8 = torch.empty(cross.send_bytes, dtype=torch.uint8, device=device)
-    out8 = torch.empty(cross.padded, dtype=torch.uint8, device=device)
-    cross.zero_padding(send8, out8, me)
-    int8_codec.quantize_blocks(sums, cross.send, send8, 1.0, dropped)
-    share = cross.splits[me]
-    recv8 = torch.empty(nodes * share, dtype=torch.uint8, device=device)
-    dist.all_to_all_single(
-        recv8,
-        send8,
-        output_split_sizes=[share] * nodes,
-        input_split_sizes=cross.splits,
-        group=groups.cross)
-    sum_and_requantize(cross, recv8, nodes, out8, dropped, buffer.dtype)
+    out8 = exchange_and_requantize(cross, sums, 1.0, dropped, me, nodes,
+                                   groups.cross, buffer.dtype)
     # The int8 result of this rank's sums from every node, padded for the
     # all-gather inside the node.
     gathered8 = torch.zeros(

@@ -120,6 +120,35 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
+def _power_step(state: powerSGD.PowerSGDState, inputs: List[torch.Tensor],
+                ps: List[torch.Tensor], qs: List[torch.Tensor],
+                p_buf: torch.Tensor, q_buf: torch.Tensor,
+                group: dist.ProcessGroup,
+                world_size: int) -> List[torch.Tensor]:
+    """PyTorch's power iteration on each batch of matrices ``inputs``
+    (``ps``, ``qs``: the batches' P and Q, views into ``p_buf`` and
+    ``q_buf``): Q orthogonalized, ``P = M Q`` summed over ``group`` and
+    orthogonalized, ``Q = M^T P`` summed and divided by ``world_size``.
+    Returns the orthogonal P of each batch (aligned: see :func:`_own`)."""
+    epsilon = state.orthogonalization_epsilon
+    for m, p, q in zip(inputs, ps, qs):
+        q_own = _own(q)
+        powerSGD._orthogonalize(q_own, epsilon)
+        p.copy_(torch.bmm(m, q_own))
+    if ps:  # Each batch has a P and a Q of at least one value.
+        dist.all_reduce(p_buf, group=group)
+    ps_own = []
+    for m, p, q in zip(inputs, ps, qs):
+        p_own = _own(p)
+        powerSGD._orthogonalize(p_own, epsilon)
+        ps_own.append(p_own)
+        q.copy_(torch.bmm(m.transpose(1, 2), p_own))
+    if qs:
+        dist.all_reduce(q_buf, group=group)
+        q_buf.div_(world_size)
+    return ps_own
+
+
 def _powersgd(state: powerSGD.PowerSGDState,
               bucket: dist.GradBucket) -> torch.futures.Future:
     """The hook's work on one bucket; every collective has completed or
@@ -168,22 +197,8 @@ def _powersgd(state: powerSGD.PowerSGDState,
             int(state.rng.randint(1_000_000_000)))
         for q in qs:
             q.copy_(torch.randn(*q.shape, generator=generator, dtype=dtype))
-    epsilon = state.orthogonalization_epsilon
-    for m, p, q in zip(inputs, ps, qs):
-        q_own = _own(q)
-        powerSGD._orthogonalize(q_own, epsilon)
-        p.copy_(torch.bmm(m, q_own))
-    if p_size:
-        dist.all_reduce(p_memory, group=group)
-    ps_own = []
-    for m, p, q in zip(inputs, ps, qs):
-        p_own = _own(p)
-        powerSGD._orthogonalize(p_own, epsilon)
-        ps_own.append(p_own)
-        q.copy_(torch.bmm(m.transpose(1, 2), p_own))
-    if q_size:
-        dist.all_reduce(q_memory, group=group)
-        q_memory.div_(world_size)
+    ps_own = _power_step(state, inputs, ps, qs, p_memory, q_memory, group,
+                         world_size)
 
     for batch, p_own, q in zip(batches, ps_own, qs):
         approx = torch.bmm(p_own, _own(q).transpose(1, 2))
@@ -567,22 +582,8 @@ def _compress_owned(state: 'PowerSGDState', plan: _TwoLevelPlan, index: int,
                 q[i].copy_(q_memory[at:at + numel].view_as(q[i]))
 
     inputs = [_own(_stack([m for m, _, _ in batch])) for batch in batches]
-    epsilon = state.orthogonalization_epsilon
-    for m, p, q in zip(inputs, ps, qs):
-        q_own = _own(q)
-        powerSGD._orthogonalize(q_own, epsilon)
-        p.copy_(torch.bmm(m, q_own))
-    if p_buf.numel():
-        dist.all_reduce(p_buf, group=groups.cross)
-    ps_own = []
-    for m, p, q in zip(inputs, ps, qs):
-        p_own = _own(p)
-        powerSGD._orthogonalize(p_own, epsilon)
-        ps_own.append(p_own)
-        q.copy_(torch.bmm(m.transpose(1, 2), p_own))
-    if q_buf.numel():
-        dist.all_reduce(q_buf, group=groups.cross)
-        q_buf.div_(world_size)
+    ps_own = _power_step(state, inputs, ps, qs, p_buf, q_buf, groups.cross,
+                         world_size)
 
     for batch, p_own, q in zip(batches, ps_own, qs):
         approx = torch.bmm(p_own, _own(q).transpose(1, 2))

@@ -47,17 +47,17 @@ so a resumed run is the uninterrupted one bit for bit.
 
 Like the rest of :mod:`mmcv_custom.hooks`, this module imports only torch.
 """
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import cast, int8_codec
+from . import cast
 from .half import require_dtype_support, require_wire_dtype, wire_dtype_for
 from .hybrid import cross_node_group
+from .int8_plan import Int8Chunks
 from .topology import NodeGroups
-from .util import align_up
 from .validation import require_int
 
 try:  # The base class set_custom_reduce_scatter documents (torch >= 2.6).
@@ -73,8 +73,30 @@ __all__ = [
 
 
 class _SummingReduceScatter(ReduceScatter):
-    """What both reduce-scatters share: FSDP2 allocates the buffers as
-    usual, and must ask for a plain sum (they average by themselves)."""
+    """What the reduce-scatters share: FSDP2 allocates the buffers as
+    usual, and must ask for a plain sum (they average by themselves); the
+    ``counter`` (if any) counts the input's bytes as FSDP would send them,
+    and the bytes sent (what :meth:`_reduce` returns)."""
+
+    def __call__(self,
+                 output_tensor: torch.Tensor,
+                 input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup,
+                 op=None,
+                 async_op: bool = False):
+        self._check_op(op)
+        sent, work = self._reduce(output_tensor, input_tensor, group, async_op)
+        if self.counter is not None:
+            self.counter.baseline_bytes += (
+                input_tensor.numel() * input_tensor.element_size())
+            self.counter.bytes_sent += sent
+        return work
+
+    def _reduce(self, output: torch.Tensor, input_tensor: torch.Tensor,
+                group: dist.ProcessGroup, async_op: bool) -> tuple:
+        """FSDP's reduce-scatter of ``input_tensor`` over ``group`` into
+        ``output``: ``(bytes sent, work or None)``."""
+        raise NotImplementedError
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
@@ -125,21 +147,10 @@ class AveragingReduceScatter(_SummingReduceScatter):
         self.wire_dtype = wire_dtype
         self.counter = counter
 
-    def __call__(self,
-                 output_tensor: torch.Tensor,
-                 input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup,
-                 op=None,
-                 async_op: bool = False):
-        self._check_op(op)
-        if self.counter is not None:
-            self.counter.baseline_bytes += (
-                input_tensor.numel() * input_tensor.element_size())
-        sent, work = self.scatter(output_tensor, input_tensor, group,
-                                  group.size(), input_tensor, async_op)
-        if self.counter is not None:
-            self.counter.bytes_sent += sent
-        return work
+    def _reduce(self, output: torch.Tensor, input_tensor: torch.Tensor,
+                group: dist.ProcessGroup, async_op: bool) -> tuple:
+        return self.scatter(output, input_tensor, group, group.size(),
+                            input_tensor, async_op)
 
     def scatter(self,
                 output: torch.Tensor,
@@ -199,26 +210,11 @@ class Int8ReduceScatter(_SummingReduceScatter):
         self.block_size = block_size
         self.counter = counter
 
-    def _segment(self, chunk: int) -> Tuple[int, int]:
-        """``(blocks, bytes)`` of one rank's segment of a chunk."""
-        blocks = int8_codec.num_blocks(chunk, self.block_size)
-        return blocks, 4 * blocks + align_up(chunk, 4)
-
-    def __call__(self,
-                 output_tensor: torch.Tensor,
-                 input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup,
-                 op=None,
-                 async_op: bool = False):
-        self._check_op(op)
-        self._check_sizes(output_tensor, input_tensor, group.size())
-        sent, _ = self.scatter(output_tensor, input_tensor, group,
-                               group.size(), input_tensor)
-        if self.counter is not None:
-            self.counter.baseline_bytes += (
-                input_tensor.numel() * input_tensor.element_size())
-            self.counter.bytes_sent += sent
-        return None
+    def _reduce(self, output: torch.Tensor, input_tensor: torch.Tensor,
+                group: dist.ProcessGroup, async_op: bool) -> tuple:
+        self._check_sizes(output, input_tensor, group.size())
+        return self.scatter(output, input_tensor, group, group.size(),
+                            input_tensor)
 
     def scatter(self,
                 output: torch.Tensor,
@@ -231,36 +227,14 @@ class Int8ReduceScatter(_SummingReduceScatter):
         ``output`` (``x``: a chunk per rank of ``group``); ``(bytes sent,
         None)``, as :meth:`AveragingReduceScatter.scatter` (int8 whatever
         ``grads`` are; it waits for its all-to-all)."""
-        world = group.size()
-        chunk = output.numel()
+        chunks = Int8Chunks(group.size(), output.numel(), self.block_size)
         x = x.reshape(-1)
         x = x.float() if x.dtype is not torch.float32 else x.contiguous()
-        blocks, size = self._segment(chunk)
-        device = x.device
-        send = torch.empty(world * size, dtype=torch.uint8, device=device)
-        for j in range(world):
-            at = j * size
-            send[at + 4 * blocks + chunk:at + size].zero_()  # alignment
-            int8_codec.quantize(
-                x[j * chunk:(j + 1) * chunk],
-                self.block_size,
-                1.0 / divisor,
-                out=send[at + 4 * blocks:at + 4 * blocks + chunk].view(
-                    torch.int8),
-                scales=send[at:at + 4 * blocks].view(torch.float32))
+        send = chunks.quantize(x, 1.0 / divisor)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
-        total = torch.empty(chunk, dtype=torch.float32, device=device)
-        for i in range(world):
-            at = i * size
-            int8_codec.dequantize(
-                recv[at + 4 * blocks:at + 4 * blocks + chunk].view(torch.int8),
-                recv[at:at + 4 * blocks].view(torch.float32),
-                self.block_size,
-                total,
-                accumulate=i > 0)
-        output.view(-1).copy_(total)
-        return world * size, None
+        output.view(-1).copy_(chunks.sum(recv))
+        return chunks.nbytes, None
 
 
 class TwoLevelReduceScatter(_SummingReduceScatter):
@@ -313,16 +287,11 @@ class TwoLevelReduceScatter(_SummingReduceScatter):
                                              dtype=torch.int64)
         return self._orders[key]
 
-    def __call__(self,
-                 output_tensor: torch.Tensor,
-                 input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup,
-                 op=None,
-                 async_op: bool = False):
-        self._check_op(op)
+    def _reduce(self, output: torch.Tensor, input_tensor: torch.Tensor,
+                group: dist.ProcessGroup, async_op: bool) -> tuple:
         order = self._order(group)
-        self._check_sizes(output_tensor, input_tensor, self.world_size)
-        chunk = output_tensor.numel()
+        self._check_sizes(output, input_tensor, self.world_size)
+        chunk = output.numel()
         node_size = self.groups.layout.ranks_per_node
         nodes = self.groups.layout.num_nodes
         chunks = input_tensor.reshape(self.world_size, chunk)
@@ -339,13 +308,8 @@ class TwoLevelReduceScatter(_SummingReduceScatter):
         for i in range(1, node_size):
             sums += parts[i]
         del recv, parts
-        sent, _ = self.across.scatter(output_tensor, sums, self.groups.cross,
-                                      self.world_size, input_tensor)
-        if self.counter is not None:
-            self.counter.baseline_bytes += (
-                input_tensor.numel() * input_tensor.element_size())
-            self.counter.bytes_sent += sent
-        return None
+        return self.across.scatter(output, sums, self.groups.cross,
+                                   self.world_size, input_tensor)
 
 
 def fsdp_modules(model: nn.Module) -> list:

@@ -5,7 +5,10 @@ start, int8's residuals) has that state laid out by DDP's buckets, which
 differ between a fresh run and a resumed one. A :class:`HookStateKeeper`
 keeps it per parameter name instead, so it can be saved beside a
 checkpoint by every rank and restored into whatever buckets the next run
-builds (:mod:`mmcv_custom.engine.hook_state_files` is its only caller).
+builds (:mod:`mmcv_custom.engine.hook_state_files` saves and restores
+through it; the builder calls :meth:`~HookStateKeeper.wrap`, the preflight
+:meth:`~HookStateKeeper.file_bytes`). A plugin's keeper, member by member
+with when each is called: ``docs/en/advanced_guides/own_hooks.md``.
 Imports only the standard library.
 """
 import abc
@@ -26,6 +29,9 @@ class HookStateKeeper(abc.ABC):
 
     #: What a restore brings back, for the log (e.g. ``'error feedback'``).
     RESTORED: str = ''
+    #: What :meth:`start_fresh` means for the run, for the warning (e.g.
+    #: ``'error feedback from zero'``); :meth:`fresh_note` says it.
+    FRESH_NOTE: str = ''
     #: The state key that turns error feedback off when False (None: it
     #: is always kept), for :meth:`file_bytes`.
     FEEDBACK_KEY = None
@@ -44,10 +50,12 @@ class HookStateKeeper(abc.ABC):
         return sum(p.numel() * p.element_size() for p in params
                    if p.requires_grad)
 
-    @abc.abstractmethod
     def wrap(self, hook: Callable) -> Callable:
-        """The hook to register: ``hook`` itself, or ``hook`` with the state
-        laid out for each bucket before it runs."""
+        """The hook to register: ``hook`` itself, as here, where the state
+        is kept per parameter; a keeper whose hook keeps its state by
+        bucket (PyTorch's PowerSGD) returns ``hook`` with the state laid
+        out for each bucket before it runs."""
+        return hook
 
     @abc.abstractmethod
     def state_dict(self) -> dict:
@@ -65,9 +73,11 @@ class HookStateKeeper(abc.ABC):
     def load_state_dict(self, saved: dict) -> None:
         """Restore :meth:`state_dict`'s output before the first step."""
 
-    @abc.abstractmethod
     def fresh_note(self, steps_done: int) -> str:
-        """What :meth:`start_fresh` means for the run, for the log."""
+        """What :meth:`start_fresh` means for the run, for the log:
+        :attr:`FRESH_NOTE`, unless it depends on ``steps_done`` (PowerSGD's
+        warm-up)."""
+        return self.FRESH_NOTE
 
     @abc.abstractmethod
     def start_fresh(self, steps_done: int) -> None:

@@ -12,21 +12,13 @@ module) and imports nothing beyond the standard library, so the modules
 that need just those (the work dir's lock, a rank's lifetime) stay light:
 import the other modules by their own names.
 """
-from .files import (DIGEST_SUFFIX, MANIFEST_FILE, CheckpointDamagedError,
-                    LinkedFileError, Verification, atomic_write_bytes,
-                    atomic_write_stream, atomic_write_text,
-                    checkpoint_candidates, digest_kept_beside, digest_path,
-                    file_sha256, is_temporary_name, link_of, open_own_file,
-                    process_alive, remove_entry, remove_stale_temporaries,
-                    require_intact, temporary_name, unverified_refusal,
-                    verify_file, write_digest)
+from . import files
+from .files import (  # noqa: F401 (re-exported, as files.__all__ lists)
+    DIGEST_SUFFIX, MANIFEST_FILE, CheckpointDamagedError, LinkedFileError,
+    Verification, atomic_write_bytes, atomic_write_stream, atomic_write_text,
+    checkpoint_candidates, digest_kept_beside, digest_path, file_sha256,
+    is_temporary_name, link_of, open_own_file, process_alive, remove_entry,
+    remove_stale_temporaries, require_intact, temporary_name,
+    unverified_refusal, verify_file, write_digest)
 
-__all__ = [
-    'DIGEST_SUFFIX', 'CheckpointDamagedError', 'Verification',
-    'atomic_write_bytes', 'atomic_write_stream', 'atomic_write_text',
-    'digest_path', 'write_digest', 'file_sha256', 'verify_file',
-    'require_intact', 'temporary_name', 'is_temporary_name',
-    'remove_stale_temporaries', 'checkpoint_candidates', 'MANIFEST_FILE',
-    'digest_kept_beside', 'unverified_refusal', 'process_alive',
-    'LinkedFileError', 'open_own_file', 'link_of', 'remove_entry'
-]
+__all__ = list(files.__all__)

@@ -8,6 +8,7 @@ import re
 import statistics
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -22,22 +23,24 @@ ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
 TOOL = osp.join(ROOT, 'tools', 'analysis_tools', 'benchmark_comm_hooks.py')
 STEP_HEADER = ('| bucket | hook | ours | PyTorch | ours / PyTorch | '
                'wire MB (ours) | rel. error |')
-CODEC_HEADER = ('| bucket | fp32 copy | ours fp16 | PyTorch fp16 | '
-                'ours bf16 | PyTorch bf16 | ours int8 |')
 _MS = r'[\d.]+ ms'
-# A row of each table: bucket, hook, times (PyTorch's, and the ratio, a
-# dash where PyTorch has no such hook), MiB, error / bucket; copy time,
-# five multiples of it.
+# A row of the step table: bucket, hook, times (PyTorch's, and the ratio,
+# a dash where PyTorch has no such hook), MiB, error / bucket.
 STEP_ROW = (r'\| (?P<size>[\d.]+) MB \| `(?P<hook>\w+)` \| ' + _MS +
             r' \| (?P<theirs>' + _MS + r'|—) \| (?P<ratio>\d+\.\d\d|—) \| '
             r'(?P<wire>[\d.]+) \| \d\.\de-\d\d \|')
-CODEC_ROW = r'\| (?P<size>[\d.]+) MB \| ' + _MS + r'( \| \d+\.\d\dx){5} \|'
-# The same, for the codecs the records name now.
+# docs/en/notes/benchmarks.md's section, and the JSON its tables were
+# made from (what the command there writes, copied beside the page).
+PAGE = osp.join(ROOT, 'docs', 'en', 'notes', 'benchmarks.md')
+PAGE_SECTION = "## Comm hooks against PyTorch's"
+PAGE_JSON = osp.join(ROOT, 'docs', 'en', 'notes', 'bench_comm_hooks.json')
+# The codec table: a column for each codec the records name, a row (copy
+# time, then each codec's multiple of it) per size.
 CODECS = hook_benchmark.codec_columns()
-TOOL_CODEC_HEADER = ('| bucket | fp32 copy | ' +
-                     ' | '.join(header for _, header, _ in CODECS) + ' |')
-TOOL_CODEC_ROW = (r'\| (?P<size>[\d.]+) MB \| ' + _MS +
-                  r'( \| \d+\.\d\dx){%d} \|' % len(CODECS))
+CODEC_HEADER = ('| bucket | fp32 copy | ' +
+                ' | '.join(header for _, header, _ in CODECS) + ' |')
+CODEC_ROW = (r'\| (?P<size>[\d.]+) MB \| ' + _MS +
+             r'( \| \d+\.\d\dx){%d} \|' % len(CODECS))
 # A progress line: [done/total] what: seconds, ETA (or, last, done in).
 PROGRESS = (r'\[(?P<done>\d+)/(?P<total>\d+)\] (?P<note>.+): \d+\.\d s, '
             r'(?P<end>ETA (\d+:\d\d:\d\d|-:--:--)|done in \d+:\d\d:\d\d)')
@@ -180,6 +183,7 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
         for e in data['results']
         for name, h in e['hooks'].items() if name.startswith('ours.')
     }
+    assert {name for _, name in ours} == set(rows)
     for m in step:
         counted = ours[m['size'], m['hook']]
         # The bytes by the one counting rule, from the bytes per
@@ -187,12 +191,15 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
         rule = sent_bytes(counted['wire_bytes_by_collective'].items(), 2)
         assert counted['wire_bytes'] == int(rule)
         assert float(m['wire']) == float(f'{rule / 2**20:.4g}')
-        # PyTorch has no int8 hook that runs on gloo: no time, no ratio.
-        alone = m['hook'] in ('int8_compress_hook', 'gather_mean_hook')
+        # A hook PyTorch has no twin of (int8, the plugin's): no time, no
+        # ratio.
+        alone = f'torch.{m["hook"]}' not in data['results'][0]['hooks']
         assert (m['theirs'] == '—') == alone and (m['ratio'] == '—') == alone
+        # Every hook averages: its error is a rounding's, whatever its
+        # format (each known one's bound is below).
+        assert counted['rel_error'] < 0.1, m['hook']
     codec = [
-        re.fullmatch(TOOL_CODEC_ROW, row)
-        for row in _table(lines, TOOL_CODEC_HEADER)
+        re.fullmatch(CODEC_ROW, row) for row in _table(lines, CODEC_HEADER)
     ]
     assert [m['size'] for m in codec] == ['0.25', '1']
     assert data['world_size'] == 2 and data['backend'] == 'gloo'
@@ -249,18 +256,43 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
     assert (tmp_path / 'b.png').stat().st_size > 10000
 
 
-def test_the_built_in_hooks_and_codecs_as_before():
-    # Read from the registry and the records, in the order of before.
-    assert HOOKS == [
+def test_every_registered_hook_is_compared_beside_pytorch_s_twin():
+    """Read from the registry and the records: DDP's own all-reduce, then
+    every registered hook not on PowerSGD's state, PyTorch's hook of the
+    same name just before it where ``default_hooks`` has one; a codec
+    column for each record with a codec, PyTorch's cast beside the half
+    precision ones."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from mmcv_custom.analysis.registered import registered_hooks
+    expected, codecs = ['noop', 'ddp_builtin'], []
+    for hook in registered_hooks():
+        if hook.record.powersgd_state:
+            continue
+        twin = f'{hook.name}_hook'
+        if hasattr(default_hooks, twin):
+            expected.append(f'torch.{twin}')
+        expected.append(f'ours.{twin}')
+        if hook.record.codec is not None:
+            codecs.append(f'ours.{hook.label}')
+            if (hasattr(default_hooks, twin)
+                    and hook.record.half_precision is not None):
+                codecs.append(f'torch.{hook.label}')
+    assert HOOKS == expected
+    assert [key for key, _, _ in CODECS] == codecs
+    # Today's built-ins among them, in the order of before.
+    before = [
         'noop', 'ddp_builtin', 'torch.allreduce_hook', 'ours.allreduce_hook',
         'torch.fp16_compress_hook', 'ours.fp16_compress_hook',
         'torch.bf16_compress_hook', 'ours.bf16_compress_hook',
         'ours.int8_compress_hook'
     ]
-    assert TOOL_CODEC_HEADER == CODEC_HEADER
-    assert [key for key, _, _ in CODECS] == [
-        'ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16', 'ours.int8'
-    ]
+    assert [h for h in HOOKS if h in before] == before
+    assert [
+        key for key, _, _ in CODECS
+        if key in ('ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16',
+                   'ours.int8')
+    ] == ['ours.fp16', 'torch.fp16', 'ours.bf16', 'torch.bf16', 'ours.int8']
 
 
 def _results(hooks, codecs, times=(0.01, 0.01), theirs=None, codec=None):
@@ -380,15 +412,67 @@ def test_the_time_targets_judge_by_the_rounds_spread():
                     'at 1 MB)') in report(results, 2, 'gloo').splitlines()
 
 
-def test_benchmarks_page_shows_the_tables_the_tool_prints():
-    page = open(osp.join(ROOT, 'docs', 'en', 'notes',
-                         'benchmarks.md')).read().splitlines()
-    section = page[page.index("## Comm hooks against PyTorch's"):]
-    for header, row in ((STEP_HEADER, STEP_ROW), (CODEC_HEADER, CODEC_ROW)):
-        rows = _table(section, header)
-        assert rows
-        for line in rows:
-            assert re.fullmatch(row, line), line
+def _page_section():
+    with open(PAGE, encoding='utf-8') as f:
+        lines = f.read().splitlines()
+    start = lines.index(PAGE_SECTION)
+    end = next(
+        (i
+         for i in range(start + 1, len(lines)) if lines[i].startswith('## ')),
+        len(lines))
+    return lines[start:end]
+
+
+def test_benchmarks_page_shows_the_tables_the_tool_prints_from_its_json():
+    """The page's two tables are what the tool prints from the JSON they
+    were made from, row for row; the command shown there is the one that
+    made it (its ranks, sizes and rounds) and the page says how long it
+    takes. A hook registered since is in neither: it is listed as not yet
+    benchmarked (a warning), not a failure."""
+    with open(PAGE_JSON, encoding='utf-8') as f:
+        data = json.load(f)
+    results = data['results']
+    section = _page_section()
+    printed = report(results, data['world_size'], data['backend']).splitlines()
+    codec_header = next(
+        line for line in printed if line.startswith('| bucket | fp32 copy |'))
+    for header in (STEP_HEADER, codec_header):
+        assert header in section, (header, PAGE_SECTION)
+        assert _table(section, header) == _table(printed, header)
+    # The command that regenerates them, and its time on this machine.
+    [command] = re.findall(r'^```bash\n(.*?)^```$', '\n'.join(section),
+                           re.M | re.S)
+    run, *after = command.replace('\\\n', ' ').splitlines()
+    words = run.split()
+    assert words[:2] == [
+        '.venv/bin/python', 'tools/analysis_tools/benchmark_comm_hooks.py'
+    ]
+    argv = words[2:]
+    # The JSON it writes is the one kept beside the page.
+    written = argv[argv.index('--json') + 1]
+    assert f'cp {written} {osp.relpath(PAGE_JSON, ROOT)}' in [
+        line.split('#')[0].strip() for line in after
+    ]
+    for option in ('--json', '--plot'):  # checked (and made) when run
+        if option in argv:
+            del argv[argv.index(option):argv.index(option) + 2]
+    args = load_script(TOOL, '_benchmark_page_tool').parse_args(argv)
+    assert args.nproc == data['world_size']
+    assert args.sizes_mb == [e['size_mb'] for e in results]
+    assert {len(h['times'])
+            for e in results
+            for h in e['hooks'].values()} == {args.repeat}
+    prose = ' '.join(' '.join(section).split())
+    assert re.search(r'takes about \d+ minutes on this 2-core machine',
+                     prose), 'the page should say how long the command takes'
+    # Registered since the run: not yet benchmarked, and said so.
+    measured = set(results[0]['hooks']) | set(results[0]['codec_s'])
+    missing = [h for h in HOOKS if h not in measured
+               ] + [key for key, _, _ in CODECS if key not in measured]
+    if missing:
+        warnings.warn(f'not yet benchmarked on {osp.relpath(PAGE, ROOT)} '
+                      f'({PAGE_SECTION[3:]!r}, rerun the command there): '
+                      f'{", ".join(missing)}')
 
 
 def _usage_error(args, message, **kwargs):

@@ -13,6 +13,7 @@ import pytest
 from mmcv_custom.analysis import convergence
 from mmcv_custom.analysis.convergence_runs import TrainLog, train_options
 from mmcv_custom.analysis.registered import DEFAULT_COLOURS
+from mmcv_custom.comm.records import record_of
 from mmcv_custom.comm.registry import COMM_HOOKS
 from mmcv_custom.launching.ports import free_port
 from tests.tool_utils import load_script, plugin_hook, usage_errors
@@ -199,17 +200,32 @@ def test_max_iters_shortens_every_run(tool, tmp_path):
 
 def test_the_variants_are_every_registered_hook_from_its_record():
     variants = convergence.variants()
-    # Today's, with their labels and colours, now read from the records.
+    # Every registered hook, in the registry's order: each setting its
+    # record names, else one named as registered, with the record's
+    # label (else its name) and colour (else one of the defaults).
+    expected = []
+    for name, hook in COMM_HOOKS.module_dict.items():
+        record = record_of(hook)
+        expected += [(v.name, name, v.label, v.colour) for v in record.variants
+                     ] or [(name, name, record.label or name, record.colour)]
+    got = [(v.name, v.hook_type, v.label, v.colour) for v in variants.values()]
+    assert len(got) == len(expected)
+    for (name, hook_type, label, colour), want in zip(got, expected):
+        assert (name, hook_type, label) == want[:3]
+        assert colour == want[3] or (want[3] is None
+                                     and colour in DEFAULT_COLOURS), name
+    # Today's hooks among them, in their order, labels and colours as
+    # before they were read from the records.
     assert [(v.name, v.label, v.colour) for v in variants.values()
-            if not v.hook_type.endswith('powerSGD')] == [
-                ('allreduce', 'fp32 all-reduce', 'black'),
-                ('fp16_compress', 'fp16', 'tab:green'),
-                ('bf16_compress', 'bf16', 'tab:purple'),
-                ('int8_ef', 'int8 + error feedback', 'tab:blue'),
-                ('int8_noef', 'int8, no error feedback', 'tab:red'),
-            ]
-    assert {v.hook_type
-            for v in variants.values()} == set(COMM_HOOKS.module_dict)
+            if v.name in ('allreduce', 'fp16_compress', 'bf16_compress',
+                          'int8_ef', 'int8_noef')] == [
+                              ('allreduce', 'fp32 all-reduce', 'black'),
+                              ('fp16_compress', 'fp16', 'tab:green'),
+                              ('bf16_compress', 'bf16', 'tab:purple'),
+                              ('int8_ef', 'int8 + error feedback', 'tab:blue'),
+                              ('int8_noef', 'int8, no error feedback',
+                               'tab:red'),
+                          ]
     # PowerSGD trains as its record asks: compressing from step 2.
     assert convergence.hook_options(variants['powerSGD'], 256) == [
         'comm_hook.type=powerSGD', 'comm_hook.matrix_approximation_rank=4',

@@ -11,6 +11,7 @@ import glob
 import os
 import os.path as osp
 import re
+import shutil
 import subprocess
 import sys
 
@@ -353,9 +354,15 @@ def test_layer_decay_groups_are_those_of_ddp(uninterrupted, tmp_path):
 
 
 def test_resume_ends_with_the_weights_of_an_uninterrupted_run(uninterrupted):
+    """The uninterrupted run's iter_4.pth, copied into a work dir of its
+    own (as a run stopped there leaves it), resumed up to 6."""
     root, whole, results = uninterrupted
     part = str(root / 'part')
-    run_ranks(_train, part, 4, timeout=300)
+    os.makedirs(part)
+    shutil.copytree(
+        osp.join(whole, 'iter_4.pth'), osp.join(part, 'iter_4.pth'))
+    with open(osp.join(part, 'last_checkpoint'), 'w') as f:
+        f.write(osp.join(part, 'iter_4.pth'))
     resumed = run_ranks(_train, part, 6, True, timeout=300)
     assert resumed[0]['iter'] == 6
     # The message hub's history comes back with the checkpoint: the same
@@ -374,8 +381,6 @@ def test_resume_ends_with_the_weights_of_an_uninterrupted_run(uninterrupted):
 
 def test_resume_on_one_process_reshards(uninterrupted, tmp_path):
     """DCP reshards: a checkpoint of 2 ranks resumes on 1 (not sharded)."""
-    import shutil
-
     from mmengine.runner import FlexibleRunner
     _, whole, _ = uninterrupted
     work = tmp_path / 'one'
@@ -569,19 +574,37 @@ def test_dist_train_then_evaluate_the_sharded_checkpoint(tmp_path):
     assert not osp.exists(tmp_path / 'moved')
 
 
-@pytest.mark.slow
-def test_dist_train_refuses_powersgd_under_fsdp2(tmp_path):
-    out = _tool([
-        'bash',
-        osp.join(ROOT, 'tools', 'dist_train.sh'), TINY_FSDP2, '2',
-        '--work-dir',
+def test_train_py_refuses_powersgd_under_fsdp2_before_any_work(tmp_path):
+    """Rank 0 of a 2-rank torchrun launch (its environment; the preflight
+    stops it before the process group, so no other rank is needed): the
+    preflight's one line, exit 2, nothing written. (Every rank of a launch
+    stopping so, one of them saying why: test_fsdp2_layouts.py.)"""
+    env = dict(
+        os.environ,
+        RANK='0',
+        LOCAL_RANK='0',
+        WORLD_SIZE='2',
+        LOCAL_WORLD_SIZE='2',
+        GROUP_RANK='0',
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT=free_port())
+    out = subprocess.run([
+        sys.executable,
+        osp.join(ROOT, 'tools', 'train.py'), TINY_FSDP2, '--launcher',
+        'pytorch', '--work-dir',
         str(tmp_path / 'w'), '--cfg-options', *SHORT, 'comm_hook.type=powerSGD'
-    ], str(tmp_path))
-    log = out.stdout + out.stderr
-    assert out.returncode != 0
-    assert ("comm_hook type='powerSGD' has no sharded form: under FSDP2"
-            in log)
-    assert not osp.exists(str(tmp_path / 'w' / 'iter_4.pth'))
+    ],
+                         cwd=str(tmp_path),
+                         env=env,
+                         capture_output=True,
+                         text=True,
+                         timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.startswith(
+        "train.py: error: comm_hook type='powerSGD' has no sharded form: "
+        'under FSDP2'), out.stderr
+    assert len(out.stderr.splitlines()) == 1 and out.stdout == ''
+    assert not osp.exists(tmp_path / 'w')
 
 
 def test_auto_with_no_sharded_candidate_is_refused_before_any_work(tmp_path):
@@ -775,16 +798,18 @@ def test_model_wrapper_cfg_with_a_flexible_runner_is_refused():
         prepare_launch(cfg, 'none', cuda=False)
 
 
-def test_activation_checkpointing_composes_with_sharding(tmp_path):
+def test_activation_checkpointing_composes_with_sharding(
+        uninterrupted, tmp_path):
     """InternViT's with_cp recomputes each block inside its FSDP2 unit
-    during backward: the same losses, step for step, as without it."""
-    plain = run_ranks(_train_with, str(tmp_path / 'plain'), 3, {}, timeout=300)
+    during backward: the same losses, step for step, as without it (the
+    uninterrupted run's first 3: the same seed, data and constant rate)."""
+    _, _, plain = uninterrupted
     cp = run_ranks(
         _train_with,
         str(tmp_path / 'cp'),
         3, {'model.backbone.with_cp': True},
         timeout=300)
-    assert cp[0]['losses'] == plain[0]['losses']
+    assert cp[0]['losses'] == plain[0]['losses'][:3]
     assert cp[0]['losses'][-1] < cp[0]['losses'][0]
 
 

@@ -286,3 +286,71 @@ def test_bf16_training_follows_fp32_training(tmp_path):
     rel = [abs(h - e) / e for h, e in zip(half, exact)]
     assert max(rel) < 0.01, max(rel)
     assert half != exact  # and bf16 was really on the wire
+
+
+# (where the config is given, the config, iterations): a stateful hook
+# saving its state files, one given as the runner hook's argument, auto.
+_ONCE = [
+    ('config', dict(type='powerSGD', start_powerSGD_iter=2), 2),
+    ('argument', dict(type='int8_compress'), 1),
+    ('config',
+     dict(
+         type='auto', candidates=['allreduce', 'bf16_compress'],
+         trial_iters=1), 5),
+]
+
+
+def _checks(rank, world_size, work_dir):
+    """For each of :data:`_ONCE`, the configs ``CommHookConfig.check``
+    (every check of a comm_hook config goes through it) saw while a real
+    Runner was built and trained, and the registration lines."""
+    from mmcv_custom.comm.builder import CommHookConfig
+    check = CommHookConfig.check.__func__
+    seen = []
+
+    def counted(cls, cfg, *args, **kwargs):
+        seen.append(dict(cfg))
+        return check(cls, cfg, *args, **kwargs)
+
+    out = []
+    CommHookConfig.check = classmethod(counted)
+    try:
+        for i, (where, comm_hook, max_iters) in enumerate(_ONCE):
+            seen.clear()
+            runner, records = _runner(
+                osp.join(work_dir, str(i)),
+                comm_hook if where == 'config' else None,
+                hook_args=dict(
+                    comm_hook=comm_hook) if where == 'argument' else None,
+                max_iters=max_iters,
+                checkpoint=dict(type='CheckpointHook', interval=2))
+            runner.train()
+            out.append(
+                (list(seen), [m for _, m in records.lines if REGISTERED in m]))
+            del runner
+    finally:
+        CommHookConfig.check = classmethod(check)
+    return out
+
+
+def test_each_rank_checks_its_comm_hook_once(tmp_path):
+    """Issue 44: the config is checked once on each rank (where it is
+    read: ``before_run``, or the runner hook's argument when it is built)
+    and the checked config handed on, to the DDP registration, the state
+    files and auto's trials; auto's candidates are each checked once with
+    it, the chosen one not again."""
+    ranks = run_ranks(_checks, str(tmp_path))
+    for (where, comm_hook, _), *both in zip(_ONCE, *ranks):
+        for seen, _ in both:
+            assert seen[0] == comm_hook and seen.count(comm_hook) == 1, seen
+            # No config is checked twice, auto's candidates included.
+            assert len({repr(c) for c in seen}) == len(seen), seen
+        (seen, registered), (_, on_rank1) = both
+        assert len(registered) == 1 and on_rank1 == [], where
+        if comm_hook['type'] == 'auto':
+            assert 'chosen by comm_hook auto' in registered[0]
+            assert sorted(c['type'] for c in seen[1:]) == [
+                'allreduce', 'bf16_compress', 'bf16_compress'
+            ]
+        else:
+            assert len(seen) == 1

@@ -8,8 +8,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mmcv_custom.analysis import cost as cc
-from mmcv_custom.comm import CommCounter, build_comm_hook
+from mmcv_custom.comm import COMM_HOOKS, CommCounter, build_comm_hook
 from mmcv_custom.comm.builder import check_comm_hook_cfg
+from mmcv_custom.comm.records import record_of
 from mmcv_custom.comm.sharded import build_sharded_comm
 from mmcv_custom.comm.traffic import sent_bytes
 from mmcv_custom.hooks.topology import NodeClaim
@@ -425,11 +426,19 @@ def test_bad_topologies_are_refused_before_anything_is_built(
 def test_a_hook_without_a_two_level_form_refuses_a_stated_topology():
     with pytest.raises(ValueError) as raised:
         check_comm_hook_cfg(dict(type='allreduce', topology=TWO_BY_TWO))
+    # The registered hooks whose records name a two-level form: today
+    # batched_powerSGD, bf16_compress, fp16_compress, int8_compress and
+    # powerSGD.
+    forms = sorted(name for name, hook in COMM_HOOKS.module_dict.items()
+                   if record_of(hook).two_level)
+    assert {
+        'batched_powerSGD', 'bf16_compress', 'fp16_compress', 'int8_compress',
+        'powerSGD'
+    } <= set(forms)
     assert str(raised.value) == (
         "comm_hook type 'allreduce' has no two-level form, so "
         "topology={'ranks_per_node': 2} cannot apply. Two-level forms: "
-        "batched_powerSGD, bf16_compress, fp16_compress, int8_compress, "
-        "powerSGD; leave topology out (or 'flat') for this hook.")
+        f"{', '.join(forms)}; leave topology out (or 'flat') for this hook.")
     for fine in ('auto', 'flat'):
         check_comm_hook_cfg(dict(type='allreduce', topology=fine))
         build_sharded_comm(dict(type='allreduce', topology=fine))

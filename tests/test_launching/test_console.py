@@ -371,7 +371,8 @@ def _log_file(console_text):
 @pytest.mark.slow
 def test_a_training_prints_a_header_progress_and_a_summary(tmp_path):
     """One 10-iteration run of the toy segmenter; then --resume --verbose
-    of the finished run; then tools/test.py on its checkpoint."""
+    of the finished run (in one process: it trains nothing); then
+    tools/test.py on its checkpoint."""
     out = _run([
         'bash',
         osp.join(TOOLS, 'dist_train.sh'), FCN, '2', '--work-dir', 'work',
@@ -410,9 +411,9 @@ def test_a_training_prints_a_header_progress_and_a_summary(tmp_path):
     # Resumed at its end: nothing left to train; --verbose prints the
     # config and the environment again.
     again = _run([
-        'bash',
-        osp.join(TOOLS, 'dist_train.sh'), FCN, '2', '--work-dir', 'work',
-        '--resume', '--verbose', '--cfg-options', *SHORT
+        sys.executable,
+        osp.join(TOOLS, 'train.py'), FCN, '--work-dir', 'work', '--resume',
+        '--verbose', '--cfg-options', *SHORT
     ], tmp_path)
     console = again.stdout + again.stderr
     assert again.returncode == 0, console[-3000:]

@@ -17,7 +17,8 @@ import torch
 from mmcv_custom import integrity
 from mmcv_custom.launching.ports import free_port
 from mmcv_custom.launching.work_dir_lock import LOCK_FILE
-from tests.test_engine.test_checkpoint_integrity import FAST, MLP, ROOT, TRAIN, _flip, _train
+from tests.test_engine.test_checkpoint_integrity import (FAST, MLP, ROOT,
+                                                         TRAIN, _flip, _train)
 from .test_restart import _config, _dist_train, _weights
 
 DIST_TRAIN = osp.join(ROOT, 'tools', 'dist_train.sh')

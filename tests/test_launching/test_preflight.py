@@ -161,7 +161,7 @@ def test_ade20k_folders_empty_folders_and_few_shot_splits(
     monkeypatch.setattr(
         work_dir_check,
         'checkpoint_size',
-        lambda cfg, world_size=1, launcher='none': None)
+        lambda cfg, world_size=1, launcher='none', comm_hook=None: None)
     root = tmp_path / 'ADEChallengeData2016'
     (root / 'images' / 'training').mkdir(parents=True)
     (root / 'images' / 'training' / 'a.jpg').write_bytes(b'')
@@ -304,9 +304,9 @@ OUT_DIR_FIX = (f'. Fix: set {OUT_DIR} to another folder, one you can '
      f'{OUT_DIR} to another folder (--cfg-options {OUT_DIR}=PATH)'),
 ])
 def test_an_out_dir_that_cannot_be_made_says_why(out_dir, expected, tmp_path):
-    """Through tools/train.py, before any training: the key, the path, the
-    error the system gives (EACCES, EROFS, EPERM, ENOENT on /proc) and
-    what to do; not that the folder "kept disappearing"."""
+    """Before any training: the key, the path, the error the system gives
+    (EACCES, EROFS, EPERM, ENOENT on /proc) and what to do; not that the
+    folder "kept disappearing". (Through tools/train.py: the test below.)"""
     sys_error = _mkdir_error('/sys/nope')
     if '{sys}' in expected and sys_error is None:
         pytest.skip('/sys takes new folders here')
@@ -317,14 +317,27 @@ def test_an_out_dir_that_cannot_be_made_says_why(out_dir, expected, tmp_path):
     if 'Fix:' not in expected:
         expected += OUT_DIR_FIX
     work = tmp_path / 'work'
+    cfg = load_config(MLP, {OUT_DIR: out_dir}, work_dir=str(work))
+    problems = preflight(cfg, 'train')
+    assert [str(p) for p in problems] == [f'{OUT_DIR} {expected}']
+    assert not work.exists()
+
+
+def test_train_py_stops_on_an_out_dir_it_cannot_make(tmp_path):
+    """Through tools/train.py: exit 2, the preflight's one line, no
+    traceback, and nothing left behind."""
+    work = tmp_path / 'work'
     code, out, err, _, _ = _run_measured([
         sys.executable,
         osp.join(TOOLS, 'train.py'), MLP, '--work-dir',
-        str(work), '--cfg-options', f'{OUT_DIR}={out_dir}'
+        str(work), '--cfg-options', f'{OUT_DIR}=/proc/nope'
     ], str(tmp_path))
     assert code == 2, err[-3000:]
-    message = f'train.py: error: {OUT_DIR} {expected}'
-    assert _lines(err, 'train.py') == [message]
+    assert _lines(err, 'train.py') == [
+        f"train.py: error: {OUT_DIR} '/proc/nope': cannot be made: making a "
+        'folder in /proc fails (No such file or directory: /proc exists, but '
+        f'its file system takes no new folders){OUT_DIR_FIX}'
+    ]
     assert 'Traceback' not in err and 'disappearing' not in err
     assert not work.exists()  # a refused start leaves nothing behind
 
@@ -615,7 +628,8 @@ def test_a_launcher_that_did_not_start_the_process(launcher, names, fix,
 
 def test_the_tools_name_a_config_they_cannot_read(tmp_path):
     """Through the real entry points: a usage error (exit 2), one line,
-    before any process group; the launcher's mistake said with the rest."""
+    before any process group; the launcher's mistake, an unregistered
+    hook and an unknown comm_hook said together."""
     broken = tmp_path / 'broken.py'
     broken.write_text('model = dict(\n')
     cases = [
@@ -628,8 +642,6 @@ def test_the_tools_name_a_config_they_cannot_read(tmp_path):
          "train.py: error: custom_hooks[0] should be a hook config such as "
          "dict(type='...'), but got 'dict(type=X)'. Fix: --cfg-options "
          'reads a dict inside a list only with quoted values and one key'),
-        (['train.py', MLP, '--cfg-options', "custom_hooks=[dict(type='X')]"],
-         "train.py: error: custom_hooks[0]: 'X' is not a registered hook."),
     ]
     env = {
         k: v
@@ -649,7 +661,7 @@ def test_the_tools_name_a_config_they_cannot_read(tmp_path):
     out = subprocess.run([
         sys.executable,
         osp.join(TOOLS, 'train.py'), MLP, '--launcher', 'mpi', '--cfg-options',
-        'comm_hook.type=fp8_compress'
+        'comm_hook.type=fp8_compress', "custom_hooks=[dict(type='X')]"
     ],
                          cwd=str(tmp_path),
                          env=env,
@@ -657,8 +669,12 @@ def test_the_tools_name_a_config_they_cannot_read(tmp_path):
                          text=True)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = _lines(out.stderr, 'train.py')
-    assert lines[0].endswith('2 problems, found before building the model '
+    assert lines[0].endswith('3 problems, found before building the model '
                              'or starting the process group:')
     assert lines[1].startswith('  1. --launcher mpi: OMPI_COMM_WORLD_RANK, ')
-    assert lines[2].startswith("  2. comm_hook type 'fp8_compress' is not ")
+    assert lines[2] == ("  2. custom_hooks[0]: 'X' is not a registered hook. "
+                        'Fix: correct the type, or import the module that '
+                        'registers it in custom_imports')
+    assert lines[3].startswith("  3. comm_hook type 'fp8_compress' is not ")
+    assert len(lines) == 4
     assert not (tmp_path / 'work_dirs').exists()

@@ -22,6 +22,7 @@ from mmcv_custom.testing import run_ranks
 from tests.tool_utils import toy_set
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
+DIST_TRAIN = osp.join(ROOT, 'tools', 'dist_train.sh')
 DEMO = osp.join(ROOT, 'configs', 'fcn',
                 'fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py')
 CONFIGS = sorted(
@@ -179,19 +180,29 @@ def _scalars(work_dir):
     return [json.loads(ln) for ln in open(runs[-1])]
 
 
+#: The run whose config forgot the runner hook (tools/train.py adds it).
+FORGOT = 'allreduce'
+
+
 @pytest.fixture(scope='module')
 def trained(tmp_path_factory):
     """The demo config trained for 10 iterations with each hook, on 2 gloo
-    ranks through tools/dist_train.sh, sharing one generated toy dataset.
-    (fp16_compress: test_train_tool_adds_the_runner_hook_a_config_forgot.)"""
+    ranks through tools/dist_train.sh, sharing one generated toy dataset;
+    the ``allreduce`` run from a config that forgot the runner hook in its
+    ``custom_hooks`` (test_train_tool_adds_the_runner_hook_a_config_forgot).
+    (fp16_compress through the tools: test_console.py's failure.)"""
     cwd = tmp_path_factory.mktemp('runs')
+    forgot = cwd / 'forgot_hook.py'
+    forgot.write_text(f'_base_ = [{DEMO!r}]\n'
+                      'custom_hooks = []\n'
+                      f'comm_hook = {HOOKS[FORGOT]!r}\n')
     results = {}
     for name, hook in HOOKS.items():
         work_dir = str(cwd / name)
+        config = str(forgot) if name == FORGOT else DEMO
         out = _tool([
-            'bash',
-            osp.join(ROOT, 'tools', 'dist_train.sh'), DEMO, '2', '--work-dir',
-            work_dir, '--cfg-options', *SHORT, *_hook_options(hook)
+            'bash', DIST_TRAIN, config, '2', '--work-dir', work_dir,
+            '--cfg-options', *SHORT, *_hook_options(hook)
         ], cwd)
         results[name] = (work_dir, out)
     return cwd, results
@@ -237,37 +248,6 @@ def test_bf16_losses_follow_fp32(trained):
 
 
 @pytest.mark.slow
-def test_resume_then_evaluate(trained):
-    cwd, results = trained
-    work_dir, out = results['bf16_compress']
-    assert out.returncode == 0
-    # Pretend the run stopped at iteration 5: resume from there to 15.
-    with open(osp.join(work_dir, 'last_checkpoint'), 'w') as f:
-        f.write(osp.join(work_dir, 'iter_5.pth'))
-    resumed = _tool([
-        'bash',
-        osp.join(ROOT, 'tools', 'dist_train.sh'), DEMO, '2', '--work-dir',
-        work_dir, '--resume', '--cfg-options', *SHORT,
-        'train_cfg.max_iters=15', 'train_cfg.val_interval=15'
-    ], cwd)
-    log = resumed.stdout + resumed.stderr
-    assert resumed.returncode == 0, log[-3000:]
-    assert 'resumed epoch: 0, iter: 5' in log
-    steps = [s['step'] for s in _scalars(work_dir) if 'loss' in s]
-    assert steps == list(range(6, 16))
-    assert osp.isfile(osp.join(work_dir, 'iter_15.pth'))
-
-    tested = _tool([
-        sys.executable,
-        osp.join(ROOT, 'tools', 'test.py'), DEMO,
-        osp.join(work_dir, 'iter_15.pth'), '--work-dir',
-        osp.join(work_dir, 'eval'), '--cfg-options', *SHORT
-    ], cwd)
-    assert tested.returncode == 0, tested.stderr[-3000:]
-    assert re.search(r'mIoU: \d+\.\d+', tested.stdout + tested.stderr)
-
-
-@pytest.mark.slow
 def test_unsafe_checkpoint_is_refused_with_a_clear_message(trained, tmp_path):
     import argparse
     cwd, results = trained
@@ -310,31 +290,29 @@ def test_stock_mmseg_train_tool_with_custom_imports(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_tool_adds_the_runner_hook_a_config_forgot(tmp_path):
-    config = tmp_path / 'forgot_hook.py'
-    config.write_text(f'_base_ = [{DEMO!r}]\n'
-                      'custom_hooks = []\n'
-                      "comm_hook = dict(type='fp16_compress')\n")
-    out = _tool([
-        'bash',
-        osp.join(ROOT, 'tools', 'dist_train.sh'),
-        str(config), '2', '--work-dir',
-        str(tmp_path / 'work'), '--cfg-options', *SHORT,
-        'train_cfg.max_iters=2', 'train_cfg.val_interval=10'
-    ], str(tmp_path))
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-3000:]
-    assert log.count('CommHookRegistrationHook in custom_hooks: added it') == 1
-    assert "type='fp16_compress' (fp16_compress_hook)" in log
+def test_train_tool_adds_the_runner_hook_a_config_forgot(trained):
+    """A config that sets comm_hook but left CommHookRegistrationHook out
+    of custom_hooks gets it added, with one log line; the others (which
+    have it) get nothing added."""
+    _, results = trained
+    for name, (_, out) in results.items():
+        log = out.stdout + out.stderr
+        assert out.returncode == 0, log[-3000:]
+        added = log.count('CommHookRegistrationHook in custom_hooks: added it')
+        assert added == (name == FORGOT), (name, added)
+    log = results[FORGOT][1].stdout + results[FORGOT][1].stderr
+    assert "type='allreduce' (allreduce_hook), wrapper=None" in log
 
 
 @pytest.mark.slow
-def test_copied_powersgd_run_resumes_in_step_with_a_rank_file_missing(
+def test_copied_powersgd_run_resumes_with_a_rank_file_missing_then_evaluate(
         trained, tmp_path):
     """Through tools/dist_train.sh --resume: a copied work dir resumes from
     its own checkpoint (its last_checkpoint still names the original), and
     with one rank's state file gone every rank starts the hook state
-    afresh, says so once in the log file, and trains on."""
+    afresh, says so once in the log file, and trains on, each iteration
+    after the checkpoint logged once; then tools/test.py evaluates the
+    resumed run's checkpoint."""
     cwd, results = trained
     original, out = results['powerSGD-bf16']
     assert out.returncode == 0
@@ -347,11 +325,13 @@ def test_copied_powersgd_run_resumes_in_step_with_a_rank_file_missing(
         'bash',
         osp.join(ROOT, 'tools', 'dist_train.sh'), DEMO, '2', '--work-dir',
         str(copy), '--resume', '--cfg-options', *SHORT,
-        'train_cfg.max_iters=12', *_hook_options(HOOKS['powerSGD-bf16'])
+        'train_cfg.max_iters=15', 'train_cfg.val_interval=15',
+        *_hook_options(HOOKS['powerSGD-bf16'])
     ], cwd)
     log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, log[-3000:]
     assert f'so resuming from {copy}/iter_10.pth' in log
+    assert 'resumed epoch: 0, iter: 10' in log
     warning = ('Not restoring the powerSGD communication-hook state (rank 1: '
                f'{missing} is missing). Every rank starts it afresh at step '
                '10')
@@ -361,5 +341,16 @@ def test_copied_powersgd_run_resumes_in_step_with_a_rank_file_missing(
     ]
     (log_file, ) = (copy / run).glob('*.log')
     assert warning in log_file.read_text()
-    assert (copy / 'iter_12.pth').is_file()
+    steps = [s['step'] for s in _scalars(copy) if 'loss' in s]
+    assert steps == list(range(11, 16))
+    assert (copy / 'iter_15.pth').is_file()
     assert sorted(os.listdir(original)) == before  # the original untouched
+
+    tested = _tool([
+        sys.executable,
+        osp.join(ROOT, 'tools', 'test.py'), DEMO,
+        str(copy / 'iter_15.pth'), '--work-dir',
+        str(copy / 'eval'), '--cfg-options', *SHORT
+    ], cwd)
+    assert tested.returncode == 0, tested.stderr[-3000:]
+    assert re.search(r'mIoU: \d+\.\d+', tested.stdout + tested.stderr)

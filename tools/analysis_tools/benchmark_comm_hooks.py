@@ -30,8 +30,9 @@ profiler's record of each collective (shape and dtype; gloo and NCCL
 record the input tensor only), the most of any rank: the tensor given to
 ``all_reduce``; half the send tensor of an ``all_to_all`` and half what an
 ``all_gather`` gathers (for the int8 hook, its pair: about its quantized
-bucket once). A plugin's hooks are compared too, when ``--import``
-names the modules that register them. It also reports the error of
+bucket once). A plugin's hooks are compared too, with a record or
+without one, when ``--import MODULE`` (repeatable) names the modules
+that register them. It also reports the error of
 the averaged gradient against the exact mean (computed in float64 from
 every rank's known gradient). Finally, on each rank at once, it times
 compress + decompress against a plain copy of the same fp32 bucket: how
@@ -53,7 +54,6 @@ Examples:
         --repeat 3  # quick
 """
 import argparse
-import importlib
 import json
 import math
 import os
@@ -63,10 +63,11 @@ import torch
 from mmcv_custom.analysis import check_output
 from mmcv_custom.analysis.hook_benchmark import MB, worker
 from mmcv_custom.analysis.hook_benchmark_report import plot, report
+from mmcv_custom.analysis.plugins import add_import_option, plugin_parser
 from mmcv_custom.launching.bench_ranks import spawn_ranks
 
 
-def parse_args(argv=None):
+def _parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         '--nproc', type=int, default=2, help='ranks (processes) to start')
@@ -91,16 +92,18 @@ def parse_args(argv=None):
         choices=['auto', 'gloo', 'nccl'],
         default='auto',
         help='auto: NCCL when every rank has a GPU, else gloo')
-    parser.add_argument(
-        '--import',
-        dest='imports',
-        nargs='+',
-        default=[],
-        metavar='MODULE',
-        help='modules to import first, as a config\'s custom_imports: '
-        'the hooks they register are compared too')
+    add_import_option(
+        parser, 'the hooks it registers are compared too, with a record '
+        'or without one (every rank imports it)')
     parser.add_argument('--json', help='write the results here')
     parser.add_argument('--plot', help='draw a PNG here (needs matplotlib)')
+    return parser
+
+
+def parse_args(argv=None):
+    # --import's modules imported here (a usage error if one cannot be);
+    # each rank imports them again (spawned).
+    parser = plugin_parser(_parser, argv, config=None)
     args = parser.parse_args(argv)
     # Everything is checked before a rank starts: a bad value fails in a
     # second, not after the measurement.
@@ -113,12 +116,6 @@ def parse_args(argv=None):
         if int(size * MB) // 4 < 1:
             parser.error(f'--sizes-mb {size:g} is less than one fp32 '
                          'gradient (4 bytes)')
-    for module in args.imports:
-        # Here for the check; each rank imports them again (spawned).
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            parser.error(f'--import {module}: cannot import it ({e})')
     if args.repeat < 1:
         parser.error(f'--repeat should be at least 1, but got {args.repeat}')
     if args.warmup < 1:

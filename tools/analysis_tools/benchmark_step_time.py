@@ -40,7 +40,9 @@ Reported per rate and hook:
 
 ``--hooks`` names each hook in a form (``NAME``, ``NAME:flat``,
 ``NAME:two_level``; see :mod:`mmcv_custom.analysis.hook_forms`), so that
-one run compares a hook's flat and two-level forms with ``allreduce``.
+one run compares a hook's flat and two-level forms with ``allreduce``;
+a plugin's hook too (the config's ``custom_imports`` and each
+``--import MODULE`` are imported first, here and on every node).
 
 ``exposed / wire`` against ``bound / wire`` says how well a hook overlaps
 its communication with the backward pass; the targets of issue 18 are
@@ -79,12 +81,15 @@ from mmcv_custom.analysis.cli import (cfg_options, check_output,
                                       read_config)
 from mmcv_custom.analysis.hook_forms import (FORMS, check_form_configs,
                                              parse_form_name)
+from mmcv_custom.analysis.plugins import add_import_option, plugin_parser
 from mmcv_custom.analysis.step_time import (hook_configs, log_tails,
                                             node_worker, rate_label,
                                             run_on_cluster)
 from mmcv_custom.analysis.step_time_report import report_run
 from mmcv_custom.comm.auto import auto_settings
-from mmcv_custom.launching.emulated_cluster import MAX_NODES, shaping
+from mmcv_custom.launching.emulated_cluster import shaping
+from mmcv_custom.launching.emulated_cluster.node_options import (
+    add_node_options, check_node_options)
 
 _DEFAULT_CONFIG = osp.join(
     'configs', 'intern_vit',
@@ -101,20 +106,11 @@ _mbit = checked_type(
 
 
 def _rate(text):
-    if text.lower() == 'unshaped':
-        return None
-    return _mbit(text)
+    return None if text.lower() == 'unshaped' else _mbit(text)
 
 
-def _hook_form(text):
-    try:
-        return parse_form_name(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e))
-
-
-def parse_args(argv=None):
-    hooks = list(hook_configs())
+def _parser():
+    hooks = list(hook_configs())  # a plugin's too: imported first
     parser = argparse.ArgumentParser(
         description='Step time per comm hook on emulated nodes, side by '
         'side in one run (needs root or an unprivileged user namespace).')
@@ -123,18 +119,10 @@ def parse_args(argv=None):
         nargs='?',
         default=_DEFAULT_CONFIG,
         help=f'training config (default: {_DEFAULT_CONFIG})')
-    parser.add_argument(
-        '--nodes',
-        type=int,
-        default=2,
-        help=f'emulated nodes, 2 to {MAX_NODES} (default: 2)')
-    parser.add_argument(
-        '--ranks-per-node',
-        type=int,
-        default=1,
-        metavar='N',
-        help='ranks on each emulated node, an int >= 1 (default: 1; torchrun '
-        'starts them where more than 1)')
+    add_node_options(
+        parser,
+        ranks_per_node_help='ranks on each emulated node, an int >= 1 '
+        '(default: 1; torchrun starts them where more than 1)')
     parser.add_argument(
         '--rates',
         type=_rate,
@@ -146,7 +134,7 @@ def parse_args(argv=None):
         '--hooks',
         nargs='+',
         default=hooks,
-        type=_hook_form,
+        type=parse_form_name,
         metavar='HOOK',
         help='hooks to compare, each as NAME (its default form) or '
         f'NAME:FORM, FORM one of {", ".join(FORMS)} (topology=flat or '
@@ -216,16 +204,17 @@ def parse_args(argv=None):
     parser.add_argument(
         '--plot', help='write a PNG of step time against '
         'link rate here')
+    add_import_option(parser, 'its hooks are choices of --hooks (nodes too)')
     parser.add_argument('--node-worker', help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = plugin_parser(_parser, argv)
     args = parser.parse_args(argv)
     if args.node_worker:
         return args
-    if not 2 <= args.nodes <= MAX_NODES:
-        parser.error(f'--nodes should be an int from 2 to {MAX_NODES} (one '
-                     f'network namespace per node), but got {args.nodes}')
-    if args.ranks_per_node < 1:
-        parser.error('--ranks-per-node should be an int >= 1 (ranks on each '
-                     f'emulated node), but got {args.ranks_per_node}')
+    check_node_options(parser, args)
     if None not in args.rates:
         parser.error("--rates must include 'unshaped': exposed time is the "
                      'step on a shaped link minus the same step unshaped')
@@ -246,9 +235,8 @@ def parse_args(argv=None):
             parser.error('--plot needs matplotlib, which is not installed '
                          '(pip install matplotlib)')
     for option in ('json', 'plot'):
-        path = getattr(args, option)
-        if path:
-            check_output(parser, f'--{option}', path)
+        if getattr(args, option):
+            check_output(parser, f'--{option}', getattr(args, option))
     if args.auto is not None:
         try:
             args.auto = auto_settings(args.auto)
@@ -300,6 +288,7 @@ def main(argv=None):
             timeout=args.timeout,
             comm_only=args.comm_only,
             auto=args.auto,
+            imports=args.imports,
             threads=threads)
         print(f"Nodes' logs: {args.work_dir}/node<i>.log", flush=True)
         result, results = run_on_cluster(cluster, spec, osp.abspath(__file__),

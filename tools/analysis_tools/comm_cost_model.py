@@ -33,6 +33,12 @@ or both:
   ``--intra-alpha-us``; the codec (each hook's local work) from GPU
   memory bandwidth and FLOP/s unless ``--codec fitted``; all printed.
 
+A plugin's hooks are choices of ``--hooks`` too: the config's
+``custom_imports`` and each ``--import MODULE`` are imported before the
+choices are built. One whose record states a cost is projected as a
+built-in hook is; one without (no record, or none with a ``cost``) is
+named as unknown, with how to give it one.
+
 Arguments are checked before any work starts: a bad value is a usage error
 (exit code 2) naming it and the valid ones.
 
@@ -56,6 +62,8 @@ from mmcv_custom.analysis import cost, filter_tool_warnings
 from mmcv_custom.analysis.cli import cfg_options, check_output, read_config
 from mmcv_custom.analysis.cost.options import (add_projection_options,
                                                check_projection_options)
+from mmcv_custom.analysis.plugins import add_import_option, plugin_parser
+from mmcv_custom.analysis.registered import registered_hooks
 from mmcv_custom.integrity.files import atomic_write_bytes
 
 __all__ = ['parse_args', 'main']
@@ -129,13 +137,18 @@ def _parser() -> argparse.ArgumentParser:
         choices=('yes', 'no'),
         help='activation checkpointing (default: the config\'s '
         'backbone.with_cp)')
-    names = tuple(cost.hook_costs())
+    # Every registered hook, a plugin's too (imported first): one whose
+    # record states no cost is named as unknown, not refused.
+    names = tuple(h.name for h in registered_hooks())
     proj.add_argument(
         '--hooks',
         nargs='+',
         choices=names,
         metavar='HOOK',
         help=f'hooks to project (default: all: {", ".join(names)})')
+    add_import_option(
+        proj, 'the hooks it registers are choices of --hooks (projected '
+        'where their record states a cost, else named as unknown)')
     proj.add_argument(
         '--recommend',
         action='store_true',
@@ -193,7 +206,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line, checked: a usage error (exit code 2) names any
     bad value and the valid ones. Sets ``benchmarks`` (the read
     ``--fit`` files), ``project`` and ``cfg_options`` (a dict)."""
-    parser = _parser()
+    parser = plugin_parser(_parser, argv, '--config')
     args = parser.parse_args(argv)
     check_projection_options(parser, args)
     _check_fit(parser, args)

@@ -6,7 +6,9 @@ the same seed and data order, once per ``--variants`` entry (the default: the
 fp32 ``allreduce`` baseline, ``int8_compress`` with error feedback and
 ``int8_compress`` without it), each through ``tools/dist_train.sh`` on
 ``--nproc`` ranks, in ``<work-dir>/<variant>``. Every registered hook is
-a variant, under the settings its record names (``int8_compress`` as
+a variant (a plugin's too: the config's ``custom_imports`` and each
+``--import MODULE``, which every run imports as well, are imported
+first), under the settings its record names (``int8_compress`` as
 ``int8_ef`` and ``int8_noef``, PowerSGD compressing from its second step),
 with its record's label and colour in the plot (see
 :mod:`mmcv_custom.analysis.convergence`). Runs go one after another
@@ -72,16 +74,19 @@ import os
 import os.path as osp
 import sys
 
-from mmcv_custom.analysis import (check_output, check_work_dir, read_config,
-                                  rendezvous_port)
+from mmcv_custom.analysis import check_output, check_work_dir, read_config
 from mmcv_custom.analysis.cli import positive_int
 from mmcv_custom.analysis.convergence import (auto_smooth, format_table,
-                                              hook_options, max_iters_options,
-                                              plot, summarize, variants,
-                                              verdict)
-from mmcv_custom.analysis.convergence_runs import (collect, from_work_dirs,
+                                              max_iters_options, plot,
+                                              summarize, variants, verdict)
+from mmcv_custom.analysis.convergence_runs import (check_run_options, collect,
+                                                   from_work_dirs,
                                                    train_options)
+from mmcv_custom.analysis.plugins import (add_import_option,
+                                          custom_imports_options,
+                                          plugin_parser)
 from mmcv_custom.integrity import checkpoint_candidates
+from mmcv_custom.launching.ports import rendezvous_port
 
 HERE = osp.dirname(osp.abspath(__file__))
 ROOT = osp.dirname(osp.dirname(HERE))
@@ -91,8 +96,8 @@ DEFAULT_VARIANTS = ['allreduce', 'int8_ef', 'int8_noef']
 __all__ = ['parse_args', 'train_options', 'main']
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    known = list(variants())
+def _parser() -> argparse.ArgumentParser:
+    known = list(variants())  # a plugin's hooks too: imported first
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -169,7 +174,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         '--json', help='summary path (default: <work-dir>/summary.json)')
     parser.add_argument('--title', help='figure title (default: config name)')
+    add_import_option(parser, 'its hooks are variants; every run imports it')
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = plugin_parser(_parser, argv)
     args = parser.parse_args(argv)
+    known = list(variants())
     # Everything is checked before the first run: a typo fails in a second,
     # not after half an hour of training.
     cfg = read_config(parser, 'config', args.config)
@@ -208,22 +220,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f'--smooth should be in [0, 1), but got {args.smooth}')
     if not (math.isfinite(args.tolerance) and args.tolerance >= 0):
         parser.error(f'--tolerance should be >= 0, but got {args.tolerance}')
-    # What the variants set is theirs; other keys of comm_hook (int8's
-    # residual_dtype under hybrid sharding) go to every run.
-    chosen = [variants()[v] for v in args.variants if v in variants()]
-    taken = {o.split('=')[0] for v in chosen for o in hook_options(v, 1)}
-    for option in args.cfg_options:
-        key = option.split('=')[0]
-        if key in ('comm_hook', 'comm_hook.type') or key in taken:
-            parser.error(f'--cfg-options {option}: comm_hook is set by the '
-                         'tool per variant (use --variants, --block-size)')
-        if '=' not in option:
-            parser.error(f'--cfg-options expects KEY=VALUE, but got '
-                         f'{option!r}')
-        if (args.max_iters is not None
-                and option.startswith('train_cfg.max_iters=')):
-            parser.error(f'--cfg-options {option}: give the length once, '
-                         'as --max-iters or in --cfg-options')
+    check_run_options(parser, args)
+    # Every run imports --import's modules too (the config's it reads).
+    args.cfg_options = args.cfg_options + custom_imports_options(
+        cfg, args.imports)
     if args.max_iters is not None and args.from_work_dirs is not None:
         parser.error('--max-iters sets how long runs train, but '
                      '--from-work-dirs trains none')

@@ -19,6 +19,10 @@ under hybrid sharding with the hook's state of the rank's shard (int8's
 residual with error feedback), on nodes of the config's ``ranks_per_node``
 or, where it states none, on nodes of each ``--gpus N``. The counting, and
 what each number includes, is :mod:`mmcv_custom.analysis.model_stats`'s.
+
+A plugin's hook is counted too: the config's ``custom_imports`` and each
+``--import MODULE`` are imported first; of one registered without a
+record, the bytes and the state are said to be unknown.
 """
 import argparse
 import os.path as osp
@@ -29,6 +33,8 @@ from mmengine.registry import DefaultScope
 from mmcv_custom.analysis import (cfg_options, filter_tool_warnings,
                                   read_config, stats)
 from mmcv_custom.analysis.model_stats import check_stats_hook
+from mmcv_custom.analysis.plugins import add_import_option, plugin_parser
+from mmcv_custom.analysis.registered import HOW_TO_RECORD
 
 GiB = 2**30
 
@@ -45,9 +51,7 @@ def _error(message: str) -> None:
     sys.exit(f'{osp.basename(__file__)}: error: {message}')
 
 
-def parse_args(argv=None):
-    """The command line, checked, and the config it names (``cfg``):
-    a usage error (exit code 2) names any bad value."""
+def _parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('config', help='config file path')
     parser.add_argument(
@@ -66,6 +70,18 @@ def parse_args(argv=None):
         help='numbers of GPUs: the memory per GPU under FSDP2 is printed '
         "for each, and the comm_hook's traffic is counted on the first "
         '(default: 8)')
+    add_import_option(
+        parser, 'a comm_hook type it registers is counted '
+        '(e.g. with --cfg-options comm_hook.type=NAME)')
+    return parser
+
+
+def parse_args(argv=None):
+    """The command line, checked, and the config it names (``cfg``):
+    a usage error (exit code 2) names any bad value. The plugins it
+    names (the config's ``custom_imports``, ``--import``) are imported
+    first, so that their hooks are known when ``comm_hook`` is read."""
+    parser = plugin_parser(_parser, argv)
     args = parser.parse_args(argv)
     bad = [n for n in args.gpus if n < 1]
     if bad:
@@ -115,6 +131,8 @@ def main():
         # The hook's record counts on a world size: say which.
         counted = (f'; {"its flat form " if s["hook_flat"] else ""}on '
                    f'{s["hook_world_size"]} ranks, the first of --gpus')
+    if not s['hook_has_record']:
+        hook_bytes, counted = 'unknown', f': it has no record; {HOW_TO_RECORD}'
     print(f'with comm_hook    : {hook_bytes} ({s["hook"]}{counted})')
     total = s['param_bytes'] + s['grad_bytes'] + s['optim_bytes']
     print(f'memory per GPU    : {_size(total)} under DDP (parameters '
@@ -134,8 +152,10 @@ def _print_ddp_extra(s: dict, total: int) -> None:
           f'of the gradients; {view})')
     state = s['hook_state_bytes']
     if state is None:
-        print('  hook state      : unknown (its record states no '
-              'state_bytes, or the hook is chosen at run time)')
+        why = ('the hook has no record' if not s['hook_has_record'] else
+               'its record states no state_bytes, or the hook is chosen at '
+               'run time')
+        print(f'  hook state      : unknown ({why})')
         return
     kept = f'+ {_size(state)} per GPU, kept from step to step' if state \
         else 'none kept from step to step'

@@ -35,7 +35,7 @@ import sys
 
 import torch
 
-from mmcv_custom.analysis import tool_error, write_failure_reason
+from mmcv_custom.analysis import convert_file
 from mmcv_custom.engine.fsdp2_mesh import describe_sharding
 from mmcv_custom.integrity import CheckpointDamagedError, atomic_write_stream
 from mmcv_custom.integrity.sharded_checkpoint import (
@@ -154,20 +154,11 @@ def main(argv=None) -> int:
         help=f'consolidate a SRC without {MANIFEST_FILE} (its shards cannot '
         'be verified); DST is then written without a digest')
     args = parser.parse_args(argv)
-    try:
-        checkpoint, verified = _prepare(args.src, args.dst, args.unverified)
-    except (OSError, EOFError, ValueError, RuntimeError) as e:
-        # Refused: missing, damaged, unverified, unsafe, not a sharded
-        # checkpoint, a DST over SRC. One line, nothing written.
-        return tool_error(PROG, e, 2)
-    try:
-        print(_write(args.src, args.dst, checkpoint, verified))
-    except (OSError, RuntimeError) as e:
-        # A full disk, say: the temporary file is removed, DST untouched.
-        return tool_error(
-            PROG, f'cannot write {args.dst} ({write_failure_reason(e)}): '
-            'nothing written', 1)
-    return 0
+    # Refused (exit 2): not a sharded checkpoint, damaged, unverified,
+    # unsafe; a write that fails (exit 1) leaves DST untouched.
+    return convert_file(PROG, args.dst,
+                        lambda: _prepare(args.src, args.dst, args.unverified),
+                        lambda prepared: _write(args.src, args.dst, *prepared))
 
 
 if __name__ == '__main__':

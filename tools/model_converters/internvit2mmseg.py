@@ -46,7 +46,7 @@ import os.path as osp
 import re
 import sys
 
-from mmcv_custom.analysis import tool_error, write_failure_reason
+from mmcv_custom.analysis import convert_file
 from mmcv_custom.models.backbones.intern_vit_conversion import (
     prepare_conversion, write_conversion)
 
@@ -95,24 +95,13 @@ def main(argv=None) -> int:
     if args.unverified and args.sha256:
         parser.error('--sha256 verifies SRC and --unverified converts it '
                      'unverified: give one of them')
-    try:
-        converted = prepare_conversion(args.src, args.dst, args.sha256,
-                                       args.unverified)
-    except (OSError, EOFError, ValueError, RuntimeError) as e:
-        # Refused: a missing file, an unknown layout
-        # (UnknownCheckpointLayoutError), another backbone
-        # (NotInternViTError), an unsafe, damaged, unverified or unreadable
-        # file, a DST that would overwrite SRC. One line, no traceback,
-        # nothing written.
-        return tool_error(PROG, e, 2)
-    try:
-        print(write_conversion(args.src, args.dst, converted))
-    except (OSError, RuntimeError) as e:
-        # A full disk, say: the temporary file is removed, DST untouched.
-        return tool_error(
-            PROG, f'cannot write {args.dst} ({write_failure_reason(e)}): '
-            'nothing written', 1)
-    return 0
+    # Refused (exit 2): an unknown layout (UnknownCheckpointLayoutError),
+    # another backbone (NotInternViTError), an unsafe, damaged or
+    # unverified file; a write that fails (exit 1) leaves DST untouched.
+    return convert_file(
+        PROG, args.dst, lambda: prepare_conversion(args.src, args.dst, args.
+                                                   sha256, args.unverified),
+        lambda converted: write_conversion(args.src, args.dst, converted))
 
 
 if __name__ == '__main__':

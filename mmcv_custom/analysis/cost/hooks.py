@@ -33,7 +33,8 @@ __all__ = [
     'HookCost', 'RecordCost', 'TwoLevelRecordCost', 'FORMS', 'AllReduceCost',
     'HalfPrecisionCost', 'Int8Cost', 'PowerSGDCost', 'BatchedPowerSGDCost',
     'powersgd_compresses', 'hook_costs', 'HOOK_COSTS', 'uncosted_hooks',
-    'compare_collectives', 'check_benchmark'
+    'uncosted_reasons', 'uncosted_line', 'compare_collectives',
+    'check_benchmark'
 ]
 
 
@@ -380,6 +381,32 @@ def uncosted_hooks() -> List[str]:
     return [
         hook.name for hook in registered_hooks() if hook.record.cost is None
     ]
+
+
+def uncosted_reasons(names: Optional[Sequence[str]] = None) -> Dict[str, str]:
+    """Why each registered hook without a cost (of ``names``, default
+    all) is unknown to the model: ``'it has no record'`` (a plugin
+    registered without ``record=``) or ``'its record states no cost'``."""
+    return {
+        hook.name: ('its record states no cost'
+                    if hook.has_record else 'it has no record')
+        for hook in registered_hooks()
+        if hook.record.cost is None and (names is None or hook.name in names)
+    }
+
+
+def uncosted_line(names: Optional[Sequence[str]] = None) -> Optional[str]:
+    """The projection's line naming the hooks (of ``names``) it leaves
+    out, why, and how a hook gets a cost; None where it leaves none."""
+    reasons = uncosted_reasons(names)
+    if not reasons:
+        return None
+    return (f'- not projected, {"its" if len(reasons) == 1 else "their"} '
+            'traffic unknown: ' + ', '.join(f'{n} ({why})'
+                                            for n, why in reasons.items()) +
+            '; give a hook a record with its cost where it is registered: '
+            '@COMM_HOOKS.register_module(record=HookRecord(..., cost='
+            'CostRecord(...))) (docs/en/advanced_guides/own_hooks.md)')
 
 
 #: The hooks registered at import, with their default settings.

@@ -14,7 +14,7 @@ from .collectives import Cluster, LinkConstants
 from .compute import Workload, estimate_compute
 from .fit import FitResult
 from .fsdp2 import gathered_bytes, sharded_costs
-from .hooks import hook_costs, uncosted_hooks
+from .hooks import hook_costs, uncosted_line, uncosted_reasons
 from .hybrid import config_sharding, recommend_sharded
 from .measurements import Benchmark
 from .memory import GiB, fitting_variant, hook_memory
@@ -324,6 +324,17 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
     Raises:
         ValueError: The config's model has no trainable parameter.
     """
+    hooks = hook_costs(settings.block_size, settings.powersgd_rank,
+                       settings.min_compression_rate)
+    if settings.hooks:
+        hooks = {n: h for n, h in hooks.items() if n in settings.hooks}
+    unknown = uncosted_line(settings.hooks)
+    if not hooks:
+        # Only hooks without a cost: said so, with nothing to project.
+        name = osp.basename(settings.config)
+        out = dict(
+            config=settings.config, unknown=uncosted_reasons(settings.hooks))
+        return [f'## Projected step time per hook: {name}', '', unknown], out
     # The FLOPs only where the compute is estimated from them, and not
     # where the tokens are given: the user asks for 2 N T with them.
     params, total, facts = config_params(
@@ -345,10 +356,6 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
     cap = (
         settings.bucket_cap_mb
         if settings.bucket_cap_mb is not None else facts['bucket_cap_mb'])
-    hooks = hook_costs(settings.block_size, settings.powersgd_rank,
-                       settings.min_compression_rate)
-    if settings.hooks:
-        hooks = {n: h for n, h in hooks.items() if n in settings.hooks}
     flops = facts['forward_flops']
     common = dict(
         backward_s=settings.backward_s,
@@ -439,10 +446,8 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
     if settings.hardware:
         lines.append(f'- hardware: {settings.hardware}')
     lines.append(_memory_line(settings, facts))
-    unknown = uncosted_hooks()
     if unknown:
-        lines.append(f'- not projected (their records state no cost): '
-                     f'{", ".join(unknown)}')
+        lines.append(unknown)
     lines.append('')
     lines += _step_table(settings, recs, facts['fsdp2'])
     lines += [''] + _detail_table(settings, recs, facts['fsdp2'])
@@ -493,6 +498,7 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
         strategy=('FSDP2Strategy' if facts['fsdp2'] else 'DDP'),
         sharding=sharding,
         sharding_why=why,
+        unknown=uncosted_reasons(settings.hooks),
         rates={
             f'{g:g}':
             dict(

@@ -58,8 +58,9 @@ and the keeper's start), :mod:`.shaping` (the link rate), :mod:`.run`
 (a command on every node), :mod:`.counters` (the bytes a link
 carried), :mod:`.calibrate`, :mod:`.availability`
 (root, or a user namespace), :mod:`.leftovers` (what killed clusters
-left), and at the bottom :mod:`.namespaces` (namespaces by name, setup
-commands, the keeper). The keeper, a node's first program and a
+left), :mod:`.node_options` (the tools' ``--nodes`` and
+``--ranks-per-node``), and at the bottom :mod:`.namespaces` (namespaces
+by name, setup commands, the keeper). The keeper, a node's first program and a
 calibration rank run files of this package by path (:mod:`.programs`),
 so those files import nothing of the package.
 """

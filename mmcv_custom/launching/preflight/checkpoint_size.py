@@ -15,6 +15,7 @@ from mmengine.config import Config
 
 from ...hooks.util import ceil_div
 from ..cpu_start import uses_fsdp2
+from .config_values import checked_comm_hook
 from .strategy import plan_at_start
 
 __all__ = [
@@ -95,13 +96,13 @@ def _hybrid_ranks_per_node(cfg: Config, launcher: str) -> Optional[int]:
         plan.hybrid) else None
 
 
-def _hybrid_state_bytes(comm_hook: dict, params, ranks_per_node: int) -> int:
+def _hybrid_state_bytes(checked, params, ranks_per_node: int) -> int:
     """One rank's hook state file under hybrid sharding: int8's error
     feedback of its shard (each trainable parameter's rows split over the
     node's ranks, rounded up as FSDP2 pads them: the fullest rank's), in
     its ``residual_dtype``; nothing for the other hooks."""
     from ...comm.sharded import build_sharded_comm
-    spec = build_sharded_comm(comm_hook, hybrid=True)
+    spec = build_sharded_comm(checked, hybrid=True)
     if not spec.error_feedback:
         return 0
     shard = 0
@@ -115,37 +116,33 @@ def _hybrid_state_bytes(comm_hook: dict, params, ranks_per_node: int) -> int:
 def _hook_state_bytes(cfg: Config,
                       params,
                       world_size: int,
-                      launcher: str = 'none') -> int:
+                      launcher: str = 'none',
+                      checked=None) -> int:
     """Every rank's hook state file for one save: the keeper of the
     ``comm_hook``'s record says how large one is (no table by hook); under
     FSDP2, only hybrid sharding's int8 error feedback
-    (:func:`_hybrid_state_bytes`)."""
-    comm_hook = cfg.get('comm_hook')
-    if not isinstance(comm_hook, dict):
+    (:func:`_hybrid_state_bytes`). ``checked``: the config as the
+    preflight checked it (None: checked here; a problem counts 0, said
+    as a comm_hook problem)."""
+    if checked is None:
+        checked, _ = checked_comm_hook(cfg, launcher)
+    if checked is None or checked.type == 'auto':
         return 0
     if uses_fsdp2(cfg):
         per_node = _hybrid_ranks_per_node(cfg, launcher)
-        if per_node is None or comm_hook.get('type') == 'auto':
+        if per_node is None:
             return 0
-        try:
-            return world_size * _hybrid_state_bytes(comm_hook, params,
-                                                    per_node)
-        except (KeyError, TypeError, ValueError):
-            return 0  # said as a comm_hook problem
-    try:
-        from ...comm.builder import check_comm_hook_cfg, hook_record
-        keeper = hook_record(comm_hook.get('type')).state_keeper
-        if keeper is None:
-            return 0
-        state_kwargs = check_comm_hook_cfg(comm_hook)['state_kwargs']
-    except (KeyError, TypeError, ValueError):
-        return 0  # said as a comm_hook problem
-    return world_size * keeper.file_bytes(params, state_kwargs)
+        return world_size * _hybrid_state_bytes(checked, params, per_node)
+    keeper = checked.record.state_keeper
+    if keeper is None:
+        return 0
+    return world_size * keeper.file_bytes(params, dict(checked.state_kwargs))
 
 
 def checkpoint_size(cfg: Config,
                     world_size: int = 1,
-                    launcher: str = 'none') -> Optional[CheckpointSize]:
+                    launcher: str = 'none',
+                    comm_hook=None) -> Optional[CheckpointSize]:
     """About how large one save of ``cfg``'s run is: the model's
     parameters and buffers in their dtypes, the optimizer's state per
     trainable parameter (two for Adam/AdamW), and the state file every one
@@ -155,7 +152,9 @@ def checkpoint_size(cfg: Config,
 
     The model is built on the meta device, so no memory is allocated
     (InternViT-6B: about a second). Returns None when it cannot be built
-    that way; the caller then checks nothing.
+    that way; the caller then checks nothing. ``comm_hook``: the config's,
+    as the preflight checked it (a ``CommHookConfig``); None: checked
+    here.
     """
     model_cfg = cfg.get('model')
     if not isinstance(model_cfg, dict):
@@ -177,9 +176,10 @@ def checkpoint_size(cfg: Config,
                         if p.requires_grad)
     except Exception:
         return None
-    return CheckpointSize(size,
-                          _optimizer_states(cfg) * trainable,
-                          _hook_state_bytes(cfg, params, world_size, launcher))
+    return CheckpointSize(
+        size,
+        _optimizer_states(cfg) * trainable,
+        _hook_state_bytes(cfg, params, world_size, launcher, comm_hook))
 
 
 def estimate_checkpoint_bytes(cfg: Config,

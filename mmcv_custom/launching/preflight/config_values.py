@@ -1,7 +1,6 @@
 """Config values the runner would use only after building the model:
 ``custom_imports``, ``custom_hooks`` and ``comm_hook``, checked before.
 """
-import functools
 from typing import List, Optional
 
 from mmengine.config import Config
@@ -9,7 +8,10 @@ from mmengine.config import Config
 from ..cpu_start import uses_fsdp2
 from .problems import Problem
 
-__all__ = ['import_problems', 'custom_hooks_problems', 'comm_hook_problems']
+__all__ = [
+    'import_problems', 'custom_hooks_problems', 'comm_hook_problems',
+    'checked_comm_hook'
+]
 
 
 def import_problems(cfg: Config) -> List[Problem]:
@@ -31,44 +33,54 @@ def import_problems(cfg: Config) -> List[Problem]:
 
 def comm_hook_problems(cfg: Config,
                        launcher: Optional[str] = None) -> List[Problem]:
-    """``comm_hook`` checked as the runner hook will check it, but before
-    the model is built (minutes for InternViT-6B). Its messages name the
-    bad value and the valid ones. Under FSDP2 by the sharding the config
-    will run on ``launcher``'s nodes (hybrid: the format of the
-    cross-node all-reduce), or, where that is not known before the ranks
-    start, by whether it has a form under either."""
+    """The problems of :func:`checked_comm_hook`."""
+    return checked_comm_hook(cfg, launcher)[1]
+
+
+def checked_comm_hook(cfg: Config, launcher: Optional[str] = None) -> tuple:
+    """``comm_hook`` checked as the runner hook will check it (the same
+    function, :func:`~mmcv_custom.comm.config.comm_hook_config`), but
+    before the model is built (minutes for InternViT-6B). Its messages
+    name the bad value and the valid ones. Under FSDP2 by the sharding
+    the config will run on ``launcher``'s nodes (hybrid: the format of
+    the cross-node all-reduce), or, where that is not known before the
+    ranks start, by whether it has a form under either.
+
+    Returns:
+        tuple: ``(CommHookConfig or None, problems)``: the checked config
+        the rest of the preflight reads (None without ``comm_hook`` or
+        with a problem), and every bad value, one problem each.
+    """
     comm_hook = cfg.get('comm_hook')
     if comm_hook is None:
-        return []
-    from ...comm.builder import CommHookConfigError, check_comm_hook_cfg
-    from ...comm.sharded import check_sharded_cfg
+        return None, []
+    from ...comm.builder import CommHookConfigError
+    from ...comm.config import comm_hook_config
     from .strategy import hybrid_at_start
 
+    sharding = None
     if uses_fsdp2(cfg):
         hybrid = hybrid_at_start(cfg, launcher)
+        sharding = 'hybrid' if hybrid else 'full'
         if hybrid is None:
-            # Unknown here: the runner hook checks again once the ranks
-            # have decided.
+            # Unknown here: the runner hook checks once the ranks have
+            # decided. Fine under full sharding, or else said as hybrid
+            # sharding says it.
             try:
-                check_sharded_cfg(comm_hook)
-                return []
+                return comm_hook_config(comm_hook, 'full'), []
             except (KeyError, TypeError, ValueError):
-                hybrid = True
-        check = functools.partial(check_sharded_cfg, hybrid=hybrid)
-    else:
-        check = check_comm_hook_cfg
+                sharding = 'hybrid'
     try:
-        check(comm_hook)
+        return comm_hook_config(comm_hook, sharding), []
     except (KeyError, TypeError, ValueError) as e:
         # Every bad value, one problem each.
         errors = e.errors if isinstance(e, CommHookConfigError) else [e]
-        return [
+        return None, [
             Problem(
                 str(err.args[0]
                     if isinstance(err, KeyError) and err.args else err))
             for err in errors
         ]
-    return []
 
 
 _CLI_DICT_FIX = (

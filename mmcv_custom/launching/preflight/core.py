@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence
 
 from mmengine.config import Config
 
-from .config_values import (comm_hook_problems, custom_hooks_problems,
+from .config_values import (checked_comm_hook, custom_hooks_problems,
                             import_problems)
 from .data import data_problems
 from .launcher_env import launcher_problems
@@ -64,7 +64,9 @@ def preflight(
     problems += custom_hooks_problems(cfg, registered=not imports)
     # The runner builds the strategy before the comm_hook's runner hook.
     problems += strategy_problems(cfg, launcher)
-    problems += comm_hook_problems(cfg, launcher)
+    # Checked once; the checkpoint's size reads the checked config.
+    comm_hook, found = checked_comm_hook(cfg, launcher)
+    problems += found
     problems += data_problems(cfg, mode)
     if mode == 'train':
         # Runner.train initialises the weights (loading these) even when
@@ -83,7 +85,7 @@ def preflight(
             test_checkpoint, 'checkpoint',
             'give a checkpoint file (or sharded checkpoint directory) '
             'that tools/train.py wrote')
-    problems += work_dir_problems(cfg, mode, launcher)
+    problems += work_dir_problems(cfg, mode, launcher, comm_hook)
     return problems
 
 

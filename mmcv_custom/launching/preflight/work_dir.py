@@ -112,9 +112,12 @@ def _free_bytes(existing: str) -> int:
 
 def work_dir_problems(cfg: Config,
                       mode: str,
-                      launcher: str = 'none') -> List[Problem]:
+                      launcher: str = 'none',
+                      comm_hook=None) -> List[Problem]:
     """The work dir, and the checkpoint folder (``out_dir``) when it is
-    elsewhere: writable, and (training) room for one save."""
+    elsewhere: writable, and (training) room for one save (``comm_hook``:
+    the config's, as the preflight checked it; see
+    :func:`~.checkpoint_size.checkpoint_size`)."""
     work_dir = cfg.get('work_dir')
     if not isinstance(work_dir, str) or not work_dir or '://' in work_dir:
         return []
@@ -133,7 +136,7 @@ def work_dir_problems(cfg: Config,
     else:
         fix = 'free space there, or choose another --work-dir on a disk ' \
               'with room'
-    need = checkpoint_size(cfg, _world_size(launcher), launcher)
+    need = checkpoint_size(cfg, _world_size(launcher), launcher, comm_hook)
     if need is None:
         return []
     free = _free_bytes(existing)
