@@ -175,7 +175,28 @@ def plugin_parser(make_parser: Callable[[], argparse.ArgumentParser],
             except Exception as e:  # noqa: B902 (a plugin may raise anything)
                 make_parser().error(
                     f'--import {module}: cannot import it ({_why(e)})')
-    return make_parser()
+    return _with_plugin_hint(make_parser())
+
+
+#: Said after argparse's "invalid choice", where a hook name may be a
+#: plugin's whose module the command line did not name.
+PLUGIN_HINT = ("; a plugin's hook is a choice once its module is imported: "
+               '--import MODULE, or the config\'s custom_imports')
+
+
+def _with_plugin_hint(parser: argparse.ArgumentParser):
+    """``parser``, whose "invalid choice" errors among hook names (every
+    tool offers ``'allreduce'`` among them) say how a plugin's hook becomes
+    a choice: the names offered are only those imported."""
+    error = parser.error
+
+    def error_with_hint(message: str):
+        if 'invalid choice' in message and "'allreduce'" in message:
+            message += PLUGIN_HINT
+        error(message)
+
+    parser.error = error_with_hint
+    return parser
 
 
 def custom_imports_options(cfg, modules: Sequence[str]) -> List[str]:

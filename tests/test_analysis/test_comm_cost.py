@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from mmcv_custom.analysis import cost as cc
+from mmcv_custom.analysis.plugins import PLUGIN_HINT
 from tests.tool_utils import load_script, usage_error_line, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -1217,7 +1218,7 @@ def bench_file(tmp_path):
         (['--codec', 'cpu'], "argument --codec: invalid choice: 'cpu' (choose "
          "from gpu, fitted)"),
         (['--hooks', 'int4'], "argument --hooks: invalid choice: 'int4' "
-         f'(choose from {", ".join(cc.hook_costs())})'),
+         f'(choose from {", ".join(cc.hook_costs())}){PLUGIN_HINT}'),
         (['--fit-rates', '50'], '--fit-rates needs --fit (a benchmark JSON to '
          'fit)'),
         (['--check-collectives'], '--check-collectives needs --fit (a '

@@ -19,6 +19,7 @@ import sys
 import pytest
 
 from mmcv_custom.analysis.hook_forms import takes_topology
+from mmcv_custom.analysis.plugins import PLUGIN_HINT
 from mmcv_custom.comm.registry import COMM_HOOKS
 from tests.test_analysis.test_benchmark_step_time import _report
 from tests.tool_utils import load_script, usage_errors
@@ -279,7 +280,11 @@ def test_misspelled_hooks_and_broken_plugins_are_usage_errors(
     assert line.startswith("comm_cost_model.py: error: argument --hooks: "
                            "invalid choice: 'plain_bf61' (choose from "
                            "'allreduce', ")
-    assert line.endswith(f"'{HOOK}')")
+    assert line.endswith(f"'{HOOK}')" + PLUGIN_HINT)
+    # A name not imported says how a plugin's hook becomes a choice.
+    assert PLUGIN_HINT == ("; a plugin's hook is a choice once its module "
+                           "is imported: --import MODULE, or the config's "
+                           'custom_imports')
     # A config whose custom_imports fail: that, not "invalid choice".
     assert parse([
         '--config', here['broken'], '--hooks', HOOK
