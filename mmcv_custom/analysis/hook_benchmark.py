@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from mmengine.utils import import_modules_from_strings
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -31,7 +32,6 @@ from mmcv_custom.comm.traffic import COLLECTIVE_KINDS, sent_bytes
 from mmcv_custom.hooks import int8_codec
 from mmcv_custom.launching.bench_ranks import write_results
 from mmcv_custom.launching.running import shutdown_distributed
-from .plugins import import_modules
 from .progress import Progress
 from .registered import RegisteredHook, registered_hooks
 
@@ -306,7 +306,7 @@ def worker(rank, world_size, folder, args):
     dist.init_process_group(
         args.backend, store=store, rank=rank, world_size=world_size)
     # Spawned: a plugin's hooks are registered here anew.
-    import_modules(args.imports)
+    import_modules_from_strings(list(args.imports))
     hooks = compared_hooks()
     steps = _progress_steps(args, hooks)
     # On stderr, from rank 0 only: the tables go to stdout at the end.

@@ -49,7 +49,7 @@ from mmengine.utils import import_modules_from_strings
 
 from ..comm.auto import AUTO
 from ..comm.builder import check_comm_hook_cfg, hook_record, lookup_hook
-from ..comm.records import HOOK_RECORDS
+from ..comm.records import has_record
 from ..comm.sharded import build_sharded_comm, check_sharded_cfg
 from ..engine.fsdp2_units import (DEFAULT_SHARD_MODULES, select_units,
                                   unit_parameters)
@@ -460,7 +460,7 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
         out['hook_state_bytes'] = out['hook_state_fsdp2'] = None
         return out
     record = hook_record(checked['type'])
-    out['hook_has_record'] = lookup_hook(checked['type']) in HOOK_RECORDS
+    out['hook_has_record'] = has_record(lookup_hook(checked['type']))
     out['hook_state_bytes'] = hook_state_bytes(record, buckets,
                                                checked['state_kwargs'])
     try:

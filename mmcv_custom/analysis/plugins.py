@@ -14,18 +14,16 @@ hold the plugins' hooks. A module that cannot be imported is a usage
 error naming it and why.
 
 A tool that starts processes of its own hands them ``--import``'s
-modules (:func:`import_modules` on a rank, :func:`custom_imports_options`
-for a training run): a config's ``custom_imports`` they read themselves.
+modules (MMEngine's ``import_modules_from_strings`` on a rank,
+:func:`custom_imports_options` for a training run): a config's
+``custom_imports`` they read themselves.
 """
 import argparse
 import importlib
 import sys
 from typing import Callable, List, Optional, Sequence
 
-__all__ = [
-    'add_import_option', 'plugin_parser', 'import_modules',
-    'custom_imports_options'
-]
+__all__ = ['add_import_option', 'plugin_parser', 'custom_imports_options']
 
 
 def add_import_option(parser,
@@ -47,13 +45,6 @@ def add_import_option(parser,
         metavar='MODULE',
         help='a module to import first (after a config\'s custom_imports), '
         f'repeatable: {what}')
-
-
-def import_modules(modules: Sequence[str]) -> None:
-    """Import ``modules`` in order, e.g. ``--import``'s on a rank the tool
-    started (a spawned process registers a plugin's hooks anew)."""
-    for module in modules:
-        importlib.import_module(module)
 
 
 def _innermost_import_error(error: BaseException):

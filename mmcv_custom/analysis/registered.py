@@ -8,7 +8,7 @@ shows under its registry name.
 """
 from typing import Callable, List, NamedTuple, Optional
 
-from mmcv_custom.comm.records import HOOK_RECORDS, HookRecord, record_of
+from mmcv_custom.comm.records import HookRecord, has_record, record_of
 from mmcv_custom.comm.registry import COMM_HOOKS
 
 __all__ = [
@@ -47,7 +47,7 @@ class RegisteredHook(NamedTuple):
     def has_record(self) -> bool:
         """Whether it was registered with a record (else its record is
         the empty one: what it sends is unknown)."""
-        return self.hook in HOOK_RECORDS
+        return has_record(self.hook)
 
 
 def registered_hooks() -> List[RegisteredHook]:

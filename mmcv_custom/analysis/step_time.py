@@ -28,7 +28,6 @@ import time
 from datetime import timedelta
 
 from .hook_forms import form_config, hook_configs, hook_labels
-from .plugins import import_modules
 
 __all__ = [
     'hook_configs', 'hook_labels', 'rate_label', 'progress_steps',
@@ -448,11 +447,12 @@ def _measure(spec, rank, world_size):
     """Build, warm up and time every hook at every rate, then the codecs;
     what this node measured."""
     import torch.distributed as dist
+    from mmengine.utils import import_modules_from_strings
 
     from mmcv_custom.launching.running import load_config
     cfg = load_config(spec['config'], spec.get('cfg_options'))
     # The tool's --import (the config's custom_imports: _build's).
-    import_modules(spec.get('imports', ()))
+    import_modules_from_strings(list(spec.get('imports', ())))
     model, data = _build(cfg)
     if spec.get('comm_only'):
         model = _comm_only(model)

@@ -28,9 +28,9 @@ from .cost_records import CostRecord
 from .traffic import sent_bytes
 
 __all__ = [
-    'HookRecord', 'HOOK_RECORDS', 'record_of', 'register_hook_record',
-    'unregister_hook_record', 'add_builtin_records', 'is_builtin_hook',
-    'hook_name', 'sends_bucket', 'HookVariant'
+    'HookRecord', 'HOOK_RECORDS', 'record_of', 'has_record',
+    'register_hook_record', 'unregister_hook_record', 'add_builtin_records',
+    'is_builtin_hook', 'hook_name', 'sends_bucket', 'HookVariant'
 ]
 
 #: ``count_bytes_sent(hook, state, bucket) -> (future, bytes sent)``.
@@ -281,6 +281,13 @@ def record_of(hook: Callable) -> HookRecord:
     """``hook``'s record, a built-in's or a plugin's; an empty one (traffic
     unknown) for a hook that has none."""
     return HOOK_RECORDS.get(hook, _UNKNOWN)
+
+
+def has_record(hook: Callable) -> bool:
+    """Whether ``hook`` was registered with a record (a built-in's, or a
+    plugin's through ``register_module(record=...)``); without one what
+    it sends is unknown."""
+    return hook in HOOK_RECORDS
 
 
 def is_builtin_hook(hook: Callable) -> bool:
