@@ -39,6 +39,9 @@ class Variant(NamedTuple):
         colour (str): Its colour there.
         takes_block_size (bool): Whether its hook's state takes
             ``block_size`` (``--block-size`` is passed on to it).
+        periodic (bool): Whether its hook synchronises the model across
+            nodes every ``period`` steps (``post_local_sgd``, ``diloco``):
+            on one node it would compare nothing of that.
     """
     name: str
     hook_type: str
@@ -46,6 +49,7 @@ class Variant(NamedTuple):
     label: str
     colour: str
     takes_block_size: bool
+    periodic: bool = False
 
 
 def _state_params(hook_type: str) -> Mapping[str, inspect.Parameter]:
@@ -64,7 +68,10 @@ def variants() -> Dict[str, Variant]:
     out = {}
     spare = itertools.cycle(DEFAULT_COLOURS)
     for hook in registered_hooks():
-        takes_block_size = 'block_size' in _state_params(hook.name)
+        # A periodic hook's block_size is its outer int8's: an fp32 or
+        # bf16 outer format refuses it.
+        takes_block_size = ('block_size' in _state_params(hook.name)
+                            and not hook.record.periodic)
         settings = hook.record.variants or (HookVariant(
             hook.name, hook.record.benchmark_options, hook.label,
             hook.colour), )
@@ -72,18 +79,33 @@ def variants() -> Dict[str, Variant]:
             out[setting.name] = Variant(setting.name, hook.name,
                                         dict(setting.options), setting.label,
                                         setting.colour or next(spare),
-                                        takes_block_size)
+                                        takes_block_size, hook.record.periodic)
     return out
+
+
+def _dotted(key: str, value) -> List[str]:
+    """``key=value`` as ``--cfg-options`` takes it: a dict as one option
+    per leaf, its keys dotted (``comm_hook.inner.type=bf16_compress``),
+    since MMEngine merges a dotted key into the config's dict but reads a
+    dict's text as a string."""
+    if not isinstance(value, Mapping):
+        return [f'{key}={value}']
+    return [
+        option for k, v in value.items()
+        for option in _dotted(f'{key}.{k}', v)
+    ]
 
 
 def hook_options(variant: Variant, block_size: int) -> List[str]:
     """The ``--cfg-options`` that select ``variant``'s hook: its type,
     ``block_size`` where its state takes one (the other hooks' states
-    reject keys they do not take), and its own settings."""
+    reject keys they do not take), and its own settings, a nested one
+    (a periodic hook's ``inner``) as dotted keys."""
     options = [f'comm_hook.type={variant.hook_type}']
     if variant.takes_block_size:
         options.append(f'comm_hook.block_size={block_size}')
-    options += [f'comm_hook.{k}={v}' for k, v in variant.options.items()]
+    for k, v in variant.options.items():
+        options += _dotted(f'comm_hook.{k}', v)
     return options
 
 
@@ -136,7 +158,8 @@ def read_comm_hook(run: str) -> Optional[dict]:
     applied), or None if it has none.
 
     Read with :mod:`ast`, not executed: a run folder may come from anywhere,
-    and the dump spells the dict out as ``dict(key=literal, ...)``.
+    and the dump spells the dict out as ``dict(key=literal, ...)``, a
+    nested one too (a periodic hook's ``inner=dict(type=...)``).
     """
     path = osp.join(run, 'vis_data', 'config.py')
     if not osp.isfile(path):
@@ -147,19 +170,32 @@ def read_comm_hook(run: str) -> Optional[dict]:
         if (isinstance(node, ast.Assign) and len(node.targets) == 1
                 and isinstance(node.targets[0], ast.Name)
                 and node.targets[0].id == 'comm_hook'):
-            value = node.value
             try:
-                if (isinstance(value, ast.Call)
-                        and isinstance(value.func, ast.Name)
-                        and value.func.id == 'dict' and not value.args):
-                    return {
-                        k.arg: ast.literal_eval(k.value)
-                        for k in value.keywords
-                    }
-                return ast.literal_eval(value)
+                return _literal(node.value)
             except ValueError:
                 return None
     return None
+
+
+def _literal(node: ast.AST):
+    """The value of a literal, where a ``dict(key=...)`` call may stand
+    for a dict at any depth (as MMEngine dumps them); ``ValueError`` for
+    anything else."""
+    if isinstance(node, ast.Call):
+        if (isinstance(node.func, ast.Name) and node.func.id == 'dict'
+                and not node.args
+                and all(k.arg is not None for k in node.keywords)):
+            return {k.arg: _literal(k.value) for k in node.keywords}
+        raise ValueError(f'not a literal: {ast.dump(node)}')
+    if isinstance(node, (ast.List, ast.Tuple)):
+        items = [_literal(e) for e in node.elts]
+        return items if isinstance(node, ast.List) else tuple(items)
+    if isinstance(node, ast.Dict):
+        return {
+            _literal(k): _literal(v)
+            for k, v in zip(node.keys, node.values)
+        }
+    return ast.literal_eval(node)
 
 
 def mismatch(variant: Variant, hook: Optional[dict]) -> Optional[str]:

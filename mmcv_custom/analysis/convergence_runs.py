@@ -17,8 +17,8 @@ from .convergence import (find_runs, hook_options, mismatch, read_comm_hook,
 from .progress import Progress, format_eta
 
 __all__ = [
-    'train_options', 'check_run_options', 'TrainLog', 'train', 'collect',
-    'from_work_dirs'
+    'train_options', 'select_variants', 'check_run_options', 'TrainLog',
+    'train', 'collect', 'from_work_dirs'
 ]
 
 
@@ -31,6 +31,40 @@ def train_options(args, variant: str) -> List[str]:
     if args.seed is not None:
         options.append(f'randomness.seed={args.seed}')
     return options + args.max_iters_options + args.cfg_options
+
+
+def select_variants(parser, args) -> List[str]:
+    """``--variants`` made whole, or ``parser.error``: ``all`` (alone) as
+    every variant. On one node (``--ranks-per-node`` = ``--nproc``) a
+    periodic variant (``post_local_sgd``, ``diloco``) has no nodes to
+    synchronise across: naming one to train is refused, and ``all``
+    leaves them out (so it trains, or reads back, what it did before they
+    were registered). Returns the lines the tool prints about it (one, or
+    none)."""
+    known = variants()
+    everything = 'all' in args.variants
+    if everything:
+        if args.variants != ['all']:
+            parser.error('--variants all stands alone: it trains every '
+                         'variant')
+        args.variants = list(known)
+    periodic = [v for v in args.variants if known[v].periodic]
+    if args.ranks_per_node != args.nproc or not periodic:
+        return []
+    fix = ('--ranks-per-node 1'
+           if args.nproc > 1 else '--nproc 2 --ranks-per-node 1')
+    if not everything:
+        if args.from_work_dirs is not None:
+            return []  # read back, not trained here
+        parser.error(f'--variants {" ".join(periodic)} '
+                     f'synchronise{"s" if len(periodic) == 1 else ""} across '
+                     'nodes, but the --nproc ranks are one node: give '
+                     f'--ranks-per-node below --nproc (e.g. {fix})')
+    args.variants = [v for v in args.variants if v not in periodic]
+    return [
+        f'--variants all on one node leaves out {", ".join(periodic)}: they '
+        f'synchronise across nodes (train them with {fix})'
+    ]
 
 
 def check_run_options(parser, args) -> None:
@@ -169,10 +203,16 @@ def train(args, variant: str, number: str, dist_train: str) -> Optional[str]:
     if nodes > 1:
         # Nodes of one machine, as torchrun starts them on a cluster: each
         # rank's launcher says which node it is on, and topology='auto'
-        # follows that word.
+        # follows that word. They share this machine's cores: torchrun
+        # leaves a node of one rank all of them (OMP_NUM_THREADS unset), so
+        # the nodes' threads would oversubscribe the cores (and spin: runs
+        # of 1 rank a node took 10-20x as long). A user's own setting wins.
+        threads = os.environ.get('OMP_NUM_THREADS') or str(
+            max(1, (os.cpu_count() or 1) // args.nproc))
         envs = [
             dict(
                 os.environ,
+                OMP_NUM_THREADS=threads,
                 PORT=port,
                 NNODES=str(nodes),
                 NODE_RANK=str(node),

@@ -10,7 +10,11 @@ all-reduce, and every registered hook (``ours.<name>_hook``) beside
 PyTorch's hook of the same name where ``default_hooks`` has one
 (``torch.<name>_hook``). The hooks on PowerSGD's state are left to
 ``benchmark_step_time.py``: they compress gradient matrices, and the one
-flat parameter of a bucket here has none. A hook's codec
+flat parameter of a bucket here has none. So are the periodic hooks
+(``post_local_sgd``, ``diloco``): their DDP hook carries only the
+exchange inside the node, and what they send across the nodes goes every
+``period`` optimizer steps after the step, outside any bucket, so a time
+per bucket would show neither. A hook's codec
 (:attr:`~mmcv_custom.comm.records.HookRecord.codec`) is timed where its
 record names one, beside PyTorch's cast to the same half-precision format.
 """
@@ -95,10 +99,11 @@ class Pair(NamedTuple):
 
 def pairs() -> List[Pair]:
     """Our hooks compared, in the order of registration (and of the step
-    table)."""
+    table): all but those on PowerSGD's state and the periodic ones (see
+    the module's docstring), which one bucket's step cannot show."""
     out = []
     for hook in registered_hooks():
-        if hook.record.powersgd_state:
+        if hook.record.powersgd_state or hook.record.periodic:
             continue
         twin = f'{hook.name}_hook'
         theirs = f'torch.{twin}' if hasattr(default_hooks, twin) else None

@@ -22,6 +22,13 @@ benchmark can tell the two apart (several ranks per node):
 A hook whose config does not take ``topology`` refuses both suffixes in
 the config check (:func:`~mmcv_custom.comm.builder.check_comm_hook_cfg`),
 which a tool runs before any node starts.
+
+The periodic hooks (``post_local_sgd``, ``diloco``) are not among them:
+their DDP hook carries only the exchange inside the node, and the
+synchronisation across nodes runs after the optimizer step every
+``period`` steps, stepped by the run's runner hook, which a benchmark's
+timed steps do not run; it would time the exchange inside the node alone.
+Naming one is refused with how to measure it (:func:`parse_form_name`).
 """
 import argparse
 import functools
@@ -42,11 +49,14 @@ TWO_LEVEL = 'two_level'
 
 def hook_configs():
     """Hook name -> its ``comm_hook`` config, in the tool's order:
-    ``noop`` (None: it sends nothing), then every registered hook with
-    its record's ``benchmark_options``."""
+    ``noop`` (None: it sends nothing), then every registered hook but the
+    periodic ones (see the module's docstring) with its record's
+    ``benchmark_options``."""
     out = {'noop': None}
     for hook in registered_hooks():
-        out[hook.name] = dict(type=hook.name, **hook.record.benchmark_options)
+        if not hook.record.periodic:
+            out[hook.name] = dict(
+                type=hook.name, **hook.record.benchmark_options)
     return out
 
 
@@ -54,8 +64,24 @@ def hook_labels():
     """Hook name -> its label in the plot's legend (its record's, else
     its name), for the hooks of :func:`hook_configs`."""
     labels = {'noop': 'noop'}
-    labels.update((h.name, h.label) for h in registered_hooks())
+    labels.update(
+        (h.name, h.label) for h in registered_hooks() if not h.record.periodic)
     return labels
+
+
+def _not_stepped(base: str) -> str:
+    """Why a benchmark of DDP steps refuses periodic hook ``base``, and
+    how to measure it instead; empty for any other name."""
+    if not any(h.name == base and h.record.periodic
+               for h in registered_hooks()):
+        return ''
+    return (f'{base!r} synchronises the model across nodes every period '
+            'optimizer steps, after the step; benchmark_step_time.py does '
+            'not step that yet (it would time the exchange inside the node '
+            'alone): measure it with tools/analysis_tools/'
+            f'benchmark_periodic.py --hooks {base}:period=25, which trains '
+            'it on emulated nodes and reports its average step over whole '
+            "periods and its bytes across nodes beside allreduce's")
 
 
 def split_form(name: str):
@@ -91,8 +117,12 @@ def form_config(name: str):
 
 def parse_form_name(text: str) -> str:
     """``text`` if it names a hook form; else an
-    ``argparse.ArgumentTypeError`` saying what is valid: the ``type`` of a
-    command line's ``--hooks``."""
+    ``argparse.ArgumentTypeError`` saying what is valid (for a periodic
+    hook, why it is not and how to measure it): the ``type`` of a command
+    line's ``--hooks``."""
+    refusal = _not_stepped(split_form(text)[0])
+    if refusal:
+        raise argparse.ArgumentTypeError(refusal)
     try:
         form_config(text)
     except KeyError:

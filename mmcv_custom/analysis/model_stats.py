@@ -225,6 +225,16 @@ def _ddp_form(hook):
     return {k: v for k, v in hook.items() if k != 'residual_dtype'}
 
 
+def _with_inner_state(state: int, buckets, state_kwargs: dict):
+    """A periodic hook's state and its inner hook's, which exchanges every
+    step's gradients, in DDP's buckets, inside the node (None: the inner
+    hook's is unknown)."""
+    inner = check_comm_hook_cfg(state_kwargs['inner'])
+    kept = hook_state_bytes(
+        hook_record(inner['type']), buckets, inner['state_kwargs'])
+    return None if kept is None else state + kept
+
+
 def check_stats_hook(cfg: Config) -> None:
     """The config's ``comm_hook``, checked before the model is built as
     its run checks it: ``int8_compress``'s ``residual_dtype`` only where the
@@ -359,7 +369,11 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
         ``hook_state_bytes`` (what the hook keeps per GPU under DDP, see
         :func:`~.cost.memory.hook_state_bytes`; None: unknown) and
         ``hook_has_record`` (False for a hook registered without a
-        record: its bytes and state are unknown),
+        record: its bytes and state are unknown), ``hook_periodic`` (True
+        for ``post_local_sgd`` and ``diloco``: ``hook_bytes`` is then what
+        crosses the nodes per step, averaged over the period, on
+        ``gpus[0]`` nodes of one rank each, the inner exchange aside, and
+        ``hook_state_bytes`` includes the inner hook's),
         ``hook_state_fsdp2`` (under FSDP2's full sharding; None where it
         does not run there: no FSDP2 form, or ``int8_compress`` with error
         feedback, which runs under hybrid sharding only); ``hybrid``:
@@ -448,7 +462,7 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
     # The hook's state per GPU under DDP and FSDP2 (None: unknown, or no
     # FSDP2 form); none without a hook.
     out['hook_state_bytes'], out['hook_state_fsdp2'] = 0, 0
-    out['hook_has_record'] = True
+    out['hook_has_record'], out['hook_periodic'] = True, False
     if hook is None:
         out['hook'], out['hook_bytes'] = 'none (plain all-reduce)', out[
             'grad_bytes']
@@ -463,6 +477,11 @@ def stats(cfg: Config, gpus=(8, )) -> dict:
     out['hook_has_record'] = has_record(lookup_hook(checked['type']))
     out['hook_state_bytes'] = hook_state_bytes(record, buckets,
                                                checked['state_kwargs'])
+    out['hook_periodic'] = record.periodic
+    if record.periodic and out['hook_state_bytes'] is not None:
+        out['hook_state_bytes'] = _with_inner_state(out['hook_state_bytes'],
+                                                    buckets,
+                                                    checked['state_kwargs'])
     try:
         check_sharded_cfg(hook)
     except ValueError:

@@ -20,8 +20,12 @@ __all__ = [
 ]
 
 #: From the least lossy to the most; ``'unknown'`` (a hook whose record
-#: names none) is ranked above all of them.
-ACCURACY_CLASSES = ('exact', 'half', 'quantized_ef', 'quantized', 'low_rank')
+#: names none) is ranked above all of them. ``'periodic'`` (local SGD,
+#: DiLoCo) is last: its nodes train apart between synchronisations, so it
+#: changes the optimizer rather than rounding an average, and no per-step
+#: bound on its loss holds.
+ACCURACY_CLASSES = ('exact', 'half', 'quantized_ef', 'quantized', 'low_rank',
+                    'periodic')
 
 #: Each class in words, for tables and messages.
 CLASS_WORDS = {
@@ -31,6 +35,8 @@ CLASS_WORDS = {
     'sent later)',
     'quantized': 'quantized without error feedback',
     'low_rank': 'low rank (an approximation, with error feedback)',
+    'periodic': 'synchronised every period steps (the nodes train apart in '
+    'between: a different optimizer, not a different average)',
     'unknown': 'unknown (a hook whose record names no class)',
 }
 

@@ -79,7 +79,10 @@ def check_auto_cfg(cfg: dict,
             ``topology`` included: it chooses them), or a value of the
             wrong type.
         ValueError: A value out of range, e.g. ``min_gain=10`` for 10%,
-            or candidates none of which ``max_loss`` allows.
+            or candidates none of which ``max_loss`` allows; a periodic
+            hook (``diloco``) among the candidates, or
+            ``max_loss='periodic'``, which admits only those besides the
+            others: ``auto`` never tries them (:func:`auto_candidates`).
     """
     given = dict(cfg)
     given.pop('type', None)
@@ -96,6 +99,13 @@ def check_auto_cfg(cfg: dict,
                       for k, v in AUTO_DEFAULTS.items()))
     out = dict(AUTO_DEFAULTS, **given)
     check_class(out['max_loss'], 'comm_hook auto: max_loss')
+    if out['max_loss'] == 'periodic':
+        raise ValueError(
+            "comm_hook auto: max_loss='periodic' adds only "
+            f'{", ".join(_periodic_names())} to max_loss=\'low_rank\', and '
+            f'auto never tries those: they {_NOT_TRIED}. Give '
+            "max_loss='low_rank' to try every per-step hook, or name one as "
+            f'the comm_hook type, e.g. {_periodic_example()}')
     require_real('comm_hook auto: min_gain', out['min_gain'], minimum=0)
     if out['min_gain'] >= 1:
         raise ValueError(
@@ -110,14 +120,43 @@ def check_auto_cfg(cfg: dict,
                             f'hook names or None, but got {names!r}')
         unknown = [n for n in names if n not in COMM_HOOKS.module_dict]
         if unknown or not names:
+            tried = [
+                n for n in COMM_HOOKS.module_dict
+                if n not in _periodic_names()
+            ]
             raise ValueError(
                 'comm_hook auto: candidates should name registered hooks, '
-                f'but got {list(names)!r}; registered: '
-                f'{", ".join(COMM_HOOKS.module_dict)}')
+                f'but got {list(names)!r}; registered: {", ".join(tried)}')
+        periodic = [n for n in names if n in _periodic_names()]
+        if periodic:
+            raise ValueError(
+                f'comm_hook auto: candidates {periodic!r} {_NOT_TRIED}; name '
+                f'{"it" if len(periodic) == 1 else "one"} as the comm_hook '
+                f'type instead, e.g. {_periodic_example(periodic[0])}')
         out['candidates'] = list(names)
     settings = dict(type=AUTO, **out)
     (runnable or _ddp_runnable)(settings)
     return settings
+
+
+#: Why ``auto`` never tries a periodic hook (local SGD, DiLoCo).
+_NOT_TRIED = ('synchronise across nodes every period steps, which auto\'s '
+              'few trial steps cannot time (and switching hooks would break '
+              'their period)')
+
+
+def _periodic_names() -> List[str]:
+    """The registered hooks that synchronise the model every ``period``
+    steps (:attr:`~.records.HookRecord.periodic`): never ``auto``'s
+    candidates."""
+    return [
+        name for name, hook in COMM_HOOKS.module_dict.items()
+        if record_of(hook).periodic
+    ]
+
+
+def _periodic_example(name: str = 'diloco') -> str:
+    return f"dict(type='{name}', period=25)"
 
 
 def _ddp_runnable(settings: dict) -> None:
@@ -185,7 +224,10 @@ def auto_candidates(
     that form too (``topology='auto'``: it is two-level only where the
     run has several nodes of several ranks; a candidate that turns out
     flat is the flat one twice, and the caller drops it). ``names``: only
-    these registered hooks (None: all).
+    these registered hooks (None: all). Never a periodic hook
+    (:attr:`~.records.HookRecord.periodic`: local SGD, DiLoCo), whatever
+    ``max_loss``: a few trial steps cannot time a synchronisation every
+    ``period`` steps, and switching hooks would break the period.
 
     Returns:
         list[AutoCandidate]: In the order of registration, ``allreduce``
@@ -197,6 +239,8 @@ def auto_candidates(
         if names is not None and name not in names:
             continue
         record = record_of(hook)
+        if record.periodic:
+            continue  # see check_auto_cfg: its trials could not time it
         settings = [dict(v.options) for v in record.variants] or [{}]
         for options in settings:
             accuracy = accuracy_of(record, options)

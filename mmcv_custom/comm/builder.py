@@ -34,15 +34,16 @@ from ..hooks.topology import NodeClaim
 from ..hooks.worker import on_comm_worker
 from . import states  # noqa: F401 (registers the built-in factories)
 from .auto import AUTO, check_auto_cfg
+from .half_notes import describe_sent_as_they_are
+from .local_sgd import check_inner, prepare_periodic
 from .records import HookRecord, record_of
 from .registry import COMM_HOOK_STATES, COMM_HOOKS
 from .telemetry import CommCounter, add_baseline_count, add_sent_count
-from .topology import check_topology, resolve_topology
+from .topology import Topology, check_topology, resolve_topology
 
 __all__ = [
     'CommHookConfig', 'CommHookSpec', 'check_comm_hook_cfg', 'build_comm_hook',
-    'hook_record', 'lookup_hook', 'describe_sent_as_they_are',
-    'CommHookConfigError'
+    'hook_record', 'lookup_hook', 'CommHookConfigError'
 ]
 
 _WRAPPERS: Dict[str, Callable] = {
@@ -233,6 +234,14 @@ def _check_wrapper(hook_type: Any, wrapper: Any,
                 "comm_hook wrapper should be 'fp16', 'bf16' or None, but got "
                 f'{wrapper!r}')
         ]
+    if wrapper is not None and record is not None and record.periodic:
+        return [
+            ValueError(
+                f'comm_hook type {hook_type!r} exchanges the gradients inside '
+                'the node through its inner hook: put the wrapper there, '
+                f"inner=dict(type='allreduce', wrapper={wrapper!r}), not on "
+                f'{hook_type!r}')
+        ]
     if wrapper is not None and record is not None and record.half_precision:
         return [
             ValueError(
@@ -289,6 +298,15 @@ def _check_state_keys(hook_type: Any, wrapper: Optional[str],
         for key in unknown:
             state_kwargs.pop(key)
         state_kwargs.pop('process_group', None)
+    # Keys the factory has no default for (DiLoCo's period): named, with
+    # what the factory says of them (its ``required_keys``).
+    helps = getattr(factory, 'required_keys', {})
+    for key, param in params.items():
+        if (key != 'process_group' and param.default is param.empty
+                and key in valid and key not in state_kwargs):
+            errors.append(
+                TypeError(f'comm_hook type {hook_type!r} needs {key}'
+                          f'{": " + helps[key] if key in helps else ""}'))
     given = list(state_kwargs)
     defaults_set = []
     for key, value in record.defaults.get(wrapper, {}).items():
@@ -373,6 +391,7 @@ class CommHookConfig:
     candidates: tuple = dataclasses.field(default=(), repr=False)
     sharding: Optional[str] = None
     residual_dtype: Optional[str] = None
+    inner: Optional['CommHookConfig'] = None
 
     @classmethod
     def check(
@@ -413,6 +432,14 @@ class CommHookConfig:
                                  _two_level_types())
         defaults_set, found = _check_state_keys(hook_type, wrapper, record,
                                                 cfg)
+        inner = None
+        if record.periodic and isinstance(cfg.get('inner'), dict):
+            # The exchange inside the node: a config of its own.
+            try:
+                inner = cls.check(check_inner(cfg['inner']))
+            except (TypeError, ValueError, KeyError) as e:
+                found.append(
+                    type(e)(f'comm_hook {hook_type} inner: {_text(e)}'))
         _raise_all(errors + found)
         return cls(
             given=given,
@@ -422,7 +449,8 @@ class CommHookConfig:
             state_kwargs=MappingProxyType(cfg),
             defaults_set=defaults_set,
             base_hook=base_hook,
-            record=record)
+            record=record,
+            inner=inner)
 
     def as_dict(self) -> dict:
         """What :func:`check_comm_hook_cfg` returns: ``auto``'s settings,
@@ -483,40 +511,6 @@ def _two_level_types() -> list:
                   if record_of(hook).two_level)
 
 
-def describe_sent_as_they_are(checked: CommHookConfig, base_hook: Callable,
-                              param_names: dict) -> Optional[str]:
-    """Say which parameters a half-precision hook or wrapper sends in their
-    own 2-byte dtype instead of its own (see ``hooks.half.wire_dtype_for``),
-    e.g. a bf16 backbone under ``fp16_compress``: a user who asked for fp16
-    should read that part of the model goes as bf16, and why."""
-    wrapper = checked.wrapper
-    sent_format = wrapper or record_of(base_hook).half_precision
-    if sent_format is None:
-        return None
-    other = 'bf16' if sent_format == 'fp16' else 'fp16'
-    dtype = torch.bfloat16 if other == 'bf16' else torch.float16
-    names = [
-        name for param, name in param_names.items()
-        if param.requires_grad and param.dtype is dtype
-    ]
-    if not names:
-        return None
-    shown = ', '.join(
-        names[:3]) + (f', ... ({len(names)} in all)' if len(names) > 3 else '')
-    what = (f'type={checked.type!r}' +
-            (f', wrapper={wrapper!r}' if wrapper is not None else ''))
-    instead = (f"wrapper='{other}'"
-               if wrapper is not None else f"type='{other}_compress'")
-    why = ('fp16 has far less range than bf16: it would overflow above '
-           '65504 and flush values below about 6e-8 to zero' if other == 'bf16'
-           else 'bf16 keeps 3 fewer significant bits than fp16')
-    return (f'comm_hook {what}: the {other} parameters ({shown}) are sent '
-            f'as {other}, as they are, not cast to {sent_format} ({why}); the '
-            f'bytes are the same. Only fp32 buckets are cast to '
-            f'{sent_format}. '
-            f'For one wire format everywhere use {instead}.')
-
-
 def build_comm_hook(cfg: Union[dict, CommHookConfig],
                     process_group: Optional[dist.ProcessGroup] = None,
                     device: Optional[torch.device] = None,
@@ -569,8 +563,15 @@ def build_comm_hook(cfg: Union[dict, CommHookConfig],
         process_group
         if factory is None else factory(process_group, **state_kwargs))
 
-    topology = resolve_topology(checked.topology, record, process_group,
-                                node_claim)
+    if record.periodic:
+        # Its own node groups and inner exchanges (collective).
+        topology = Topology(
+            None,
+            prepare_periodic(state, checked, process_group, device,
+                             param_names, node_claim, build_comm_hook))
+    else:
+        topology = resolve_topology(checked.topology, record, process_group,
+                                    node_claim)
     if topology.groups is not None:
         state.node_groups = topology.groups
     if wrapper == 'bf16' or record.sent_format == 'bf16':

@@ -24,11 +24,14 @@ from ..hooks import cast, int8_codec
 from ..hooks.batched_powersgd import batched_powersgd_hook
 from ..hooks.half import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from ..hooks.int8 import Int8BucketPlan, Int8StateKeeper, int8_compress_hook
+from ..hooks.local_sgd import DEFAULT_INNER, diloco_hook, post_local_sgd_hook
+from ..hooks.local_sgd_keeper import PeriodicStateKeeper
 from ..hooks.powersgd import compression, powersgd_hook
 from ..hooks.powersgd_state import (BatchedPowerSGDStateKeeper,
                                     PowerSGDStateKeeper)
 from .cost_records import (ALLREDUCE_COST, BATCHED_POWERSGD_COST,
                            HALF_PRECISION_COSTS, INT8_COST, POWERSGD_COST)
+from .periodic_costs import DILOCO_COST, POST_LOCAL_SGD_COST
 from .records import HookRecord, HookVariant, sends_bucket
 from .traffic import sent_bytes
 
@@ -74,6 +77,51 @@ def _powersgd_bytes_sent(hook, state, bucket):
     else:
         size = buffer.numel() * buffer.element_size()
     return fut, int(sent_bytes([('all_reduce', size)], 1))
+
+
+def _periodic_bytes_sent(hook, state, bucket):
+    # Counted after the step instead, on the run's thread, when every
+    # bucket's exchange is done: PeriodicState.pop_sent() (the inner
+    # exchanges and the synchronisation; mmcv_custom.engine.periodic_sync).
+    return hook(state, bucket), 0
+
+
+def _periodic_bytes(format_of: Callable[[dict], str]) -> Callable:
+    """``model_bytes`` of a periodic hook: what a rank sends across nodes
+    per step, averaged over the period: its slice of the parameters (the
+    node's ranks split them, so a node sends them once) in the format
+    ``format_of(state_kwargs)`` names, once every ``period`` steps, by the
+    one counting rule (an all-reduce in fp32 or bf16; int8's all-gather of
+    values and block scales counts ``nodes x bytes / 2``). The exchange
+    inside the node every step and the buffers come on top."""
+
+    def model_bytes(params, state_kwargs: dict, half: bool,
+                    world_size: int) -> int:
+        if world_size == 1:
+            return 0  # one node: nothing crosses (the run sends none)
+        values = sum(p.numel() for p in params)
+        fmt = format_of(state_kwargs)
+        if fmt == 'int8':
+            block = state_kwargs.get('block_size') or 256
+            sent = sent_bytes(
+                [('all_gather', values + 4 * math.ceil(values / block))],
+                world_size)
+        else:
+            sent = sent_bytes([('all_reduce', values *
+                                (2 if fmt == 'bf16' else 4))], world_size)
+        return int(sent / state_kwargs.get('period', 1))
+
+    return model_bytes
+
+
+def _diloco_state_bytes(buckets, state_kwargs: dict) -> int:
+    # Kept on each device between steps, in fp32: the global parameters and
+    # the outer momentum, and with int8's error feedback the residual (a
+    # rank keeps its slice of each: fewer with several ranks a node; the
+    # inner hook's own state comes on top).
+    copies = 3 if (state_kwargs.get('outer_format', 'int8') == 'int8'
+                   and state_kwargs.get('error_feedback') is not False) else 2
+    return 4 * copies * sum(b.numel for b in buckets)
 
 
 def _whole_bytes(params, state_kwargs: dict, half: bool,
@@ -261,6 +309,23 @@ _BATCHED_EVIDENCE = (
     'the bf16 wrapper 43.26; FCN, 600 iterations, 86.44, 86.76 and 86.36' +
     _WHERE)
 
+# The periodic hooks' runs: 2 emulated nodes x 1 rank, against fp32 on the
+# same layout (FCN 90.12, tiny InternViT 73.21).
+_PERIODIC_WHERE = (' (docs/en/notes/benchmarks.md, "Periodic synchronisation:'
+                   ' post-local SGD and DiLoCo (2 nodes x 1 rank)")')
+_POST_LOCAL_SGD_EVIDENCE = (
+    'final mIoU against fp32 on the toy configs, 2 nodes x 1 rank (FCN '
+    '90.12, tiny InternViT 73.21): period 5, 25, 100: FCN 89.87, 89.93, '
+    '89.55, tiny InternViT 70.17, 67.33, 63.01; with start_iter=100 at '
+    'period 5: 89.96 and 72.98' + _PERIODIC_WHERE)
+_DILOCO_EVIDENCE = (
+    'final mIoU against fp32 on the toy configs, 2 nodes x 1 rank (FCN '
+    '90.12, tiny InternViT 73.21), outer Nesterov 0.7 / 0.9, int8: H 5, '
+    '25, 100: FCN 84.40, 88.43, 81.28, tiny InternViT 62.83, 63.53, '
+    '58.91; H 25 with outer_lr=0.6: 89.08 and 62.80; H 25 with '
+    'start_iter=50: 90.97 and 85.56; outer_momentum=0.5, H 25 and 50: '
+    'FCN 90.20 and 90.09, tiny InternViT 70.37 and 61.64' + _PERIODIC_WHERE)
+
 # PowerSGD as the benchmarks run it: compressing from the second step on
 # (PyTorch's default waits 1000), at a rank that shows its products.
 _POWERSGD_BENCHMARK = dict(matrix_approximation_rank=4, start_powerSGD_iter=2)
@@ -279,6 +344,22 @@ def _powersgd_variants(name: str, label: str, colours: tuple) -> tuple:
             HookVariant(f'{name}_bf16',
                         dict(_POWERSGD_BENCHMARK, wrapper='bf16'),
                         f'{label}, rank 4, bf16 wrapper', colours[2]))
+
+
+#: The periods the convergence comparison trains the periodic hooks at:
+#: every 5 optimizer steps (close to per-step averaging), 25 and 100 (the
+#: DiLoCo paper's H=100 scaled down to the toy runs' length).
+_PERIODS = (5, 25, 100)
+
+
+def _periodic_variants(name: str, prefix: str, label: Callable[[int], str],
+                       colours: tuple) -> tuple:
+    """The convergence comparison's settings of a periodic hook: one per
+    period of :data:`_PERIODS`, named ``<name>_<prefix><period>``, in
+    ``colours`` (one each); their accuracy class is the record's."""
+    return tuple(
+        HookVariant(f'{name}_{prefix}{p}', dict(period=p), label(p), colour)
+        for p, colour in zip(_PERIODS, colours))
 
 
 #: The built-in hooks, one entry each: the name a config gives as
@@ -395,4 +476,45 @@ BUILTIN_HOOKS = (
                                   'quantized', _INT8_NOEF_EVIDENCE)),
             accuracy='quantized_ef',
             evidence=_INT8_EF_EVIDENCE)),
+    BuiltinHook(
+        'post_local_sgd',
+        post_local_sgd_hook,
+        HookRecord(
+            periodic=True,
+            cost=POST_LOCAL_SGD_COST,
+            state_keeper=PeriodicStateKeeper,
+            defaults={None: {
+                'inner': DEFAULT_INNER
+            }},
+            count_bytes_sent=_periodic_bytes_sent,
+            # The parameters averaged in fp32; nothing kept between steps.
+            model_bytes=_periodic_bytes(lambda kwargs: 'fp32'),
+            state_bytes=_no_state,
+            accuracy='periodic',
+            evidence=_POST_LOCAL_SGD_EVIDENCE,
+            label='post-local SGD',
+            colour='darkgoldenrod',
+            variants=_periodic_variants(
+                'post_local_sgd', 'p', lambda p: f'post-local SGD, period {p}',
+                ('goldenrod', 'darkgoldenrod', 'saddlebrown')))),
+    BuiltinHook(
+        'diloco', diloco_hook,
+        HookRecord(
+            periodic=True,
+            cost=DILOCO_COST,
+            state_keeper=PeriodicStateKeeper,
+            defaults={None: {
+                'inner': DEFAULT_INNER
+            }},
+            count_bytes_sent=_periodic_bytes_sent,
+            model_bytes=_periodic_bytes(
+                lambda kwargs: kwargs.get('outer_format', 'int8')),
+            state_bytes=_diloco_state_bytes,
+            accuracy='periodic',
+            evidence=_DILOCO_EVIDENCE,
+            label='DiLoCo',
+            colour='teal',
+            variants=_periodic_variants(
+                'diloco', 'h', lambda p: f'DiLoCo, H={p}',
+                ('mediumturquoise', 'teal', 'darkslategray')))),
 )

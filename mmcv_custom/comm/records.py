@@ -17,7 +17,7 @@ count as sent, in :mod:`.traffic`.
 """
 import dataclasses
 from typing import (Any, Callable, Dict, Mapping, NamedTuple, Optional, Set,
-                    Tuple, Type)
+                    Tuple, Type, Union)
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..hooks.state import HookStateKeeper
 from .accuracy import ACCURACY_CLASSES
 from .cost_records import CostRecord
+from .periodic_costs import PeriodicCost
 from .traffic import sent_bytes
 
 __all__ = [
@@ -104,8 +105,10 @@ class HookRecord:
             (:mod:`mmcv_custom.analysis.cost`) projects its step time
             from: its collectives per bucket on a world size, its codec's
             memory traffic and FLOPs, its caveat, and its two-level form's
-            where it has one (:class:`~.cost_records.TwoLevelCost`). None:
-            it is left out of projections.
+            where it has one (:class:`~.cost_records.TwoLevelCost`); a
+            periodic hook's is a
+            :class:`~.periodic_costs.PeriodicCost` (its synchronisation
+            across nodes). None: it is left out of projections.
         label (str, optional): Its short name in the analysis tools' tables
             and legends; None: its registry name.
         colour (str, optional): Its colour in their plots (a matplotlib
@@ -135,6 +138,20 @@ class HookRecord:
         evidence (str): What shows it trains as its class says (the
             convergence runs, their figures and where they are
             published); empty: none recorded.
+        periodic (bool): Whether it synchronises the model across nodes
+            every ``period`` steps rather than averaging the gradients
+            every step (``post_local_sgd``, ``diloco``: see
+            :mod:`mmcv_custom.hooks.local_sgd`): its DDP hook carries only
+            the exchange inside the node, the run steps it after each
+            optimizer step, and it takes the node layout (``topology``)
+            whatever its two-level form. A plugin's periodic hook needs a
+            state derived from
+            :class:`mmcv_custom.hooks.local_sgd.PeriodicState`: the run
+            steps that state after each optimizer step (the
+            synchronisation every ``period`` steps is its). ``auto``
+            never tries it and FSDP2 refuses it; it takes no
+            ``fsdp2_form``, ``codec`` nor ``two_level`` (refused here).
+            Defaults to False.
         state_bytes (Callable, optional): ``state_bytes(buckets,
             state_kwargs) -> int``: the bytes its state keeps on each GPU
             from step to step under DDP (an error-feedback residual,
@@ -157,7 +174,7 @@ class HookRecord:
     count_bytes_sent: Optional[BytesSentCounter] = None
     model_bytes: Optional[Callable[[Any, dict, bool, int], int]] = None
     fsdp2_form: Optional[str] = None
-    cost: Optional[CostRecord] = None
+    cost: Optional[Union[CostRecord, PeriodicCost]] = None
     label: Optional[str] = None
     colour: Optional[str] = None
     codec: Optional[Codec] = None
@@ -168,6 +185,7 @@ class HookRecord:
     accuracy: Optional[str] = None
     evidence: str = ''
     state_bytes: Optional[Callable[[Any, dict], int]] = None
+    periodic: bool = False
 
     @property
     def half_precision(self) -> Optional[str]:
@@ -200,6 +218,12 @@ class HookRecord:
             raise ValueError(f'HookRecord fsdp2_form should be one of '
                              f'{FSDP2_FORMS} or None, but got '
                              f'{self.fsdp2_form!r}')
+        if self.periodic:
+            self._check_periodic()
+        elif isinstance(self.cost, PeriodicCost):
+            raise TypeError('HookRecord cost PeriodicCost is for a periodic '
+                            'hook (periodic=True); a per-step hook states a '
+                            'CostRecord')
         for klass in [self.accuracy] + [v.accuracy for v in self.variants]:
             if klass is not None and klass not in ACCURACY_CLASSES:
                 raise ValueError(
@@ -211,6 +235,32 @@ class HookRecord:
             if value is not None and not callable(value):
                 raise TypeError(f'HookRecord {name} should be callable or '
                                 f'None, but got {value!r}')
+
+    def _check_periodic(self) -> None:
+        # A periodic hook's traffic across nodes is the run's, every
+        # period steps, not a per-bucket form: the fields that describe
+        # one would be read by the tools and be wrong.
+        why = (
+            ('fsdp2_form', 'FSDP2 shards the parameters a periodic hook '
+             'synchronises through DDP, so FSDP2 refuses it'),
+            ('codec', 'the benchmarks time a codec as a per-step bucket '
+             "exchange's local work; a periodic hook's inner hook has its "
+             'own'),
+            ('two_level', 'a periodic hook always takes the node layout '
+             '(its inner hook runs inside the node)'),
+        )
+        for name, reason in why:
+            value = getattr(self, name)
+            if value is not None and value is not False:
+                raise ValueError(
+                    f'HookRecord periodic=True takes no {name}, but got '
+                    f'{name}={value!r}: {reason}')
+        if self.cost is not None and not isinstance(self.cost, PeriodicCost):
+            raise TypeError(
+                'HookRecord periodic=True takes a cost that states its '
+                'synchronisation, a PeriodicCost '
+                '(mmcv_custom.comm.periodic_costs), but got '
+                f'{type(self.cost).__name__}')
 
 
 _HALF_DTYPES = {'fp16': torch.float16, 'bf16': torch.bfloat16}

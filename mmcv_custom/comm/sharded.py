@@ -24,7 +24,8 @@ import torch
 from ..hooks.topology import NodeClaim
 from .accuracy import ACCURACY_CLASSES, class_rank
 from .auto import AUTO, AutoCandidate, auto_candidates
-from .builder import CommHookConfig, describe_sent_as_they_are, hook_record
+from .builder import CommHookConfig, hook_record
+from .half_notes import describe_sent_as_they_are
 from .records import record_of
 from .registry import COMM_HOOKS
 from .topology import Topology, resolve_topology
@@ -185,6 +186,8 @@ def _check_sharded_form(checked: CommHookConfig, hybrid: bool) -> None:
     hook_type = checked.type
     what = f'comm_hook type={hook_type!r}'
     record = checked.record
+    if record.periodic:
+        raise ValueError(_no_periodic_form(hook_type))
     if record.fsdp2_form == 'int8_reduce_scatter':
         _check_sharded_int8(checked, what, hybrid)
         return
@@ -230,6 +233,30 @@ def _check_sharded_form(checked: CommHookConfig, hybrid: bool) -> None:
             'by the whole world size before the cast (fp16 overflows only '
             'if the mean does) and does not record non-finite buckets. '
             f"Remove it, e.g. comm_hook = dict(type='{hook_type}').")
+
+
+def _no_periodic_form(hook_type: str) -> str:
+    """Why a periodic hook (local SGD, DiLoCo) has no form under FSDP2,
+    full or hybrid sharding alike."""
+    return (
+        f'comm_hook type={hook_type!r} synchronises the model across nodes '
+        "every period steps through DDP's buckets and the run's step; FSDP2 "
+        '(FSDP2Strategy) shards the parameters, so it has no form of it: '
+        'train it with DDP (the default Runner), or use a per-step hook with '
+        "a sharded form, such as 'bf16_compress', or 'int8_compress' under "
+        'hybrid sharding')
+
+
+def _refuse_periodic(cfg: Any) -> None:
+    """Refuse a periodic type before the DDP checks, which would ask for
+    its ``period`` first: no period makes it run under FSDP2. A type the
+    registry does not know is left to those checks to name."""
+    try:
+        record = hook_record(cfg.get('type'))
+    except (AttributeError, KeyError, TypeError):
+        return
+    if record.periodic:
+        raise ValueError(_no_periodic_form(cfg['type']))
 
 
 def sharded_auto_candidates(settings: dict) -> List[AutoCandidate]:
@@ -332,9 +359,10 @@ def check_sharded_cfg(cfg: Any, hybrid: bool = False) -> CommHookConfig:
 
     Raises:
         ValueError: A type without a sharded form (PowerSGD, user hooks,
-            ``int8_compress`` with error feedback under full sharding), or
-            the keys above; besides the errors of
-            :func:`~.builder.check_comm_hook_cfg`.
+            ``int8_compress`` with error feedback under full sharding; a
+            periodic one, ``post_local_sgd`` or ``diloco``, before its
+            other keys are checked), or the keys above; besides the errors
+            of :func:`~.builder.check_comm_hook_cfg`.
     """
     sharding = 'hybrid' if hybrid else 'full'
     if isinstance(cfg, CommHookConfig):
@@ -350,6 +378,7 @@ def check_sharded_cfg(cfg: Any, hybrid: bool = False) -> CommHookConfig:
             checked, candidates=tuple(found), sharding=sharding)
     else:
         plain, residual = _hybrid_keys(cfg, hybrid)
+        _refuse_periodic(plain)
         checked = dataclasses.replace(
             CommHookConfig.check(plain),
             given=MappingProxyType(dict(cfg)),

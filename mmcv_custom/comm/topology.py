@@ -50,6 +50,13 @@ def check_topology(value: Any, hook_type: Any, record: HookRecord,
     """
     valid = ("'auto', 'flat' or dict(ranks_per_node=N) (N ranks per node, "
              'an int >= 1)')
+    if record.periodic and value == 'flat':
+        return [
+            ValueError(
+                f'comm_hook type {hook_type!r} synchronises across nodes, so '
+                "it needs the node layout: topology='auto' (the launcher's) "
+                "or dict(ranks_per_node=N), not 'flat'")
+        ]
     if isinstance(value, str):
         if value in TOPOLOGIES:
             return []
@@ -77,7 +84,7 @@ def check_topology(value: Any, hook_type: Any, record: HookRecord,
             require_int('ranks_per_node', value['ranks_per_node'], minimum=1)
         except (TypeError, ValueError) as e:
             errors.append(type(e)(f'comm_hook topology: {e}'))
-    if not record.two_level:
+    if not record.two_level and not record.periodic:
         errors.append(
             ValueError(
                 f'comm_hook type {hook_type!r} has no two-level form, so '

@@ -22,6 +22,7 @@ from .auto_comm import AutoComm
 from .fsdp2_comm import FSDP2CommMixin, codec_note, describe_cfg
 from .hook_state_files import HookStateFiles
 from .nonfinite_guard import NonFiniteGradientsError, NonFiniteGuard
+from .periodic_sync import PeriodicSync
 from .process_group import launcher_claim
 
 __all__ = ['CommHookRegistrationHook', 'NonFiniteGradientsError']
@@ -190,6 +191,8 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
         self._auto: Optional[AutoComm] = None
         self._counters: list = []
         self._loaded_auto = None
+        # post_local_sgd and diloco: their step after each optimizer step.
+        self._periodic: Optional[PeriodicSync] = None
 
     def _resolve_cfg(self, runner):
         """The config's ``comm_hook`` (a dict), else the argument's (as
@@ -341,6 +344,9 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
             self._installed.append(
                 (name, spec, counter, self._names(name, ddp)))
 
+        if specs is None:
+            self._periodic = PeriodicSync.install(runner, targets,
+                                                  self._installed)
         # On every rank: a bad MMCV_CUSTOM_INT8_FUSED stops them alike.
         param = next(targets[0][1].module.parameters(), None)
         casts = codec_note(self._installed[0][1], param)
@@ -381,6 +387,8 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
                          outputs=None) -> None:
         if not self._installed:
             return
+        if self._periodic is not None:
+            self._periodic.after_train_iter(runner)
         self._check_finite(runner)
         if self._auto is not None and self._auto.trying:
             self._step_auto(runner)
@@ -411,10 +419,14 @@ class CommHookRegistrationHook(FSDP2CommMixin, Hook):
                 for key in ('train/comm_MB', 'train/comm_ratio'):
                     _update_unknown(hub, key)
             else:
+                ratio = (
+                    bytes_sent / baseline_bytes if baseline_bytes else None)
+                if self._periodic is not None:
+                    bytes_sent, ratio = self._periodic.over_period(
+                        bytes_sent, baseline_bytes)
                 hub.update_scalar('train/comm_MB', bytes_sent / 2**20)
-                if baseline_bytes:
-                    hub.update_scalar('train/comm_ratio',
-                                      bytes_sent / baseline_bytes)
+                if ratio is not None:
+                    hub.update_scalar('train/comm_ratio', ratio)
 
     def traffic(self) -> Optional[Tuple[int, Optional[int]]]:
         """``(baseline, sent)``: the bytes this rank handed its comm hooks

@@ -258,16 +258,21 @@ def test_benchmark_runs_and_measures_the_bytes(tmp_path):
 
 def test_every_registered_hook_is_compared_beside_pytorch_s_twin():
     """Read from the registry and the records: DDP's own all-reduce, then
-    every registered hook not on PowerSGD's state, PyTorch's hook of the
-    same name just before it where ``default_hooks`` has one; a codec
-    column for each record with a codec, PyTorch's cast beside the half
-    precision ones."""
+    every registered hook not on PowerSGD's state and not periodic (one
+    bucket's step shows neither), PyTorch's hook of the same name just
+    before it where ``default_hooks`` has one; a codec column for each
+    record with a codec, PyTorch's cast beside the half precision ones."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from mmcv_custom.analysis.registered import registered_hooks
     expected, codecs = ['noop', 'ddp_builtin'], []
+    periodic = [h.name for h in registered_hooks() if h.record.periodic]
+    # The built-in periodic ones are registered and left out, so the test
+    # of the benchmarks page does not list them as not yet benchmarked.
+    assert {'post_local_sgd', 'diloco'} <= set(periodic)
+    assert not [h for h in HOOKS if h[len('ours.'):-len('_hook')] in periodic]
     for hook in registered_hooks():
-        if hook.record.powersgd_state:
+        if hook.record.powersgd_state or hook.record.periodic:
             continue
         twin = f'{hook.name}_hook'
         if hasattr(default_hooks, twin):

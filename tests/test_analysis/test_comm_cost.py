@@ -13,7 +13,9 @@ import sys
 import pytest
 
 from mmcv_custom.analysis import cost as cc
+from mmcv_custom.analysis.cost.hooks import uncosted_lines
 from mmcv_custom.analysis.plugins import PLUGIN_HINT
+from mmcv_custom.analysis.registered import registered_hooks
 from tests.tool_utils import load_script, usage_error_line, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -252,6 +254,288 @@ def test_int8_layout_matches_the_hooks_own_plan():
                                                    plan.padded)
 
 
+# -- periodic hooks (post_local_sgd, diloco) ----------------------------------
+#: 1300 values in two buckets' worth of parameters (fp32 and bf16).
+PERIODIC_PARAMS = [
+    cc.ParamSpec((1000, ), 'float32'),
+    cc.ParamSpec((30, 10), 'bfloat16')
+]
+
+
+def test_periodic_synchronisation_bytes_by_hand():
+    """On 2 nodes x 2 ranks each rank synchronises its 1/2 slice (650 of
+    1300 values) among its peer on the other node, in the outer format,
+    then the node gathers the slices in fp32; the counted bytes are those
+    mmcv_custom/hooks/local_sgd.py counts (an all-reduce's tensor, an
+    all-gather of s bytes among n ranks n s / 2), and the node link carries
+    the node's 2 slices."""
+    costs = cc.periodic_costs(
+        2, 2, periods=(10, ), outer_formats=('fp32', 'bf16', 'int8'))
+    assert list(costs) == [
+        'post_local_sgd (period 10)', 'diloco (period 10, fp32)',
+        'diloco (period 10, bf16)', 'diloco (period 10, int8)'
+    ]
+    gather = cc.Collective('all_gather', 4 * 650, 0, 'intra')
+    want = {
+        'post_local_sgd (period 10)':
+        [cc.Collective('all_reduce', 4 * 650, 0, 'cross'), gather],
+        'diloco (period 10, fp32)':
+        [cc.Collective('all_reduce', 4 * 650, 0, 'cross'), gather],
+        'diloco (period 10, bf16)':
+        [cc.Collective('all_reduce', 2 * 650, 0, 'cross'), gather],
+        # int8: the values, then one fp32 scale per 256 (3 blocks).
+        'diloco (period 10, int8)': [
+            cc.Collective('all_gather', 650, 0, 'cross'),
+            cc.Collective('all_gather', 4 * 3, 0, 'cross'), gather
+        ],
+    }
+    assert {k: h.sync_collectives(1300) for k, h in costs.items()} == want
+    cluster = cc.Cluster(2, 2, 8e3, 8e6)  # 1000 B/s across, 1 MB/s inside
+    buckets = cc.ddp_buckets(PERIODIC_PARAMS)
+    sync = {
+        k:
+        h.synchronisation(buckets, cluster, cc.LinkConstants(0, 1.0),
+                          cc.GpuCodec())
+        for k, h in costs.items()
+    }
+    # Sent (cross_MB x period): the slice's tensor; int8's two gathers
+    # among 2 nodes count 2 x 650 / 2 + 2 x 12 / 2.
+    assert [x.sent_bytes for x in sync.values()] == [2600, 2600, 1300, 662]
+    # Each node link: its 2 ranks' rings, 2 (M - 1) / M of the slice each
+    # for an all-reduce, (M - 1) of it for an all-gather.
+    assert [x.node_bytes for x in sync.values()] == [5200, 5200, 2600, 1324]
+    assert _close(sync['diloco (period 10, bf16)'].wire_s,
+                  2600 / 1000 + 2600 / 1e6)
+    with pytest.raises(
+            ValueError,
+            match=r'diloco was costed for 2 nodes x 2 '
+            r'ranks \(4\), but got world_size 8'):
+        costs['diloco (period 10, int8)'].collectives(buckets, 8)
+    # One node: post_local_sgd refuses to run there, so it is not weighed.
+    assert list(cc.periodic_costs(
+        4, 1, periods=(10, ))) == ['diloco (period 10, int8)']
+    with pytest.raises(ValueError, match='diloco: period .* should be given'):
+        cc.PeriodicHookCost('diloco', 2, 2)
+    with pytest.raises(
+            ValueError,
+            match=r"settings should be among "
+            r"\['block_size', 'outer_format', 'period'\], but "
+            r"got \['rank'\]"):
+        cc.PeriodicHookCost('diloco', 2, 2, period=5, rank=1)
+    with pytest.raises(
+            ValueError, match='period should be an int >= 1, but '
+            'got 0'):
+        cc.PeriodicHookCost('diloco', 2, 2, period=0)
+    with pytest.raises(
+            ValueError,
+            match='allreduce: its HookRecord states no '
+            'PeriodicCost, so the cost model cannot project its '
+            'synchronisation'):
+        cc.PeriodicHookCost('allreduce', 2, 2, period=5)
+    with pytest.raises(KeyError, match="comm_hook type 'int4' is not in"):
+        cc.PeriodicHookCost('int4', 2, 2, period=5)
+
+
+def test_periodic_step_is_the_inner_exchange_plus_the_sync_share():
+    """The average step: the inner allreduce inside the node, exactly as
+    allreduce on one node of the same 2 ranks, beside the backward; plus
+    the synchronisation over its period, exposed whole (it runs after the
+    optimizer step); the step that synchronises takes it all."""
+    costs = cc.periodic_costs(2, 2, periods=(10, ), names=['diloco'])
+    hook = costs['diloco (period 10, int8)']
+    constants = cc.LinkConstants(1e-3, 0.5, intra_alpha_s=1e-3)
+    codec = cc.GpuCodec(hbm_Bps=1e6)
+    buckets = cc.ddp_buckets(PERIODIC_PARAMS)
+    link, intra = 8e3, 8e6
+    step = dict(
+        backward_s=1.0, compute_step_s=2.0, constants=constants, codec=codec)
+    got = cc.predict_step(hook, buckets, cc.Cluster(2, 2, link, intra), **step)
+    inner = cc.predict_step(cc.AllReduceCost(), buckets,
+                            cc.Cluster(1, 2, intra, intra), **step)
+    # By hand: the int8 gathers across (1 step of alpha each, 650 and 12
+    # bytes from each of the node's 2 ranks, at 1000 B/s and eta 0.5), the
+    # fp32 gather inside (2600 B at 1 MB/s), and the local work (the slice
+    # made fp32 16, the delta 12, int8's average 14 + 5 M, momentum,
+    # Nesterov step and update 36, a value of the slice; the slice padded
+    # (8 a value of it), the node's gathered and written back, 12 a value)
+    # at 1 MB/s of HBM.
+    sync = (2e-3 + 2 * (650 + 12) / 1000 / 0.5 + 1e-3 + 2600 / 1e6 / 0.5 +
+            ((16 + 12 + 14 + 10 + 36 + 8) * 650 + 12 * 1300) / 1e6)
+    assert _close(got.sync_s, sync)
+    assert (got.period, got.form, got.label) == (10, 'periodic',
+                                                 'diloco (period 10, int8)')
+    assert _close(got.exposed_s, inner.exposed_s + sync / 10)
+    assert _close(got.step_s, 2.0 + inner.exposed_s + sync / 10)
+    assert _close(got.sync_step_s, 2.0 + inner.exposed_s + sync)
+    assert _close(got.sent_bytes, 662 / 10)
+    assert got.collectives == inner.collectives == len(buckets)
+    # A per-step hook has no synchronisation.
+    assert (inner.sync_s, inner.period) == (0.0, 1)
+    assert _close(inner.sync_step_s, inner.step_s)
+
+
+def test_periodic_memory_counts_the_slice_and_the_sync_buffers():
+    """DiLoCo keeps the global parameters, the momentum and int8's residual
+    of the rank's 650-value slice, in fp32; its synchronisation holds the
+    slice, the delta and the Nesterov step, and gathers the node's slices
+    piece by piece (the padded slice and a piece from each of the 2 ranks
+    and its own: here one piece, the whole slice), less the gradients
+    zero_grad has freed where they are tensors of their own."""
+    costs = cc.periodic_costs(
+        2, 2, periods=(10, ), outer_formats=('bf16', 'int8'))
+    buckets = cc.ddp_buckets(PERIODIC_PARAMS)
+    facts = dict(param_bytes=4600)
+    memory = {k: cc.hook_memory(h, buckets, facts) for k, h in costs.items()}
+    int8 = memory['diloco (period 10, int8)']
+    assert int8.state_bytes == 3 * 4 * 650
+    assert memory['diloco (period 10, bf16)'].state_bytes == 2 * 4 * 650
+    assert memory['post_local_sgd (period 10)'].state_bytes == 0
+    assert (int8.grad_bytes, int8.bucket_bytes) == (4600, 4600)
+    assert int8.transient_bytes == 4 * (3 * 650 + 650 + 3 * 650) - 4600
+    assert memory['post_local_sgd (period 10)'].transient_bytes == (
+        4 * (650 + 650 + 3 * 650) - 4600)
+    # Kept from step to step it fits; with the synchronisation it does not.
+    assert int8.fits(int8.total + int8.transient_bytes)
+    assert not int8.fits(int8.total + int8.transient_bytes - 1)
+    # Gradients as views of DDP's buckets: none freed before the sync.
+    view = cc.hook_memory(costs['diloco (period 10, int8)'], buckets,
+                          dict(facts, gradient_as_bucket_view=True))
+    assert (view.bucket_bytes, view.transient_bytes) == (0, 4 * (7 * 650))
+
+
+def test_recommendation_weighs_periodic_hooks_only_by_class():
+    """On a slow link the periodic hooks are the fastest, but the default
+    --max-loss (quantized_ef) never names them; --max-loss periodic does,
+    in the class's words, with the step that synchronises and the config
+    line."""
+    from mmcv_custom.comm.accuracy import CLASS_WORDS
+    hooks = dict(
+        allreduce=cc.AllReduceCost(),
+        **cc.periodic_costs(2, 2, periods=(100, ), outer_formats=('bf16', )))
+    params = [cc.ParamSpec((4096, 4096), 'float32')] * 4
+    common = dict(backward_s=0.2, compute_step_s=0.3, hooks=hooks)
+    cluster = cc.Cluster(2, 2, 1e9)
+    default = cc.recommend(params, cluster, **common)
+    assert default.best == 'allreduce'
+    assert default.fastest == 'diloco (period 100, bf16)'
+    assert 'Fastest of all: diloco (period 100, bf16) at ' in default.line()
+    assert ('synchronised every period steps, beyond --max-loss '
+            'quantized_ef.') in default.line()
+    rec = cc.recommend(params, cluster, max_loss='periodic', **common)
+    assert rec.best == 'diloco (period 100, bf16)'
+    p = rec.predictions[rec.best]
+    line = rec.line()
+    assert line.startswith(
+        f'1 Gbit/s: use diloco (period 100, bf16): {p.step_s:.3f} s per step '
+        'on average (the step that synchronises, one in 100, '
+        f'{p.sync_step_s:.3f} s) against ')
+    assert f'; {CLASS_WORDS["periodic"]}: the nodes train apart' in line
+    assert ("`comm_hook = dict(type='diloco', period=100, "
+            "outer_format='bf16')`") in line
+    assert rec.config('post_local_sgd (period 100)') == (
+        "comm_hook = dict(type='post_local_sgd', period=100)")
+    # low_rank is below periodic: with both allowed, a periodic hook is
+    # taken only where it gains --min-gain over the low-rank pick.
+    assert cc.recommend(
+        params, cluster, max_loss='low_rank', **common).best == 'allreduce'
+
+
+def test_cli_projects_the_periodic_hooks(tmp_path, capsys):
+    """The tool's periodic table, by text, on the tiny recipe; FSDP2 names
+    them as not projected; a periodic plugin without a PeriodicCost is
+    named with how to give it one."""
+    tool = load_script(TOOL, '_comm_cost_model_periodic')
+    out = tmp_path / 'periodic.json'
+    tiny = TINY_FSDP2.replace('-fsdp2', '')
+    tool.main([
+        '--config', tiny, '--hooks', 'allreduce', 'diloco', '--periods', '10',
+        '--outer-formats', 'bf16', 'int8', '--nodes', '2', '--gpus-per-node',
+        '2', '--gbps', '0.1', '--recommend', '--max-loss', 'periodic',
+        '--json',
+        str(out)
+    ])
+    text = capsys.readouterr().out.splitlines()
+    table = text.index('### Periodic synchronisation')
+    assert text[table + 2] == (
+        '| hook | Gbit/s | average step s | x compute | sync step s | sync s '
+        '| across nodes per sync | per node link per sync | memory per GPU |')
+    rows = [x for x in text[table:] if x.startswith('| diloco (period 10')]
+    assert [r.split(' | ')[0] for r in rows
+            ] == ['| diloco (period 10, bf16)', '| diloco (period 10, int8)']
+    # The tiny model's 779,464 values: a rank's slice of 389,732 in bf16.
+    assert rows[0].split(' | ')[6:8] == ['0.78 MB', '1.56 MB']
+    assert text[text.index(rows[1]) + 2].startswith(
+        'average step: the step without communication, the inner hook\'s '
+        'exchange inside the node')
+    pick = next(x for x in text if ': use ' in x)
+    assert pick.startswith('- 0.1 Gbit/s: use diloco (period 10, int8): ')
+    # A compute step given as 0 has no ratio to show.
+    tool.main([
+        '--config', tiny, '--hooks', 'diloco', '--periods', '10', '--nodes',
+        '2', '--gpus-per-node', '2', '--gbps', '1', '--compute-step-s', '0',
+        '--backward-s', '0'
+    ])
+    row = next(x for x in capsys.readouterr().out.splitlines()
+               if x.startswith('| diloco (period 10, int8) | 1 | ')
+               and x.count('|') == 10)
+    assert row.split(' | ')[3] == 'none'
+    rates = json.loads(out.read_text())['projection']['rates']['0.1']
+    assert rates['best'] == 'diloco (period 10, int8)'
+    assert rates['classes']['diloco (period 10, bf16)'] == 'periodic'
+    assert rates['hooks']['diloco (period 10, int8)']['period'] == 10
+    tool.main([
+        '--config', TINY_FSDP2, '--hooks', 'allreduce', 'diloco', '--nodes',
+        '2', '--gpus-per-node', '2', '--gbps', '1'
+    ])
+    assert ('- not projected under FSDP2Strategy: diloco (FSDP2 refuses a '
+            'periodic hook: it shards the parameters the hook synchronises)'
+            ) in capsys.readouterr().out.splitlines()
+    with pytest.raises(SystemExit) as exited:  # nothing else asked for
+        tool.main(['--config', TINY_FSDP2, '--hooks', 'diloco'])
+    assert str(exited.value.code).endswith(
+        'error: none of the hooks projected (diloco) runs under '
+        'FSDP2Strategy; those that do: allreduce, fp16_compress, '
+        'bf16_compress, int8_compress')
+
+
+def test_a_periodic_plugin_without_a_cost_is_named_not_projected():
+    from mmcv_custom.comm.records import HookRecord
+    from mmcv_custom.comm.registry import COMM_HOOKS
+
+    def periodic_plugin_hook(state, bucket):
+        return None
+
+    COMM_HOOKS.register_module(
+        name='periodic_plugin',
+        module=periodic_plugin_hook,
+        record=HookRecord(periodic=True))
+    try:
+        assert uncosted_lines(['allreduce', 'periodic_plugin']) == [
+            '- not projected: periodic_plugin (synchronised across nodes '
+            'every period steps, and its record states no PeriodicCost); '
+            'give its record a cost=PeriodicCost(...) '
+            '(mmcv_custom/comm/periodic_costs.py)'
+        ]
+        assert list(cc.periodic_costs(2, 2, names=['periodic_plugin'])) == []
+    finally:
+        COMM_HOOKS.module_dict.pop('periodic_plugin')
+    # A periodic record takes only a PeriodicCost, and only it does.
+    from mmcv_custom.comm.cost_records import ALLREDUCE_COST
+    from mmcv_custom.comm.periodic_costs import DILOCO_COST
+    with pytest.raises(
+            TypeError,
+            match='HookRecord periodic=True takes a '
+            'cost that states its synchronisation, a PeriodicCost '
+            r'\(mmcv_custom.comm.periodic_costs\), but got '
+            'CostRecord'):
+        HookRecord(periodic=True, cost=ALLREDUCE_COST)
+    with pytest.raises(
+            TypeError,
+            match='HookRecord cost PeriodicCost is for '
+            r'a periodic hook \(periodic=True\)'):
+        HookRecord(cost=DILOCO_COST)
+
+
 def test_catalogue_is_the_registered_hooks_with_a_cost():
     from mmcv_custom.comm.records import record_of
     from mmcv_custom.comm.registry import COMM_HOOKS
@@ -259,7 +543,11 @@ def test_catalogue_is_the_registered_hooks_with_a_cost():
         name for name, hook in COMM_HOOKS.module_dict.items()
         if record_of(hook).cost is not None
     ]
-    assert list(cc.hook_costs()) == costed
+    # The periodic hooks' costs are their synchronisations', projected at
+    # several periods apart (periodic_costs); the catalogue is per step.
+    periodic = [n for n in costed if record_of(COMM_HOOKS.get(n)).periodic]
+    assert periodic == ['post_local_sgd', 'diloco']
+    assert list(cc.hook_costs()) == [n for n in costed if n not in periodic]
     assert set(
         cc.uncosted_hooks()) == set(COMM_HOOKS.module_dict) - set(costed)
     # The settings that change the bytes show in the labels.
@@ -275,6 +563,12 @@ def test_catalogue_is_the_registered_hooks_with_a_cost():
         cc.RecordCost('int8_compress', rank=2)
     with pytest.raises(KeyError, match='int4 is not in the DDP'):
         cc.RecordCost('int4')
+    with pytest.raises(
+            ValueError,
+            match=r'diloco synchronises every period '
+            r'steps: its cost is a PeriodicHookCost \(mmcv_custom'
+            r'.analysis.cost.periodic\)'):
+        cc.RecordCost('diloco')
 
 
 def test_the_counting_rule_counts_every_collective():
@@ -1218,7 +1512,8 @@ def bench_file(tmp_path):
         (['--codec', 'cpu'], "argument --codec: invalid choice: 'cpu' (choose "
          "from gpu, fitted)"),
         (['--hooks', 'int4'], "argument --hooks: invalid choice: 'int4' "
-         f'(choose from {", ".join(cc.hook_costs())}){PLUGIN_HINT}'),
+         f'(choose from {", ".join(h.name for h in registered_hooks())})'
+         f'{PLUGIN_HINT}'),
         (['--fit-rates', '50'], '--fit-rates needs --fit (a benchmark JSON to '
          'fit)'),
         (['--check-collectives'], '--check-collectives needs --fit (a '
@@ -1239,7 +1534,7 @@ def bench_file(tmp_path):
          '(0.1: 10%), but got 10.0; for 10% give 0.1'),
         (['--max-loss', 'lossy'], "argument --max-loss: invalid choice: "
          "'lossy' (choose from exact, half, quantized_ef, quantized, "
-         'low_rank, any)'),
+         'low_rank, periodic, any)'),
         (['--gpu', 'v100'], "argument --gpu: invalid choice: 'v100' (choose "
          'from a100, h100, h200)'),
         (['--tflops', '0'], '--tflops should be a number > 0, but got 0.0'),
@@ -1250,6 +1545,16 @@ def bench_file(tmp_path):
           ], '--gpu-mem should be a number > 0, but got inf'),
         (['--gpu-mem', '80GB'], "argument --gpu-mem: invalid float value: "
          "'80GB'"),
+        (['--periods', '0'], '--periods should be ints >= 1 (optimizer steps '
+         'between synchronisations), but got 0'),
+        (['--outer-formats', 'fp8'], "argument --outer-formats: invalid "
+         "choice: 'fp8' (choose from fp32, bf16, int8)"),
+        (['--hooks', 'allreduce', 'post_local_sgd', '--outer-formats', 'bf16'
+          ], '--outer-formats sets diloco, but --hooks leaves it out: add '
+         'diloco to --hooks, or drop --outer-formats'),
+        (['--hooks', 'allreduce', '--periods', '100'], '--periods sets '
+         'post_local_sgd and diloco, but --hooks leaves them out: add '
+         'post_local_sgd or diloco to --hooks, or drop --periods'),
     ],
     ids=[
         'nodes', 'gbps', 'eta', 'eta-above-1', 'cfg-options', 'alpha',
@@ -1257,7 +1562,9 @@ def bench_file(tmp_path):
         'fit-rates-alone', 'check-alone', 'codec-fitted-alone', 'fit-missing',
         'config-missing', 'json-dir-missing', 'config-not-a-config',
         'min-gain-percent', 'max-loss', 'gpu', 'tflops', 'gpu-mem-0',
-        'gpu-mem-negative', 'gpu-mem-inf', 'gpu-mem-unit'
+        'gpu-mem-negative', 'gpu-mem-inf', 'gpu-mem-unit', 'periods-0',
+        'outer-format', 'outer-formats-without-diloco',
+        'periods-without-periodic'
     ])
 def test_bad_arguments_are_usage_errors(tool_args, args, message):
     code, last = tool_args(args)
@@ -1418,6 +1725,12 @@ def test_cli_projects_internvit_6b_and_recommends(capsys):
     # nodes, each rank's 1/8 share of the flat form's.
     assert ("sent: what one rank sends, as the run's comm_MB counts it "
             '(these bytes over 2**20;') in text
+    # The periodic built-ins are projected, at the default periods (their
+    # table's rows), not named as unknown.
+    for period in (25, 100, 500):
+        assert f'| post_local_sgd (period {period}) | ' in text
+        assert f'| diloco (period {period}, int8) | 100 | ' in text
+    assert '- not projected' not in text and 'register_module' not in text
     assert 'across nodes only for a two-level form' in text
     sent = {
         cells[0]: float(cells[1].split()[0])
@@ -2185,9 +2498,13 @@ def test_cli_recommends_only_what_fits_the_gpu(capsys):
     assert left == [
         f'- left out: int8_compress (block 256) {parts}\'flat\')`, 62.80 GiB '
         'per GPU, class quantized (a class that needs --max-loss quantized)' +
-        view, '- left out: int8_compress (block 256) (two-level) '
+        view,
+        '- left out: int8_compress (block 256) (two-level) '
         f'{parts}\'auto\')`, 62.80 GiB per GPU, class quantized (a class '
-        'that needs --max-loss quantized)' + view
+        'that needs --max-loss quantized)' + view,
+        # DiLoCo int8 keeps its slice's state (71.72 GiB in all), and its
+        # synchronisation gathers the node's slices piece by piece: it
+        # fits, as post_local_sgd does.
     ]
     assert ('activations not counted; a GPU holds 80 GiB (--gpu-mem, else '
             'the --gpu preset\'s)') in text

@@ -74,10 +74,47 @@ def test_bad_arguments_are_usage_errors(tool, tmp_path, monkeypatch, capsys):
         [FCN, '--variants', 'all', 'allreduce', '--work-dir',
          str(tmp_path)],
         '--variants all stands alone: it trains every variant')
-    # Alone, every variant the records name, in their order.
-    assert tool.parse_args(
-        [FCN, '--variants', 'all', '--work-dir',
-         str(tmp_path)]).variants == list(convergence.variants())
+    # Alone, every variant the records name, in their order; on one node
+    # (the default) but the periodic ones, said in one line.
+    known = convergence.variants()
+    periodic = [v for v in known.values() if v.periodic]
+    assert [v.hook_type
+            for v in periodic] == ['post_local_sgd'] * 3 + ['diloco'] * 3
+    assert tool.parse_args([
+        FCN, '--variants', 'all', '--work-dir',
+        str(tmp_path)
+    ]).variants == [v.name for v in known.values() if not v.periodic]
+    assert capsys.readouterr().err.splitlines() == [
+        '--variants all on one node leaves out post_local_sgd_p5, '
+        'post_local_sgd_p25, post_local_sgd_p100, diloco_h5, diloco_h25, '
+        'diloco_h100: they synchronise across nodes (train them with '
+        '--ranks-per-node 1)'
+    ]
+    assert tool.parse_args([
+        FCN, '--variants', 'all', '--nproc', '2', '--ranks-per-node', '1',
+        '--work-dir',
+        str(tmp_path)
+    ]).variants == list(known)
+    assert capsys.readouterr().err == ''
+    # Named on one node: refused, with the way to several.
+    assert parse([
+        FCN, '--variants', 'allreduce', 'diloco_h25', '--work-dir',
+        str(tmp_path)
+    ]) == (2, 'compare_comm_convergence.py: error: --variants diloco_h25 '
+           'synchronises across nodes, but the --nproc ranks are one node: '
+           'give --ranks-per-node below --nproc (e.g. --ranks-per-node 1)')
+    assert parse([
+        FCN, '--variants', 'post_local_sgd_p5', 'diloco_h100', '--nproc', '1',
+        '--work-dir',
+        str(tmp_path)
+    ]) == (2, 'compare_comm_convergence.py: error: --variants '
+           'post_local_sgd_p5 diloco_h100 synchronise across nodes, but the '
+           '--nproc ranks are one node: give --ranks-per-node below --nproc '
+           '(e.g. --nproc 2 --ranks-per-node 1)')
+    # Read back, not trained: not refused for the nodes (the folder is
+    # looked for).
+    _refused([FCN, '--from-work-dirs', f'diloco_h25={tmp_path}'],
+             str(tmp_path), 'scalars.json')
     _refused([FCN, '--block-size', '0', '--work-dir',
               str(tmp_path)], '--block-size should be at least 1, but got 0')
     _refused([
@@ -226,6 +263,43 @@ def test_the_variants_are_every_registered_hook_from_its_record():
                               ('int8_noef', 'int8, no error feedback',
                                'tab:red'),
                           ]
+    # The periodic hooks every 5, 25 and 100 steps, in colours of their
+    # own; their accuracy class is the record's.
+    builtin = {
+        v.colour
+        for v in variants.values() if not v.periodic and v.hook_type in (
+            'allreduce', 'fp16_compress', 'bf16_compress', 'powerSGD',
+            'batched_powerSGD', 'int8_compress')
+    }
+    for name, period in (('post_local_sgd', 'p'), ('diloco', 'h')):
+        record = record_of(COMM_HOOKS.get(name))
+        assert [(v.name, v.options, v.accuracy) for v in record.variants] == [
+            (f'{name}_{period}{n}', dict(period=n), None) for n in (5, 25, 100)
+        ]
+        assert all(variants[v.name].periodic for v in record.variants)
+    assert [variants[f'post_local_sgd_p{n}'].label for n in (5, 25, 100)] == [
+        'post-local SGD, period 5', 'post-local SGD, period 25',
+        'post-local SGD, period 100'
+    ]
+    assert [variants[f'diloco_h{n}'].label for n in (5, 25, 100)
+            ] == ['DiLoCo, H=5', 'DiLoCo, H=25', 'DiLoCo, H=100']
+    colours = [v.colour for v in variants.values() if v.periodic]
+    assert len(set(colours)) == 6 and not set(colours) & builtin
+    # Its period as a key (no --block-size: its block is its outer int8's,
+    # which an fp32 outer format refuses), and a nested setting (the inner
+    # exchange) as dotted keys, which --cfg-options merges into the
+    # config's dict.
+    assert convergence.hook_options(variants['diloco_h25'], 64) == [
+        'comm_hook.type=diloco', 'comm_hook.period=25'
+    ]
+    nested = variants['post_local_sgd_p25']._replace(
+        options=dict(
+            period=25, inner=dict(type='int8_compress', error_feedback=False)))
+    assert convergence.hook_options(nested, 256) == [
+        'comm_hook.type=post_local_sgd', 'comm_hook.period=25',
+        'comm_hook.inner.type=int8_compress',
+        'comm_hook.inner.error_feedback=False'
+    ]
     # PowerSGD trains as its record asks: compressing from step 2.
     assert convergence.hook_options(variants['powerSGD'], 256) == [
         'comm_hook.type=powerSGD', 'comm_hook.matrix_approximation_rank=4',
@@ -239,6 +313,35 @@ def test_the_variants_are_every_registered_hook_from_its_record():
         dict(type='int8_compress', error_feedback=False)) == (
             "'int8_ef' should have error_feedback=True, but the run used "
             'False')
+
+
+def test_a_dumped_nested_comm_hook_is_read_back(tmp_path):
+    """A periodic hook's config nests its inner exchange; MMEngine dumps
+    it as ``inner=dict(...)``, which is read back (not executed), and
+    checked against the variant."""
+    from mmengine.config import Config
+    run = tmp_path / 'diloco_h25' / '20261207_000000'
+    os.makedirs(run / 'vis_data')
+    hook = dict(
+        type='diloco',
+        period=25,
+        block_size=256,
+        inner=dict(type='int8_compress', error_feedback=True),
+        topology=dict(ranks_per_node=1))
+    Config(dict(comm_hook=hook,
+                steps=[dict(a=1),
+                       (2, 3)])).dump(str(run / 'vis_data' / 'config.py'))
+    assert 'inner=dict(' in (run / 'vis_data' / 'config.py').read_text()
+    assert convergence.read_comm_hook(str(run)) == hook
+    variants = convergence.variants()
+    assert convergence.mismatch(variants['diloco_h25'], hook) is None
+    assert convergence.mismatch(
+        variants['diloco_h5'],
+        hook) == ("'diloco_h5' should have period=5, but the run used 25")
+    # A call that is not dict(...) is not read: no hook rather than code.
+    (run / 'vis_data' / 'config.py'
+     ).write_text("comm_hook = dict(type='diloco', inner=open('x'))\n")
+    assert convergence.read_comm_hook(str(run)) is None
 
 
 def test_a_plugin_hook_is_a_variant_with_its_record_label(

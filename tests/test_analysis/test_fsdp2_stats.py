@@ -293,6 +293,65 @@ def test_model_stats_names_the_ranks_a_hook_s_traffic_is_counted_on(
             int8['hook_flat']) == (None, None, False)
 
 
+#: The tiny InternViT's trainable values and their int8 blocks of 256.
+TINY_TRAINABLE = 779464
+TINY_BLOCKS = math.ceil(TINY_TRAINABLE / 256)
+
+
+@pytest.mark.parametrize(
+    'options,hook,synced,kept',
+    [
+        # int8 blocks and their fp32 scales all-gathered over 4 nodes every
+        # 25 steps; global parameters, momentum and residual in fp32.
+        ('type=diloco period=25', "type='diloco', period=25", 4 *
+         (TINY_TRAINABLE + 4 * TINY_BLOCKS) / 2 / 25, 12),
+        # bf16 all-reduced; no residual, but the inner int8's (4 B a value).
+        ('type=diloco period=25 outer_format=bf16 inner.type=int8_compress',
+         "type='diloco', period=25, outer_format='bf16', inner={'type': "
+         "'int8_compress'}", 2 * TINY_TRAINABLE / 25, 8 + 4),
+        # The parameters all-reduced in fp32 every 5 steps; nothing kept.
+        ('type=post_local_sgd period=5', "type='post_local_sgd', period=5",
+         4 * TINY_TRAINABLE / 5, 0),
+    ],
+    ids=['diloco-int8', 'diloco-bf16-int8-inner', 'post_local_sgd'])
+def test_model_stats_counts_a_periodic_hook(monkeypatch, capsys, options, hook,
+                                            synced, kept):
+    """Issue 45: their traffic does not depend on DDP's buckets, nor is
+    their state unknown: what a rank sends across the 4 nodes per step
+    (the synchronisation over the period), and DiLoCo's fp32 outer state
+    with the inner hook's; the tool's own main, as a user runs it."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, 'argv', [
+        STATS,
+        osp.join('configs', 'intern_vit', TINY), '--gpus', '4', '--cfg-options'
+    ] + [f'comm_hook.{o}' for o in options.split()])
+    load_script(STATS, '_model_stats_periodic').main()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[4] == (
+        f'with comm_hook    : {synced / 2**20:.3f} MiB per step across nodes, '
+        f'averaged over the period ({hook}; on 4 nodes of one rank each, '
+        'the first of --gpus: with R ranks a node each sends 1/R of it; '
+        'plus the inner exchange inside the node every step)')
+    if kept:
+        assert lines[7] == (
+            f'  hook state      : + {kept * TINY_TRAINABLE / 2**20:.3f} MiB '
+            f'per GPU, kept from step to step ({hook}; with one rank a node '
+            '(with R, each keeps 1/R of the outer state), the inner hook\'s '
+            'state included)')
+    else:
+        assert lines[7] == ('  hook state      : none kept from step to step '
+                            f"({hook}; the inner hook's included)")
+
+
+def test_a_periodic_hook_sends_nothing_across_one_node(model_stats):
+    """On one GPU (one node) nothing crosses nodes; its state is kept all
+    the same (DiLoCo on one node is a Lookahead optimizer)."""
+    s = _stats(
+        model_stats, TINY, gpus=(1, ), comm_hook=dict(type='diloco', period=5))
+    assert (s['hook_bytes'], s['hook_world_size'], s['hook_periodic'],
+            s['hook_state_bytes']) == (0, 1, True, 12 * TINY_TRAINABLE)
+
+
 def test_model_stats_counts_the_hooks_state_per_gpu(monkeypatch, capsys):
     """Issue 43: int8's error feedback keeps an fp32 residual per gradient
     element, 6.39e9 x 4 B = 23.79 GiB per GPU for the 6B recipe under DDP

@@ -78,8 +78,21 @@ def test_a_setting_that_changes_the_class_is_the_variant_s():
 
 def test_a_plugin_hook_without_a_class_is_unknown_and_ranked_last():
     assert accuracy_of(HookRecord()).klass == 'unknown'
-    assert class_rank('unknown') > class_rank('low_rank')
-    assert [class_rank(k) for k in ACCURACY_CLASSES] == list(range(5))
+    assert class_rank('unknown') > class_rank('periodic')
+    assert [class_rank(k)
+            for k in ACCURACY_CLASSES] == list(range(len(ACCURACY_CLASSES)))
+
+
+def test_the_periodic_hooks_are_a_class_of_their_own_after_low_rank():
+    """Local SGD and DiLoCo change the optimizer, not the average: no
+    per-step class bounds them, so they come after the lossiest per-step
+    class and only ``max_loss='periodic'`` (or ``'any'``) admits them."""
+    assert class_rank('periodic') > class_rank('low_rank')
+    for name in ('post_local_sgd', 'diloco'):
+        record = record_of(COMM_HOOKS.get(name))
+        assert record.periodic
+        assert accuracy_of(record).klass == 'periodic'
+    assert check_class('periodic') == 'periodic'
 
 
 def test_a_wrong_class_is_refused_where_it_is_written():
@@ -91,7 +104,8 @@ def test_a_wrong_class_is_refused_where_it_is_written():
         check_class('int8')
     assert str(raised.value) == (
         'max_loss should be one of exact, half, quantized_ef, quantized, '
-        "low_rank, any (from the least lossy to any), but got 'int8'")
+        "low_rank, periodic, any (from the least lossy to any), but got "
+        "'int8'")
 
 
 def test_the_convergence_comparison_trains_every_hook_and_setting():

@@ -8,6 +8,7 @@ from mmcv_custom.comm.accuracy import choose_by_class, picked
 from mmcv_custom.comm.auto import (AutoTrials, auto_candidates, auto_settings,
                                    check_auto_cfg)
 from mmcv_custom.comm.builder import build_comm_hook, check_comm_hook_cfg
+from mmcv_custom.comm.config import comm_hook_config
 from mmcv_custom.comm.sharded import (build_sharded_comm, check_sharded_cfg,
                                       sharded_auto_candidates)
 from mmcv_custom.testing import run_ranks
@@ -131,6 +132,75 @@ def test_candidates_are_the_records_settings_the_class_allows():
         c.key for c in auto_candidates(
             'half', two_level=False, names=['bf16_compress'])
     ] == ['bf16_compress']
+
+
+_NOT_TRIED = ("synchronise across nodes every period steps, which auto's "
+              'few trial steps cannot time (and switching hooks would break '
+              'their period)')
+
+
+def test_auto_never_tries_a_periodic_hook_and_says_so_at_start():
+    """Local SGD and DiLoCo (issue 45): no max_loss makes them candidates,
+    and naming them is refused before anything starts, with the config
+    that does run them; under FSDP2 the same refusal comes first."""
+    assert not auto_candidates('any', names=['post_local_sgd', 'diloco'])
+    # Every candidate auto lists is one a run accepts as it is (a
+    # periodic one would be refused for its missing period).
+    found = comm_hook_config(dict(type='auto', max_loss='any')).candidates
+    assert found and not {c.config['type']
+                          for c, _ in found} & {'post_local_sgd', 'diloco'}
+    for cfg in (dict(type='auto', candidates=['diloco']),
+                dict(
+                    type='auto',
+                    candidates=['allreduce', 'diloco'],
+                    max_loss='any')):
+        for check in (check_comm_hook_cfg, check_sharded_cfg):
+            with pytest.raises(ValueError) as info:
+                check(cfg)
+            assert str(info.value) == (
+                f"comm_hook auto: candidates ['diloco'] {_NOT_TRIED}; name "
+                "it as the comm_hook type instead, e.g. dict(type='diloco', "
+                'period=25)')
+    with pytest.raises(ValueError) as info:
+        auto_settings(["candidates=['post_local_sgd', 'diloco']"])
+    assert str(info.value) == (
+        "comm_hook auto: candidates ['post_local_sgd', 'diloco'] "
+        f'{_NOT_TRIED}; name one as the comm_hook type instead, e.g. '
+        "dict(type='post_local_sgd', period=25)")
+    with pytest.raises(ValueError) as info:
+        check_comm_hook_cfg(dict(type='auto', max_loss='periodic'))
+    assert str(info.value) == (
+        "comm_hook auto: max_loss='periodic' adds only post_local_sgd, "
+        "diloco to max_loss='low_rank', and auto never tries those: they "
+        f"{_NOT_TRIED}. Give max_loss='low_rank' to try every per-step "
+        "hook, or name one as the comm_hook type, e.g. dict(type='diloco', "
+        'period=25)')
+    # The names auto can try, and only those.
+    with pytest.raises(ValueError) as info:
+        check_comm_hook_cfg(dict(type='auto', candidates=['dilocco']))
+    assert str(info.value).endswith(
+        'registered: allreduce, fp16_compress, bf16_compress, powerSGD, '
+        'batched_powerSGD, int8_compress')
+
+
+@pytest.mark.parametrize('hybrid', [False, True])
+@pytest.mark.parametrize('cfg', [
+    dict(type='diloco', period=25, outer_format='bf16'),
+    dict(type='post_local_sgd', period=4),
+    dict(type='diloco'),
+])
+def test_a_periodic_hook_has_no_form_under_fsdp2(cfg, hybrid):
+    """Refused under full and hybrid sharding alike, before its own keys
+    are checked: no ``period`` would make it run."""
+    with pytest.raises(ValueError) as info:
+        check_sharded_cfg(cfg, hybrid=hybrid)
+    assert str(info.value) == (
+        f"comm_hook type={cfg['type']!r} synchronises the model across "
+        "nodes every period steps through DDP's buckets and the run's "
+        'step; FSDP2 (FSDP2Strategy) shards the parameters, so it has no '
+        'form of it: train it with DDP (the default Runner), or use a '
+        "per-step hook with a sharded form, such as 'bf16_compress', or "
+        "'int8_compress' under hybrid sharding")
 
 
 def test_the_class_rule_needs_min_gain_for_each_lossier_class():

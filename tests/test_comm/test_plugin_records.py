@@ -160,6 +160,14 @@ def test_a_builtin_that_comes_after_a_plugin_of_its_name_names_both():
      "sent_format should be a str such as 'fp16' or None"),
     (dict(count_bytes_sent=2), TypeError,
      'count_bytes_sent should be callable or None, but got 2'),
+    (dict(periodic=True, fsdp2_form='averaging_reduce_scatter'), ValueError,
+     "HookRecord periodic=True takes no fsdp2_form, but got "
+     "fsdp2_form='averaging_reduce_scatter': FSDP2 shards the parameters"),
+    (dict(periodic=True, codec=lambda bucket, world_size, rank: None),
+     ValueError, 'HookRecord periodic=True takes no codec, but got codec=<'),
+    (dict(periodic=True, two_level=True), ValueError,
+     'HookRecord periodic=True takes no two_level, but got two_level=True: '
+     'a periodic hook always takes the node layout'),
 ])
 def test_a_record_that_contradicts_itself_is_refused(kwargs, error, message):
     with pytest.raises(error) as info:

@@ -10,7 +10,6 @@ resume and load on 2 ranks, ``consolidate_sharded_checkpoint`` and
 ``tools/model_converters/fsdp2_to_pth.py``.
 """
 import hashlib
-import importlib
 import os
 import os.path as osp
 import re
@@ -78,9 +77,6 @@ def _save(rank, world_size, work, log_dir):
 
 @pytest.fixture(scope='module')
 def saved(tmp_path_factory):
-    # FSDP2 imports torch._dynamo on first use (4-5 s): once here, before
-    # the ranks fork, rather than in every rank of every test.
-    importlib.import_module('torch._dynamo')
     root = tmp_path_factory.mktemp('sharded')
     work = root / 'work'
     work.mkdir()

@@ -678,3 +678,53 @@ def test_the_tools_name_a_config_they_cannot_read(tmp_path):
     assert lines[3].startswith("  3. comm_hook type 'fp8_compress' is not ")
     assert len(lines) == 4
     assert not (tmp_path / 'work_dirs').exists()
+
+
+def test_a_periodic_hook_on_the_launchers_nodes(monkeypatch):
+    """post_local_sgd on one node, or a stated layout the launcher
+    contradicts, is said before the ranks start, in the runner hook's
+    words; DiLoCo on one node runs (Lookahead), and a checkpoint of
+    either counts each rank's parameters and optimizer state."""
+    from mmcv_custom.comm.config import comm_hook_config
+    from mmcv_custom.launching.preflight.periodic import periodic_problems
+    torchrun = LAUNCH_ENV['pytorch']
+    for name, value in ((torchrun.rank, '0'), (torchrun.world, '2'),
+                        (torchrun.local, '0'), (torchrun.local_world, '2')):
+        monkeypatch.setenv(name, value)
+
+    def problems(**cfg):
+        return [
+            p.what
+            for p in periodic_problems(comm_hook_config(cfg), 'pytorch')
+        ]
+
+    assert problems(
+        type='post_local_sgd', period=5
+    ) == [
+        'comm_hook post_local_sgd on one node (1 node x 2 ranks (ranks '
+        '(0, 1) on node 0)) averages nothing across nodes: the gradients of '
+        'every step are averaged over all ranks already, so it would be '
+        'plain DDP with redundant parameter averaging. Use the inner hook '
+        "itself (e.g. comm_hook = dict(type='allreduce')) on one node"
+    ]
+    assert problems(type='diloco', period=5) == []
+    assert problems(
+        type='diloco', period=5, topology=dict(ranks_per_node=1)) == [
+            'comm_hook diloco: topology says ranks_per_node=1 (2 nodes x 1 '
+            'rank (ranks (0,) on node 0, (1,) on node 1)), but the launcher '
+            'placed the ranks as 1 node x 2 ranks (ranks (0, 1) on node 0): '
+            'remove ranks_per_node to follow the launcher, or launch the '
+            'ranks as stated'
+        ]
+    # Other hooks, and a process no launcher started: nothing to say.
+    assert problems(type='int8_compress') == []
+    assert periodic_problems(
+        comm_hook_config(dict(type='post_local_sgd', period=5)), 'none') == []
+    monkeypatch.setenv(torchrun.local_world, '1')
+    assert problems(type='post_local_sgd', period=5) == []
+    cfg = load_config(FCN, {'comm_hook': dict(type='diloco', period=5)})
+    size = preflight_module.checkpoint_size(cfg, 2, 'pytorch')
+    plain = preflight_module.checkpoint_size(
+        load_config(FCN, {'comm_hook': dict(type='allreduce')}), 2, 'pytorch')
+    # Each rank's parameters and optimizer state, and DiLoCo's outer state.
+    assert size.hook_state > 2 * plain.weights

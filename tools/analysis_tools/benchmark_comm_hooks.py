@@ -6,7 +6,10 @@ the hooks round by round so that drift on a shared machine hits them all
 alike. Compared:
 
 * every hook registered in ``COMM_HOOKS`` but those on PowerSGD's state
-  (read from the registry and the hook records, see
+  and the periodic ones (``post_local_sgd``, ``diloco``: they send across
+  the nodes every ``period`` optimizer steps, after the step and outside
+  any bucket, so a time per bucket cannot show them; train them to
+  measure them) (read from the registry and the hook records, see
   :mod:`mmcv_custom.analysis.hook_benchmark`): today this project's
   ``allreduce_hook``, ``fp16_compress_hook`` and
   ``bf16_compress_hook`` (the compressing ones with a ``CompressState``, as

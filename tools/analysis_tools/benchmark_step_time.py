@@ -40,7 +40,10 @@ Reported per rate and hook:
 
 ``--hooks`` names each hook in a form (``NAME``, ``NAME:flat``,
 ``NAME:two_level``; see :mod:`mmcv_custom.analysis.hook_forms`), so that
-one run compares a hook's flat and two-level forms with ``allreduce``;
+one run compares a hook's flat and two-level forms with ``allreduce``
+(not ``post_local_sgd`` nor ``diloco``: they synchronise across nodes
+after the optimizer step every ``period`` steps, which these timed steps
+do not run yet; naming one is a usage error saying how to measure it);
 a plugin's hook too (the config's ``custom_imports`` and each
 ``--import MODULE`` are imported first, here and on every node).
 
@@ -140,7 +143,8 @@ def _parser():
         f'NAME:FORM, FORM one of {", ".join(FORMS)} (topology=flat or '
         'auto; two_level needs --ranks-per-node >= 2), e.g. '
         'int8_compress:flat int8_compress:two_level (default: all of '
-        f'{", ".join(hooks)})')
+        f'{", ".join(hooks)}; the periodic ones, which synchronise '
+        'across nodes every period steps, are not stepped here)')
     parser.add_argument(
         '--bucket-cap-mb',
         type=positive_float,

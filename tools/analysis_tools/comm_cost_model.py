@@ -37,7 +37,13 @@ A plugin's hooks are choices of ``--hooks`` too: the config's
 ``custom_imports`` and each ``--import MODULE`` are imported before the
 choices are built. One whose record states a cost is projected as a
 built-in hook is; one without (no record, or none with a ``cost``) is
-named as unknown, with how to give it one.
+named as unknown, with how to give it one. The periodic hooks
+(``post_local_sgd``, ``diloco``: the gradients exchanged inside the node
+every step, the model across nodes every period steps) are projected at
+each of ``--periods`` and, for ``diloco``, each of ``--outer-formats``,
+in a table of their own: the average step and the step that
+synchronises; ``--recommend`` weighs them only where ``--max-loss``
+admits their class, ``periodic``.
 
 Arguments are checked before any work starts: a bad value is a usage error
 (exit code 2) naming it and the valid ones.
@@ -64,6 +70,7 @@ from mmcv_custom.analysis.cost.options import (add_projection_options,
                                                check_projection_options)
 from mmcv_custom.analysis.plugins import add_import_option, plugin_parser
 from mmcv_custom.analysis.registered import registered_hooks
+from mmcv_custom.hooks.local_sgd import OUTER_FORMATS
 from mmcv_custom.integrity.files import atomic_write_bytes
 
 __all__ = ['parse_args', 'main']
@@ -146,6 +153,28 @@ def _parser() -> argparse.ArgumentParser:
         choices=names,
         metavar='HOOK',
         help=f'hooks to project (default: all: {", ".join(names)})')
+    proj.add_argument(
+        '--periods',
+        nargs='+',
+        type=int,
+        metavar='N',
+        help='optimizer steps between synchronisations across nodes that '
+        'the periodic hooks (post_local_sgd, diloco) are projected at, '
+        'each a row (default: 25 100 500)')
+    proj.add_argument(
+        '--outer-formats',
+        nargs='+',
+        choices=OUTER_FORMATS,
+        metavar='FORMAT',
+        help='what diloco\'s pseudo-gradient crosses the nodes as, each a '
+        f'row at each period: {", ".join(OUTER_FORMATS)} (default: int8, '
+        'its default)')
+    # The settings each periodic hook's cost takes, for their checks.
+    parser.set_defaults(
+        periodic_settings={
+            h.name: tuple(h.record.cost.settings)
+            for h in registered_hooks() if h.record.periodic and h.record.cost
+        })
     add_import_option(
         proj, 'the hooks it registers are choices of --hooks (projected '
         'where their record states a cost, else named as unknown)')

@@ -9,10 +9,11 @@ fp32 ``allreduce`` baseline, ``int8_compress`` with error feedback and
 a variant (a plugin's too: the config's ``custom_imports`` and each
 ``--import MODULE``, which every run imports as well, are imported
 first), under the settings its record names (``int8_compress`` as
-``int8_ef`` and ``int8_noef``, PowerSGD compressing from its second step),
-with its record's label and colour in the plot (see
-:mod:`mmcv_custom.analysis.convergence`). Runs go one after another
-(each on ``PORT`` when it is set, as ``tools/dist_train.sh`` takes it,
+``int8_ef`` and ``int8_noef``, PowerSGD compressing from its second step,
+``post_local_sgd`` and ``diloco`` every 5, 25 and 100 steps, on several
+nodes only: see ``select_variants``), with its record's label and colour
+in the plot (see :mod:`mmcv_custom.analysis.convergence`). Runs go one
+after another (each on ``PORT`` when it is set, as ``dist_train.sh`` takes it,
 else each on a free port), so that they do not compete for the same cores.
 
 It then reads every run's own record, ``<run>/vis_data/scalars.json``, and
@@ -81,6 +82,7 @@ from mmcv_custom.analysis.convergence import (auto_smooth, format_table,
                                               summarize, variants, verdict)
 from mmcv_custom.analysis.convergence_runs import (check_run_options, collect,
                                                    from_work_dirs,
+                                                   select_variants,
                                                    train_options)
 from mmcv_custom.analysis.plugins import (add_import_option,
                                           custom_imports_options,
@@ -181,15 +183,9 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = plugin_parser(_parser, argv)
     args = parser.parse_args(argv)
-    known = list(variants())
     # Everything is checked before the first run: a typo fails in a second,
     # not after half an hour of training.
     cfg = read_config(parser, 'config', args.config)
-    if 'all' in args.variants:
-        if args.variants != ['all']:
-            parser.error('--variants all stands alone: it trains every '
-                         'variant')
-        args.variants = known
     if len(set(args.variants)) != len(args.variants):
         parser.error(f"--variants lists a variant twice: "
                      f"{' '.join(args.variants)}")
@@ -205,6 +201,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f'--ranks-per-node should divide --nproc '
                      f'({args.nproc}) into whole nodes (a divisor from 1 to '
                      f'{args.nproc}), but got {args.ranks_per_node}')
+    for note in select_variants(parser, args):  # 'all'; periodic on 1 node
+        print(note, file=sys.stderr)
     if args.log_interval is None:
         args.log_interval = 10 if args.max_iters is None else min(
             10, max(1, args.max_iters // 2))

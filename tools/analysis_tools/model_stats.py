@@ -20,6 +20,13 @@ residual with error feedback), on nodes of the config's ``ranks_per_node``
 or, where it states none, on nodes of each ``--gpus N``. The counting, and
 what each number includes, is :mod:`mmcv_custom.analysis.model_stats`'s.
 
+For ``post_local_sgd`` and ``diloco``, which synchronise the model
+across nodes every ``period`` steps, the hook's line is what a rank sends
+across the nodes per step, averaged over the period, on nodes of one rank
+each (the inner exchange inside the node comes on top, every step), and
+its state DiLoCo's fp32 global parameters and outer momentum (and int8's
+residual) with the inner hook's.
+
 A plugin's hook is counted too: the config's ``custom_imports`` and each
 ``--import MODULE`` are imported first; of one registered without a
 record, the bytes and the state are said to be unknown.
@@ -131,6 +138,15 @@ def main():
         # The hook's record counts on a world size: say which.
         counted = (f'; {"its flat form " if s["hook_flat"] else ""}on '
                    f'{s["hook_world_size"]} ranks, the first of --gpus')
+    if s['hook_periodic']:
+        # Its synchronisation every period steps; the inner exchange runs
+        # every step inside the node (bucketed, not counted here).
+        hook_bytes += ' across nodes, averaged over the period'
+        nodes = s['hook_world_size']
+        counted = (f'; on {nodes} node{"s" if nodes > 1 else ""} of one '
+                   'rank each, the first of --gpus: with R ranks a node each '
+                   'sends 1/R of it; plus the inner exchange inside the node '
+                   'every step')
     if not s['hook_has_record']:
         hook_bytes, counted = 'unknown', f': it has no record; {HOW_TO_RECORD}'
     print(f'with comm_hook    : {hook_bytes} ({s["hook"]}{counted})')
@@ -160,6 +176,10 @@ def _print_ddp_extra(s: dict, total: int) -> None:
     kept = f'+ {_size(state)} per GPU, kept from step to step' if state \
         else 'none kept from step to step'
     note = f'; {s["ddp_note"]}' if s['ddp_note'] else ''
+    if s['hook_periodic']:
+        note += ('; with one rank a node (with R, each keeps 1/R of the '
+                 "outer state), the inner hook's state included"
+                 if state else "; the inner hook's included")
     print(f'  hook state      : {kept} ({s["hook"]}{note})')
     print(f'  in all          : {_size(total + s["bucket_bytes"] + state)} '
           'per GPU under DDP with this comm_hook, activations aside')

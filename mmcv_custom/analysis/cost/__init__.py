@@ -10,8 +10,8 @@ communication overlaps the backward pass. A model is a list of
 measurement of the model projected to.
 
 Modules, one concern each (only :mod:`.hooks`, :mod:`.recommend`,
-:mod:`.fsdp2`, :mod:`.hybrid`, :mod:`.model` and :mod:`.report` reach
-torch, through the hooks' records or the model):
+:mod:`.fsdp2`, :mod:`.hybrid`, :mod:`.periodic`, :mod:`.model` and
+:mod:`.report` reach torch, through the hooks' records or the model):
 
 * :mod:`.buckets`: :class:`ParamSpec`, :class:`Bucket`, :func:`ddp_buckets`;
 * :mod:`.collectives`: the formulas below, :class:`Cluster`,
@@ -30,6 +30,10 @@ torch, through the hooks' records or the model):
 * :mod:`.hybrid`: FSDP2's hybrid sharding (gathers and reduce-scatters
   inside the node, each rank's shard all-reduced across nodes in the
   hook's format), and both shardings weighed: :func:`recommend_sharded`;
+* :mod:`.periodic`: the periodic hooks (``post_local_sgd``, ``diloco``):
+  the inner hook's exchange inside the node every step, and the model
+  across nodes every ``period`` steps, after the optimizer step:
+  :func:`periodic_costs`;
 * :mod:`.model`: a config's parameters, its model built on the meta device;
 * :mod:`.report`: the tables ``tools/analysis_tools/comm_cost_model.py``
   prints.
@@ -133,6 +137,7 @@ from .memory import (GiB, GpuMemory, ddp_memory, hook_memory, hook_state_bytes,
                      hybrid_memory, sharded_memory)
 from .model import config_params
 from .overlap import Overlap, even_ready_times, simulate_overlap
+from .periodic import DEFAULT_PERIODS, PeriodicHookCost, Sync, periodic_costs
 from .recommend import (SAME_SPEED, Recommendation, StepPrediction,
                         assumptions, predict_step, recommend)
 from .report import ProjectionSettings, fit_json, fit_report, project
@@ -156,5 +161,6 @@ __all__ = [
     'recommend_sharded', 'simulate_sharded', 'GiB', 'GpuMemory',
     'hook_state_bytes', 'ddp_memory', 'sharded_memory', 'hook_memory',
     'hybrid_memory', 'HybridCost', 'hybrid_costs', 'config_sharding',
-    'hybrid_state_bytes', 'SAME_SPEED'
+    'hybrid_state_bytes', 'SAME_SPEED', 'PeriodicHookCost', 'Sync',
+    'periodic_costs', 'DEFAULT_PERIODS'
 ]

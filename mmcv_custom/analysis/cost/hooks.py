@@ -14,6 +14,11 @@ A hook whose cost record states a two-level form
 (:attr:`~mmcv_custom.comm.cost_records.CostRecord.two_level`) has a second
 :class:`HookCost` for a cluster's layout, :meth:`HookCost.two_level`
 (a :class:`TwoLevelRecordCost`), whose collectives carry their level.
+
+A periodic hook (``post_local_sgd``, ``diloco``) is not one gradient
+exchange a step: its record's cost is a
+:class:`~mmcv_custom.comm.periodic_costs.PeriodicCost`, projected at
+several periods by :mod:`.periodic`, not in this catalogue.
 """
 from abc import ABC, abstractmethod
 from typing import Any, Dict, List, Mapping, Optional, Sequence
@@ -33,8 +38,8 @@ __all__ = [
     'HookCost', 'RecordCost', 'TwoLevelRecordCost', 'FORMS', 'AllReduceCost',
     'HalfPrecisionCost', 'Int8Cost', 'PowerSGDCost', 'BatchedPowerSGDCost',
     'powersgd_compresses', 'hook_costs', 'HOOK_COSTS', 'uncosted_hooks',
-    'uncosted_reasons', 'uncosted_line', 'compare_collectives',
-    'check_benchmark'
+    'uncosted_reasons', 'uncosted_lines', 'PERIODIC_REASON',
+    'compare_collectives', 'check_benchmark'
 ]
 
 
@@ -101,6 +106,14 @@ class HookCost(ABC):
         (those off the hook's defaults). Defaults to none."""
         return {}
 
+    def synchronisation(self, buckets: Sequence[Bucket], cluster, constants,
+                        codec) -> Optional[Any]:
+        """A periodic hook's synchronisation across nodes, every
+        :attr:`period` steps after the optimizer step (a
+        :class:`~.periodic.Sync`: :class:`~.periodic.PeriodicHookCost`);
+        None for a hook that exchanges every step (the default)."""
+        return None
+
     def _form_of(self, flat: 'HookCost') -> None:
         """Be another form of ``flat``'s hook: its name, settings and
         what a recommendation reads of it (its accuracy, caveat...)."""
@@ -135,8 +148,8 @@ class RecordCost(HookCost):
 
     Raises:
         KeyError: ``name`` is not registered.
-        ValueError: Its record has no ``cost``, or a setting is not one of
-            the cost record's.
+        ValueError: Its record has no ``cost`` (or is periodic's), or a
+            setting is not one of the cost record's.
     """
 
     def __init__(self,
@@ -147,6 +160,10 @@ class RecordCost(HookCost):
         if record.cost is None:
             raise ValueError(f'{name}: its HookRecord states no cost, so the '
                              'cost model cannot project it')
+        if record.periodic:
+            raise ValueError(f'{name} synchronises every period steps: its '
+                             'cost is a PeriodicHookCost '
+                             '(mmcv_custom.analysis.cost.periodic)')
         cost = record.cost
         unknown = sorted(set(settings) - set(cost.settings))
         if unknown:
@@ -350,8 +367,9 @@ def hook_costs(block_size: int = 256,
                powersgd_rank: int = 1,
                min_compression_rate: float = 2.0,
                int8_error_feedback: bool = True) -> Dict[str, HookCost]:
-    """Every registered hook whose record states a cost, keyed by its
-    ``comm_hook`` type, in the registry's order.
+    """Every registered hook that exchanges every step and whose record
+    states a cost, keyed by its ``comm_hook`` type, in the registry's
+    order (the periodic ones: :func:`~.periodic.periodic_costs`).
 
     The arguments set the state keys of every hook that has them:
     ``block_size`` and ``error_feedback`` (``int8_compress``),
@@ -368,7 +386,9 @@ def hook_costs(block_size: int = 256,
         min_compression_rate=min_compression_rate)
     out = {}
     for hook in registered_hooks():
-        if hook.record.cost is not None:
+        # A periodic hook's cost is its synchronisation's, projected at
+        # several periods: :func:`~.periodic.periodic_costs`.
+        if hook.record.cost is not None and not hook.record.periodic:
             out[hook.name] = RecordCost(
                 hook.name, hook.record,
                 **hook.record.cost.settings_with(given))
@@ -383,30 +403,55 @@ def uncosted_hooks() -> List[str]:
     ]
 
 
+#: Why a periodic hook without a cost (a plugin's) is not projected: a
+#: step of it is not one gradient exchange, so only a
+#: :class:`~mmcv_custom.comm.periodic_costs.PeriodicCost` states it.
+PERIODIC_REASON = ('synchronised across nodes every period steps, and its '
+                   'record states no PeriodicCost')
+
+
 def uncosted_reasons(names: Optional[Sequence[str]] = None) -> Dict[str, str]:
     """Why each registered hook without a cost (of ``names``, default
     all) is unknown to the model: ``'it has no record'`` (a plugin
-    registered without ``record=``) or ``'its record states no cost'``."""
+    registered without ``record=``), ``'its record states no cost'``, or
+    :data:`PERIODIC_REASON` for a periodic one (the built-ins state theirs:
+    :func:`~.periodic.periodic_costs`)."""
+
+    def why(hook) -> str:
+        if hook.record.periodic:
+            return PERIODIC_REASON
+        return 'its record states no cost' if hook.has_record else (
+            'it has no record')
+
     return {
-        hook.name: ('its record states no cost'
-                    if hook.has_record else 'it has no record')
+        hook.name: why(hook)
         for hook in registered_hooks()
         if hook.record.cost is None and (names is None or hook.name in names)
     }
 
 
-def uncosted_line(names: Optional[Sequence[str]] = None) -> Optional[str]:
-    """The projection's line naming the hooks (of ``names``) it leaves
-    out, why, and how a hook gets a cost; None where it leaves none."""
+def uncosted_lines(names: Optional[Sequence[str]] = None) -> List[str]:
+    """The projection's lines naming the hooks (of ``names``) it leaves
+    out and why, with how to give each a cost: the periodic ones on one
+    line (a :class:`~mmcv_custom.comm.periodic_costs.PeriodicCost`), the
+    others on another (a ``CostRecord``); empty where it leaves none."""
     reasons = uncosted_reasons(names)
-    if not reasons:
-        return None
-    return (f'- not projected, {"its" if len(reasons) == 1 else "their"} '
+    periodic = [n for n, why in reasons.items() if why == PERIODIC_REASON]
+    unknown = {n: why for n, why in reasons.items() if n not in periodic}
+    lines = []
+    if periodic:
+        lines.append(f'- not projected: {", ".join(periodic)} '
+                     f'({PERIODIC_REASON}); give its record a cost='
+                     'PeriodicCost(...) (mmcv_custom/comm/periodic_costs.py)')
+    if unknown:
+        lines.append(
+            f'- not projected, {"its" if len(unknown) == 1 else "their"} '
             'traffic unknown: ' + ', '.join(f'{n} ({why})'
-                                            for n, why in reasons.items()) +
+                                            for n, why in unknown.items()) +
             '; give a hook a record with its cost where it is registered: '
             '@COMM_HOOKS.register_module(record=HookRecord(..., cost='
             'CostRecord(...))) (docs/en/advanced_guides/own_hooks.md)')
+    return lines
 
 
 #: The hooks registered at import, with their default settings.

@@ -93,6 +93,10 @@ class GpuMemory:
         bucket_bytes (int): Under DDP, its buckets: a second copy of the
             gradients unless ``gradient_as_bucket_view=True`` makes the
             gradients views of them (DDP's default is False).
+        transient_bytes (int): What a periodic hook's synchronisation
+            allocates at once after the optimizer step, when the
+            activations are freed: not in :attr:`total` (not kept, and not
+            beside the activations) but in :meth:`fits`. Defaults to 0.
     """
     param_bytes: int
     grad_bytes: int
@@ -100,6 +104,7 @@ class GpuMemory:
     state_bytes: Optional[int]
     gathered_bytes: int = 0
     bucket_bytes: int = 0
+    transient_bytes: int = 0
 
     @property
     def total(self) -> Optional[int]:
@@ -110,9 +115,11 @@ class GpuMemory:
                 self.gathered_bytes + self.bucket_bytes + self.state_bytes)
 
     def fits(self, gpu_bytes: float) -> Optional[bool]:
-        """Whether it fits a card of ``gpu_bytes`` (None: unknown)."""
+        """Whether it fits a card of ``gpu_bytes`` (None: unknown), its
+        synchronisation's buffers (:attr:`transient_bytes`) included."""
         total = self.total
-        return None if total is None else total <= gpu_bytes
+        return (None if total is None else total +
+                self.transient_bytes <= gpu_bytes)
 
     def describe(self) -> str:
         """The total and its parts, in GiB."""
@@ -126,8 +133,11 @@ class GpuMemory:
         text = ', '.join(f'{k} {v / GiB:.2f} GiB' for k, v in parts)
         if self.state_bytes is None:
             return f'unknown ({text}; hook state unknown)'
+        sync = (f'; and {self.transient_bytes / GiB:.2f} GiB more at once '
+                'in its synchronisation, after the optimizer step'
+                if self.transient_bytes else '')
         return (f'{self.total / GiB:.2f} GiB ({text}, hook state '
-                f'{self.state_bytes / GiB:.2f} GiB)')
+                f'{self.state_bytes / GiB:.2f} GiB{sync})')
 
 
 def ddp_memory(param_bytes: int,
@@ -182,7 +192,13 @@ def hook_memory(hook, buckets: Sequence, facts: Mapping) -> GpuMemory:
     :class:`~.hybrid.HybridCost`, the state of the rank's shard), for a
     config's ``facts`` (:func:`~.model.config_params`'s, with
     ``world_size`` under FSDP2, and ``ranks_per_node`` under hybrid
-    sharding). A hook cost without a record has an unknown state."""
+    sharding). A hook cost without a record has an unknown state; one
+    that counts its own (a periodic hook's ``gpu_memory``: the state of
+    its slice, its inner hook's and its synchronisation's buffers) gives
+    it."""
+    own = getattr(hook, 'gpu_memory', None)
+    if own is not None:
+        return own(buckets, facts)
     flat = getattr(hook, 'flat', hook)
     record = getattr(flat, 'record', None)
     if getattr(hook, 'sharding', None) == 'hybrid':

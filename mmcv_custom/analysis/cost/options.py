@@ -202,6 +202,7 @@ def check_projection_options(parser: argparse.ArgumentParser,
         parser.error(f'--compute-step-s {args.compute_step_s} should be at '
                      f'least --backward-s {args.backward_s}: the step '
                      'contains the backward')
+    _check_periodic_options(parser, args)
     preset = GPU_PRESETS[args.gpu]
     given = {}
     for flag, field in _PRESET_FLAGS.items():
@@ -211,6 +212,28 @@ def check_projection_options(parser: argparse.ArgumentParser,
         else:
             given[flag] = getattr(args, attr)
     args.hardware = describe_hardware(args.gpu, given)
+
+
+def _check_periodic_options(parser: argparse.ArgumentParser,
+                            args: argparse.Namespace) -> None:
+    """``--periods`` ints >= 1, and neither it nor ``--outer-formats``
+    given where ``--hooks`` leaves out every hook they set (never accepted
+    and ignored). ``args.periodic_settings``: each periodic hook whose
+    record states a cost, with its settings (the tool's)."""
+    settings = getattr(args, 'periodic_settings', None) or {}
+    for flag, key in (('--periods', 'period'), ('--outer-formats',
+                                                'outer_format')):
+        hooks = [name for name, keys in settings.items() if key in keys]
+        if (getattr(args, flag[2:].replace('-', '_'), None) is not None
+                and args.hooks and not set(hooks) & set(args.hooks)):
+            parser.error(f'{flag} sets {" and ".join(hooks)}, but --hooks '
+                         f'leaves {"them" if len(hooks) > 1 else "it"} out: '
+                         f'add {" or ".join(hooks)} to --hooks, or drop '
+                         f'{flag}')
+    for period in getattr(args, 'periods', None) or ():
+        if period < 1:
+            parser.error(f'--periods should be ints >= 1 (optimizer steps '
+                         f'between synchronisations), but got {period}')
 
 
 def describe_hardware(gpu: str, given: Optional[dict] = None) -> str:

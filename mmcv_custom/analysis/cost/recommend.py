@@ -15,6 +15,7 @@ from .compute import Workload, estimate_compute
 from .hooks import HookCost, hook_costs
 from .memory import GiB, GpuMemory
 from .overlap import even_ready_times, simulate_overlap
+from .periodic import NO_SYNC
 
 __all__ = [
     'StepPrediction', 'predict_step', 'Recommendation', 'recommend',
@@ -61,8 +62,17 @@ class StepPrediction:
         node_bytes (float): Bytes through each node link per direction.
         collectives (int): Collectives per step.
         form (str): ``'flat'`` or ``'two-level'``
-            (:data:`~.hooks.FORMS`), or ``'hybrid'`` (hybrid sharding's,
-            :class:`~.hybrid.HybridCost`). Defaults to ``'flat'``.
+            (:data:`~.hooks.FORMS`), ``'hybrid'`` (hybrid sharding's,
+            :class:`~.hybrid.HybridCost`) or ``'periodic'``
+            (:class:`~.periodic.PeriodicHookCost`). Defaults to ``'flat'``.
+        sync_s (float): A periodic hook's synchronisation across nodes,
+            once every ``period`` steps after the optimizer step; every
+            other field is per step averaged over the period, its share
+            (``sync_s / period``, and its bytes') included, nothing of it
+            hidden by the backward (``exposed_s`` holds it; its
+            few collectives are left out of ``collectives``). Defaults to
+            0: none.
+        period (int): Steps between synchronisations. Defaults to 1.
     """
     hook: str
     label: str
@@ -77,6 +87,15 @@ class StepPrediction:
     node_bytes: float
     collectives: int
     form: str = 'flat'
+    sync_s: float = 0.0
+    period: int = 1
+
+    @property
+    def sync_step_s(self) -> float:
+        """The step that synchronises (one in :attr:`period`):
+        :attr:`step_s` with the whole synchronisation instead of its
+        share."""
+        return self.step_s + self.sync_s * (1 - 1 / self.period)
 
     @classmethod
     def of(cls, hook: HookCost, constants: LinkConstants,
@@ -131,6 +150,11 @@ def predict_step(hook: HookCost,
     per_bucket = hook.collectives(buckets, cluster.world_size)
     busy, bound, codec_total, wire = [], [], 0.0, 0.0
     sent = node = 0.0
+    # A periodic hook's synchronisation: after the optimizer step, every
+    # period steps, so its share of a step is exposed whole.
+    sync = hook.synchronisation(buckets, cluster, constants, codec)
+    period = 1 if sync is None else hook.period
+    sync = NO_SYNC if sync is None else sync
     for bucket, collectives in zip(buckets, per_bucket):
         loads = [traffic(c, cluster) for c in collectives]
         local = codec.seconds(hook, bucket, cluster.world_size)
@@ -151,14 +175,18 @@ def predict_step(hook: HookCost,
         hook,
         constants,
         compute_step_s,
-        simulate_overlap(ready_s, busy, backward_s).exposed_s,
-        comm_s=sum(busy),
-        codec_s=codec_total,
-        wire_s=wire,
-        overlap_bound_s=simulate_overlap(ready_s, bound, backward_s).exposed_s,
-        sent_bytes=sent,
-        node_bytes=node,
-        collectives=sum(len(c) for c in per_bucket))
+        simulate_overlap(ready_s, busy, backward_s).exposed_s +
+        sync.seconds / period,
+        comm_s=sum(busy) + sync.seconds / period,
+        codec_s=codec_total + sync.codec_s / period,
+        wire_s=wire + sync.wire_s / period,
+        overlap_bound_s=simulate_overlap(
+            ready_s, bound, backward_s).exposed_s + sync.wire_s / period,
+        sent_bytes=sent + sync.sent_bytes / period,
+        node_bytes=node + sync.node_bytes / period,
+        collectives=sum(len(c) for c in per_bucket),
+        sync_s=sync.seconds,
+        period=period)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,6 +401,9 @@ class Recommendation:
                 (' and fits the GPU.' if self.gpu_bytes is not None else '.'))
         chosen = self.predictions[best]
         text = f'{rate}: use {chosen.label}: {chosen.step_s:.3f} s per step'
+        if chosen.period > 1:
+            text += (f' on average (the step that synchronises, one in '
+                     f'{chosen.period}, {chosen.sync_step_s:.3f} s)')
         if self.reference in self.predictions and best != self.reference:
             ref = self.predictions[self.reference]
             text += (f' against {ref.step_s:.3f} s with {ref.label} (saves '

@@ -14,11 +14,12 @@ from .collectives import Cluster, LinkConstants
 from .compute import Workload, estimate_compute
 from .fit import FitResult
 from .fsdp2 import gathered_bytes, sharded_costs
-from .hooks import hook_costs, uncosted_line, uncosted_reasons
+from .hooks import hook_costs, uncosted_lines, uncosted_reasons
 from .hybrid import config_sharding, recommend_sharded
 from .measurements import Benchmark
 from .memory import GiB, fitting_variant, hook_memory
 from .model import config_params
+from .periodic import left_out_lines, periodic_costs, periodic_table
 from .recommend import assumptions, recommend
 
 __all__ = ['fit_report', 'fit_json', 'ProjectionSettings', 'project']
@@ -152,6 +153,10 @@ class ProjectionSettings:
         gpu_mem (float, optional): A GPU's memory, GiB (``--gpu-mem``, else
             the ``--gpu`` preset's): only hooks whose memory per GPU fits
             are recommended. None: not checked.
+        periods (tuple[int], optional): The periods the periodic hooks
+            are projected at (None: :data:`~.periodic.DEFAULT_PERIODS`).
+        outer_formats (tuple[str], optional): ``diloco``'s outer formats
+            to project (None: its default, int8).
     """
     config: str
     cfg_options: Optional[dict] = None
@@ -176,6 +181,8 @@ class ProjectionSettings:
     hardware: str = ''
     compute_how: Optional[str] = None
     gpu_mem: Optional[float] = None
+    periods: Optional[Tuple[int, ...]] = None
+    outer_formats: Optional[Tuple[str, ...]] = None
 
 
 def _fsdp2_line(facts: dict, rec, why: str) -> str:
@@ -225,7 +232,9 @@ def _memory_line(settings, facts) -> str:
              'unless model_wrapper_cfg sets gradient_as_bucket_view=True); '
              'the hook\'s state as its record states it (int8: '
              'an fp32 residual per gradient element with error feedback; '
-             'PowerSGD: an error in the gradients\' dtype and its factors)')
+             'PowerSGD: an error in the gradients\' dtype and its factors; '
+             'a periodic hook: its state of the rank\'s slice and its inner '
+             'hook\'s, and apart its synchronisation\'s buffers)')
     card = (f'; a GPU holds {settings.gpu_mem:g} GiB (--gpu-mem, else the '
             '--gpu preset\'s): what exceeds it is not recommended, what is '
             'left of it is the room for activations'
@@ -239,7 +248,7 @@ def _left_out(rec, buckets, settings) -> list:
     the form of it that fits, where one does."""
     lines = []
     for key, hook in rec.hooks.items():
-        if rec.fits(key):
+        if rec.fits(key) or hook.form == 'periodic':  # left_out_lines
             continue
         memory = rec.memory[key]
         label = rec.predictions[key].label
@@ -328,13 +337,19 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
                        settings.min_compression_rate)
     if settings.hooks:
         hooks = {n: h for n, h in hooks.items() if n in settings.hooks}
-    unknown = uncosted_line(settings.hooks)
-    if not hooks:
+    periodic = periodic_costs(
+        settings.gpus_per_node,
+        settings.nodes,
+        settings.periods,
+        settings.outer_formats,
+        names=settings.hooks)
+    unknown = uncosted_lines(settings.hooks)
+    if not hooks and not periodic:
         # Only hooks without a cost: said so, with nothing to project.
         name = osp.basename(settings.config)
         out = dict(
             config=settings.config, unknown=uncosted_reasons(settings.hooks))
-        return [f'## Projected step time per hook: {name}', '', unknown], out
+        return [f'## Projected step time per hook: {name}', ''] + unknown, out
     # The FLOPs only where the compute is estimated from them, and not
     # where the tokens are given: the user asks for 2 N T with them.
     params, total, facts = config_params(
@@ -345,6 +360,12 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
     if not params:
         raise ValueError(f'{settings.config} has no trainable parameter: '
                          'nothing is communicated')
+    if facts['fsdp2'] and periodic:
+        names = dict.fromkeys(h.name for h in periodic.values())
+        unknown.append(f'- not projected under FSDP2Strategy: '
+                       f'{", ".join(names)} (FSDP2 refuses a periodic hook: '
+                       'it shards the parameters the hook synchronises)')
+        periodic = {}
     recompute = (
         settings.recompute == 'yes'
         if settings.recompute is not None else bool(facts['with_cp']))
@@ -362,7 +383,7 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
         compute_step_s=settings.compute_step_s,
         constants=constants,
         codec=codec,
-        hooks=hooks,
+        hooks=dict(hooks, **periodic),
         workload=workload,
         total_params=total,
         max_loss=settings.max_loss,
@@ -385,10 +406,10 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
             recs.append(
                 recommend(params, cluster, bucket_cap_mb=cap, **common))
     if not recs[0].predictions:
-        raise ValueError(
-            f'none of the hooks projected ({", ".join(hooks)}) runs under '
-            'FSDP2Strategy; those that do: ' +
-            ', '.join(sharded_costs(hook_costs())))
+        asked = ', '.join(settings.hooks or hooks)
+        raise ValueError(f'none of the hooks projected ({asked}) runs under '
+                         'FSDP2Strategy; those that do: ' +
+                         ', '.join(sharded_costs(hook_costs())))
     buckets = ddp_buckets(params, cap)
     memory = {
         key: hook_memory(hook, buckets, facts)
@@ -446,11 +467,11 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
     if settings.hardware:
         lines.append(f'- hardware: {settings.hardware}')
     lines.append(_memory_line(settings, facts))
-    if unknown:
-        lines.append(unknown)
+    lines.extend(unknown)
     lines.append('')
     lines += _step_table(settings, recs, facts['fsdp2'])
     lines += [''] + _detail_table(settings, recs, facts['fsdp2'])
+    lines += periodic_table(settings.gbps, recs, _size)
     if settings.recommend:
         lines += [
             '', '### Recommendation', '',
@@ -460,7 +481,8 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
             (f'; {settings.hardware}' if settings.hardware else '') + '.', ''
         ]
         lines += [f'- {r.line()}' for r in recs]
-        lines += _left_out(recs[0], buckets, settings)
+        lines += _left_out(recs[0], buckets, settings) + left_out_lines(
+            recs[0])
     lines += ['', '### Assumptions', '']
     lines += [
         f'> - {a}' for a in assumptions(constants, codec, recs[0].cluster)

@@ -87,6 +87,15 @@ def _node_env(cluster: EmulatedCluster, node: Node, port: int,
     merged = dict(os.environ if env is None else env)
     # Prefixed lines are only useful when they arrive as they are written.
     merged.setdefault('PYTHONUNBUFFERED', '1')
+    # The nodes share this machine's cores, and torchrun leaves a node of
+    # one rank all of them: the nodes' OpenMP threads would oversubscribe
+    # the cores and spin (FCN toy runs of one rank a node took 10-20x as
+    # long, erratically). Each rank gets its share; a user's setting wins.
+    merged.setdefault(
+        'OMP_NUM_THREADS',
+        str(
+            max(1, (os.cpu_count() or 1) //
+                (cluster.num_nodes * cluster.ranks_per_node))))
     merged.update(
         NNODES=str(cluster.num_nodes),
         NODE_RANK=str(node.rank),

@@ -12,6 +12,7 @@ from .config_values import (checked_comm_hook, custom_hooks_problems,
                             import_problems)
 from .data import data_problems
 from .launcher_env import launcher_problems
+from .periodic import periodic_problems
 from .problems import PreflightError, Problem
 from .strategy import strategy_problems
 from .weights import (checkpoint_problems, pretrained_problems,
@@ -66,7 +67,7 @@ def preflight(
     problems += strategy_problems(cfg, launcher)
     # Checked once; the checkpoint's size reads the checked config.
     comm_hook, found = checked_comm_hook(cfg, launcher)
-    problems += found
+    problems += found + periodic_problems(comm_hook, launcher)
     problems += data_problems(cfg, mode)
     if mode == 'train':
         # Runner.train initialises the weights (loading these) even when

@@ -1,0 +1,195 @@
+"""What a periodic hook (``post_local_sgd``, ``diloco``) sends, as the cost
+model reads it.
+
+A periodic hook's step is not one gradient exchange: every step its inner
+hook (any per-step hook, ``allreduce`` by default) exchanges the gradients
+among the ranks of one node, and every ``period`` optimizer steps the model
+crosses the nodes, after the optimizer step (so never beside the
+backward). A :class:`PeriodicCost` is the part of the hook's
+:class:`~.records.HookRecord` (its ``cost``) that states that
+synchronisation, laid out exactly as :mod:`mmcv_custom.hooks.local_sgd`
+runs it: each of a node's ``G`` ranks sends only its ``1 / G`` slice of the
+flat parameters, in the outer format, to its peers of the same place on
+the other nodes (level ``'cross'``, a ring of ``M``), then the node
+all-gathers the slices in fp32 (level ``'intra'``). The inner exchange is
+the inner hook's own :class:`~.cost_records.CostRecord` over the node's
+``G`` ranks. Standard library only, like :mod:`.cost_records`.
+"""
+import dataclasses
+from typing import Any, Callable, List, Mapping, Tuple
+
+from ..hooks.util import ceil_div
+
+__all__ = [
+    'PeriodicCost', 'slice_numel', 'POST_LOCAL_SGD_COST', 'DILOCO_COST',
+    'SYNC_LEVEL_BYTES'
+]
+
+#: ``sync_sends(numel, ranks_per_node, num_nodes, settings)``: the
+#: ``(kind, nbytes, level)`` of one synchronisation's collectives, in their
+#: order, for ``numel`` trainable values (bytes as :mod:`.traffic` states
+#: them, for the group of that level).
+SyncSends = Callable[[int, int, int, Mapping], List[Tuple[str, float, str]]]
+#: ``work(numel, ranks_per_node, num_nodes, settings) -> float``.
+SyncWork = Callable[[int, int, int, Mapping], float]
+
+#: Bytes a value of the parameters' fp32 slice takes in the all-gather
+#: inside the node (the node's ranks gather the slices in fp32).
+SYNC_LEVEL_BYTES = 4
+
+
+def slice_numel(numel: int, ranks_per_node: int) -> int:
+    """The values of the slice each of a node's ranks synchronises across
+    nodes: one of ``ranks_per_node`` equal chunks, the last one short
+    (:meth:`~mmcv_custom.hooks.local_sgd.PeriodicState.my_slice`); the
+    largest is counted."""
+    return ceil_div(numel, ranks_per_node)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeriodicCost:
+    """What the cost model knows about a periodic hook.
+
+    Attributes:
+        sync_sends (Callable): One synchronisation's collectives
+            (:data:`SyncSends`), each at its level.
+        sync_codec_bytes (Callable): ``(numel, ranks_per_node, num_nodes,
+            settings)``: bytes of memory traffic of one rank's local work
+            in a synchronisation (slicing, the outer step, quantizing,
+            copying back).
+        sync_buffer_bytes (Callable): The same arguments: the bytes the
+            synchronisation allocates at once on a rank beside what is
+            kept from step to step. It runs after the optimizer step, when
+            the activations are freed, so it needs that room then.
+        settings (Mapping): The state keys that change the bytes, with the
+            defaults the state takes (``period`` has none: the config must
+            give it, so every setting of the model names one).
+        detail (str): Appended to the name in tables, formatted with the
+            settings.
+        caveat (str): What to know before choosing it.
+        min_nodes (int): The fewest nodes it runs on (``post_local_sgd``
+            refuses one: it would be plain DDP). Defaults to 1.
+    """
+    sync_sends: SyncSends
+    sync_codec_bytes: SyncWork
+    sync_buffer_bytes: SyncWork
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    detail: str = '(period {period})'
+    caveat: str = ''
+    min_nodes: int = 1
+
+
+def _gather(numel: int, ranks_per_node: int) -> List[Tuple[str, float, str]]:
+    # The node's ranks gather their fp32 slices (none with one rank).
+    if ranks_per_node == 1:
+        return []
+    chunk = slice_numel(numel, ranks_per_node)
+    return [('all_gather', SYNC_LEVEL_BYTES * chunk, 'intra')]
+
+
+def _local_sgd_sends(numel, ranks_per_node, num_nodes, settings):
+    """The slice's mean across nodes, an fp32 all-reduce among the ``M``
+    peers; then the node's gather."""
+    chunk = slice_numel(numel, ranks_per_node)
+    cross = [('all_reduce', 4 * chunk, 'cross')] if num_nodes > 1 else []
+    return cross + _gather(numel, ranks_per_node)
+
+
+def _diloco_sends(numel, ranks_per_node, num_nodes, settings):
+    """The pseudo-gradient's slice averaged across nodes: an all-reduce in
+    fp32 (4 bytes a value) or bf16 (2), or for int8 an all-gather of the
+    values (1 byte each) and one of the fp32 block scales, every rank
+    summing the ``M`` copies. A ring all-gather sends ``M - 1`` times its
+    part, an all-reduce ``2 (M - 1) / M`` times its tensor: so int8 sends
+    less than bf16 on 2 or 3 nodes, 1.6% more on 4 (the scales) and more
+    beyond, and less than fp32 up to 7 nodes. Then the node's gather of the
+    new global slice."""
+    chunk = slice_numel(numel, ranks_per_node)
+    fmt = settings['outer_format']
+    cross: List[Tuple[str, float, str]] = []
+    if num_nodes > 1 and fmt == 'int8':
+        cross = [('all_gather', chunk, 'cross'),
+                 ('all_gather', 4 * ceil_div(chunk, settings['block_size']),
+                  'cross')]
+    elif num_nodes > 1:
+        cross = [('all_reduce', (4 if fmt == 'fp32' else 2) * chunk, 'cross')]
+    return cross + _gather(numel, ranks_per_node)
+
+
+def _write_back(numel: int, ranks_per_node: int) -> float:
+    # The node's slices gathered piece by piece (write 4 a value, with
+    # several ranks; the rank's own slice padded: read and write 4 a value
+    # of it), all copied into the parameters (read 4, write up to 4).
+    chunk = slice_numel(numel, ranks_per_node)
+    gathered = 4 * numel + 8 * chunk if ranks_per_node > 1 else 0
+    return float(gathered + 8 * numel)
+
+
+def _local_sgd_codec_bytes(numel, ranks_per_node, num_nodes, settings):
+    # The slice read from the parameters and made fp32 (read up to 4, write
+    # 4, concatenated: 8 more), divided (8): 24 a value of the slice.
+    chunk = slice_numel(numel, ranks_per_node)
+    return 24.0 * chunk + _write_back(numel, ranks_per_node)
+
+
+def _diloco_codec_bytes(numel, ranks_per_node, num_nodes, settings):
+    # Per value of the slice: the slice made fp32 (16), the delta (12), its
+    # average (bf16's cast and back 12, int8's quantization with the
+    # residual 14 and the M copies dequantized 5 M, fp32's division 8), the
+    # momentum (12), the Nesterov step (12) and the global update (12).
+    chunk = slice_numel(numel, ranks_per_node)
+    fmt = settings['outer_format']
+    average = {'fp32': 8, 'bf16': 12}.get(fmt, 14 + 5 * num_nodes)
+    return float(
+        (16 + 12 + average + 36) * chunk) + _write_back(numel, ranks_per_node)
+
+
+def _gather_pieces(chunk: int, ranks_per_node: int) -> int:
+    # Values alive at the node's gather: the rank's slice padded, and one
+    # piece from every rank and its own (mmcv_custom.hooks.local_sgd
+    # gathers 2**24 values a piece, so a 6B model's whole fp32 copy is
+    # never made); none with one rank.
+    if ranks_per_node == 1:
+        return 0
+    return chunk + (ranks_per_node + 1) * min(chunk, 1 << 24)
+
+
+def _local_sgd_buffers(numel, ranks_per_node, num_nodes, settings):
+    # The slice in fp32, and what the gather holds.
+    chunk = slice_numel(numel, ranks_per_node)
+    return 4 * (chunk + _gather_pieces(chunk, ranks_per_node))
+
+
+def _diloco_buffers(numel, ranks_per_node, num_nodes, settings):
+    # The slice, the delta and the Nesterov step in fp32 (int8's M
+    # received copies, a byte a value each, are freed before the gather),
+    # and what the gather holds.
+    chunk = slice_numel(numel, ranks_per_node)
+    return 4 * (3 * chunk + _gather_pieces(chunk, ranks_per_node))
+
+
+#: ``post_local_sgd``: the parameters averaged across nodes in fp32.
+POST_LOCAL_SGD_COST = PeriodicCost(
+    sync_sends=_local_sgd_sends,
+    sync_codec_bytes=_local_sgd_codec_bytes,
+    sync_buffer_bytes=_local_sgd_buffers,
+    settings=dict(period=None),
+    detail='(period {period})',
+    caveat=('the nodes train apart between synchronisations, each on its '
+            'own gradients; the parameters averaged across nodes every '
+            'period steps'),
+    min_nodes=2)
+
+#: ``diloco``: the pseudo-gradient averaged across nodes in its
+#: ``outer_format`` and applied by the outer Nesterov SGD.
+DILOCO_COST = PeriodicCost(
+    sync_sends=_diloco_sends,
+    sync_codec_bytes=_diloco_codec_bytes,
+    sync_buffer_bytes=_diloco_buffers,
+    settings=dict(period=None, outer_format='int8', block_size=256),
+    detail='(period {period}, {outer_format})',
+    caveat=('the nodes train apart between synchronisations; every period '
+            'steps the pseudo-gradient is averaged across nodes and applied '
+            'by an outer Nesterov SGD; keeps the global parameters and the '
+            'outer momentum (and int8\'s residual) of the rank\'s slice, in '
+            'fp32'))
