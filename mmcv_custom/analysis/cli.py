@@ -10,13 +10,14 @@ import os.path as osp
 import sys
 from typing import Any, Callable, Optional, Sequence
 
+from mmcv_custom.launching.emulated_cluster import shaping
 from mmcv_custom.launching.output_paths import check_writable
 from mmcv_custom.launching.preflight import PreflightError, checked_config
 
 __all__ = [
     'check_output', 'check_work_dir', 'convert_file', 'read_config',
     'cfg_options', 'WORK_DIRS', 'tool_error', 'write_failure_reason',
-    'checked_type', 'positive_int', 'positive_float'
+    'checked_type', 'positive_int', 'positive_float', 'link_rate', 'LINK_RATES'
 ]
 
 #: The folder runs and outputs go to, as with MMSegmentation's tools.
@@ -43,6 +44,21 @@ def checked_type(convert, ok, rule: str):
 positive_int = checked_type(int, lambda v: v >= 1, 'an int >= 1')
 positive_float = checked_type(float, lambda v: math.isfinite(v) and v > 0,
                               'a number > 0')
+
+# 0 is refused, not read as 'unshaped' (a 0 Mbit/s link carries nothing),
+# as is a rate tc's tbf cannot hold: here, not by tc on the nodes.
+#: The rates the emulated link takes, for the tools' help.
+LINK_RATES = f'{shaping.MIN_RATE_MBIT:g} to {shaping.MAX_RATE_MBIT:g}'
+_mbit = checked_type(
+    float, lambda v: shaping.MIN_RATE_MBIT <= v <= shaping.MAX_RATE_MBIT,
+    f"a rate: give Mbit/s from {LINK_RATES} (what tc's tbf shapes as given), "
+    "or 'unshaped' for a link that is not shaped")
+
+
+def link_rate(text: str) -> Optional[float]:
+    """An argparse ``type`` for the emulated link's ``--rates``: Mbit/s
+    tc's tbf shapes, or ``'unshaped'`` (None)."""
+    return None if text.lower() == 'unshaped' else _mbit(text)
 
 
 def _under_work_dirs(path: str) -> bool:

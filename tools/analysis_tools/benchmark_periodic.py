@@ -49,8 +49,8 @@ import os.path as osp
 import sys
 import time
 
-from mmcv_custom.analysis.cli import (cfg_options, check_output,
-                                      check_work_dir, checked_type,
+from mmcv_custom.analysis.cli import (LINK_RATES, cfg_options, check_output,
+                                      check_work_dir, link_rate,
                                       positive_float, positive_int,
                                       read_config)
 from mmcv_custom.analysis.periodic_bench import (DEFAULT_HOOKS, measure,
@@ -58,7 +58,6 @@ from mmcv_custom.analysis.periodic_bench import (DEFAULT_HOOKS, measure,
                                                  report_lines, run_plan,
                                                  summarize, write_json)
 from mmcv_custom.analysis.step_time import rate_label
-from mmcv_custom.launching.emulated_cluster import shaping
 from mmcv_custom.launching.emulated_cluster.node_options import (
     add_node_options, check_node_options)
 
@@ -67,15 +66,6 @@ _DEFAULT_CONFIG = osp.join('configs', 'fcn',
                            'fcn_r18-w16-d8_2xb8-600iter_toy-shapes-64x64.py')
 _DIST_TRAIN = osp.join(
     osp.dirname(osp.dirname(osp.abspath(__file__))), 'dist_train.sh')
-_RATES = f'{shaping.MIN_RATE_MBIT:g} to {shaping.MAX_RATE_MBIT:g}'
-_mbit = checked_type(
-    float, lambda v: shaping.MIN_RATE_MBIT <= v <= shaping.MAX_RATE_MBIT,
-    f"a rate: give Mbit/s from {_RATES} (what tc's tbf shapes as given), "
-    "or 'unshaped' for a link that is not shaped")
-
-
-def _rate(text):
-    return None if text.lower() == 'unshaped' else _mbit(text)
 
 
 def _setting(text):
@@ -112,10 +102,10 @@ def _parser():
         f'added first if missing (default: {" ".join(DEFAULT_HOOKS)})')
     parser.add_argument(
         '--rates',
-        type=_rate,
+        type=link_rate,
         nargs='+',
         default=[25.0, 5.0, None],
-        help=f"link rates in Mbit/s ({_RATES}), and 'unshaped' (the "
+        help=f"link rates in Mbit/s ({LINK_RATES}), and 'unshaped' (the "
         'reference of x unshaped allreduce; default: 25 5 unshaped)')
     parser.add_argument(
         '--lengths',

@@ -78,8 +78,8 @@ import os.path as osp
 import sys
 import tempfile
 
-from mmcv_custom.analysis.cli import (cfg_options, check_output,
-                                      check_work_dir, checked_type,
+from mmcv_custom.analysis.cli import (LINK_RATES, cfg_options, check_output,
+                                      check_work_dir, link_rate,
                                       positive_float, positive_int,
                                       read_config)
 from mmcv_custom.analysis.hook_forms import (FORMS, check_form_configs,
@@ -90,7 +90,6 @@ from mmcv_custom.analysis.step_time import (hook_configs, log_tails,
                                             run_on_cluster)
 from mmcv_custom.analysis.step_time_report import report_run
 from mmcv_custom.comm.auto import auto_settings
-from mmcv_custom.launching.emulated_cluster import shaping
 from mmcv_custom.launching.emulated_cluster.node_options import (
     add_node_options, check_node_options)
 
@@ -99,17 +98,6 @@ _DEFAULT_CONFIG = osp.join(
     'upernet_intern-vit-tiny_2xb8-200iter_toy-shapes-56x56.py')
 
 # -- the command line --------------------------------------------------------
-# 0 is refused, not read as 'unshaped' (a 0 Mbit/s link carries nothing),
-# as is a rate tc's tbf cannot hold: here, not by tc on the nodes.
-_RATES = f'{shaping.MIN_RATE_MBIT:g} to {shaping.MAX_RATE_MBIT:g}'
-_mbit = checked_type(
-    float, lambda v: shaping.MIN_RATE_MBIT <= v <= shaping.MAX_RATE_MBIT,
-    f"a rate: give Mbit/s from {_RATES} (what tc's tbf shapes as given), "
-    "or 'unshaped' for a link that is not shaped")
-
-
-def _rate(text):
-    return None if text.lower() == 'unshaped' else _mbit(text)
 
 
 def _parser():
@@ -128,10 +116,10 @@ def _parser():
         '(default: 1; torchrun starts them where more than 1)')
     parser.add_argument(
         '--rates',
-        type=_rate,
+        type=link_rate,
         nargs='+',
         default=[50.0, 200.0, 1000.0, None],
-        help=f"link rates in Mbit/s ({_RATES}), and 'unshaped' "
+        help=f"link rates in Mbit/s ({LINK_RATES}), and 'unshaped' "
         '(default: 50 200 1000 unshaped)')
     parser.add_argument(
         '--hooks',
