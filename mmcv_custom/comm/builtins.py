@@ -31,7 +31,7 @@ from ..hooks.powersgd_state import (BatchedPowerSGDStateKeeper,
                                     PowerSGDStateKeeper)
 from .cost_records import (ALLREDUCE_COST, BATCHED_POWERSGD_COST,
                            HALF_PRECISION_COSTS, INT8_COST, POWERSGD_COST)
-from .periodic_costs import DILOCO_COST, POST_LOCAL_SGD_COST
+from .periodic_costs import DILOCO_COST, POST_LOCAL_SGD_COST, PeriodicCost
 from .records import HookRecord, HookVariant, sends_bucket
 from .traffic import sent_bytes
 
@@ -86,30 +86,22 @@ def _periodic_bytes_sent(hook, state, bucket):
     return hook(state, bucket), 0
 
 
-def _periodic_bytes(format_of: Callable[[dict], str]) -> Callable:
+def _periodic_bytes(cost: PeriodicCost) -> Callable:
     """``model_bytes`` of a periodic hook: what a rank sends across nodes
-    per step, averaged over the period: its slice of the parameters (the
-    node's ranks split them, so a node sends them once) in the format
-    ``format_of(state_kwargs)`` names, once every ``period`` steps, by the
-    one counting rule (an all-reduce in fp32 or bf16; int8's all-gather of
-    values and block scales counts ``nodes x bytes / 2``). The exchange
-    inside the node every step and the buffers come on top."""
+    per step, averaged over the period: its cost record's collectives
+    across nodes (``cost.sync_sends``, on ``world_size`` nodes of one rank
+    each) by the one counting rule, once every ``period`` steps. The
+    exchange inside the node every step and the buffers come on top."""
 
     def model_bytes(params, state_kwargs: dict, half: bool,
                     world_size: int) -> int:
-        if world_size == 1:
-            return 0  # one node: nothing crosses (the run sends none)
-        values = sum(p.numel() for p in params)
-        fmt = format_of(state_kwargs)
-        if fmt == 'int8':
-            block = state_kwargs.get('block_size') or 256
-            sent = sent_bytes(
-                [('all_gather', values + 4 * math.ceil(values / block))],
-                world_size)
-        else:
-            sent = sent_bytes([('all_reduce', values *
-                                (2 if fmt == 'bf16' else 4))], world_size)
-        return int(sent / state_kwargs.get('period', 1))
+        settings = dict(cost.settings)
+        settings.update(
+            (k, v) for k, v in state_kwargs.items() if v is not None)
+        numel = sum(p.numel() for p in params)
+        cross = [(kind, nbytes) for kind, nbytes, level in cost.sync_sends(
+            numel, 1, world_size, settings) if level == 'cross']
+        return int(sent_bytes(cross, world_size) / (settings['period'] or 1))
 
     return model_bytes
 
@@ -488,7 +480,7 @@ BUILTIN_HOOKS = (
             }},
             count_bytes_sent=_periodic_bytes_sent,
             # The parameters averaged in fp32; nothing kept between steps.
-            model_bytes=_periodic_bytes(lambda kwargs: 'fp32'),
+            model_bytes=_periodic_bytes(POST_LOCAL_SGD_COST),
             state_bytes=_no_state,
             accuracy='periodic',
             evidence=_POST_LOCAL_SGD_EVIDENCE,
@@ -507,8 +499,7 @@ BUILTIN_HOOKS = (
                 'inner': DEFAULT_INNER
             }},
             count_bytes_sent=_periodic_bytes_sent,
-            model_bytes=_periodic_bytes(
-                lambda kwargs: kwargs.get('outer_format', 'int8')),
+            model_bytes=_periodic_bytes(DILOCO_COST),
             state_bytes=_diloco_state_bytes,
             accuracy='periodic',
             evidence=_DILOCO_EVIDENCE,

@@ -182,41 +182,31 @@ def _one_node_error(layout) -> str:
             "(e.g. comm_hook = dict(type='allreduce')) on one node")
 
 
+def _stated_or_launched(checked, world_size: int, launched):
+    """The layout ``checked`` states (``topology=dict(ranks_per_node=N)``,
+    checked against the launcher's), else the launcher's (None: unknown).
+    Raises the ``ValueError`` of a layout that cannot hold."""
+    if not isinstance(checked.topology, dict):
+        return launched
+    stated = blocks_layout(world_size, checked.topology['ranks_per_node'])
+    check_stated_layout(stated, launched)
+    return stated
+
+
 def periodic_layout_error(checked, world_size: int, launched) -> Optional[str]:
     """Why ``checked`` (a periodic config) cannot run on ``world_size``
     ranks that the launcher placed as ``launched`` (None: unknown), or
     None: the layout it states does not divide the world or contradicts
-    the launcher, or ``post_local_sgd`` would run on one node."""
+    the launcher, or ``post_local_sgd`` would run on one node. The
+    preflight and :func:`prepare_periodic` both ask it."""
     try:
-        layout = launched
-        if isinstance(checked.topology, dict):
-            layout = blocks_layout(world_size,
-                                   checked.topology['ranks_per_node'])
-            check_stated_layout(layout, launched)
+        layout = _stated_or_launched(checked, world_size, launched)
     except (TypeError, ValueError) as e:
         return f'comm_hook {checked.type}: {e}'
     if (checked.type == 'post_local_sgd' and layout is not None
             and layout.num_nodes == 1):
         return _one_node_error(layout)
     return None
-
-
-def _layout(hook_type: str, topology: Any, claim: Optional[NodeClaim]):
-    """The node layout, the same on every rank (collective)."""
-    world_size = dist.get_world_size()
-    stated = (
-        blocks_layout(world_size, topology['ranks_per_node']) if isinstance(
-            topology, dict) else None)
-    launched, why = agree_on_layout(claim)
-    if stated is not None:
-        check_stated_layout(stated, launched)
-        return stated
-    if launched is None:
-        raise ValueError(
-            f'comm_hook {hook_type} needs to know which ranks share a node, '
-            f'but {why}: state it with comm_hook topology=dict('
-            'ranks_per_node=N)')
-    return launched
 
 
 def _level_groups(layout, levels: dict) -> dict:
@@ -287,9 +277,17 @@ def prepare_periodic(state: PeriodicState, checked,
         raise ValueError(
             f'comm_hook {hook_type} needs the DDP model to reduce over every '
             'rank of an initialised process group')
-    layout = _layout(hook_type, checked.topology, claim)
-    if hook_type == 'post_local_sgd' and layout.num_nodes == 1:
-        raise ValueError(_one_node_error(layout))
+    world_size = dist.get_world_size()
+    launched, why = agree_on_layout(claim)
+    error = periodic_layout_error(checked, world_size, launched)
+    if error:
+        raise ValueError(error)
+    layout = _stated_or_launched(checked, world_size, launched)
+    if layout is None:
+        raise ValueError(
+            f'comm_hook {hook_type} needs to know which ranks share a node, '
+            f'but {why}: state it with comm_hook topology=dict('
+            'ranks_per_node=N)')
     state.set_groups(make_node_groups(layout))
     levels = getattr(state, 'group_periods', {})
     if levels:

@@ -169,8 +169,9 @@ class PeriodicSync:
         for _, _, spec, counter in self.entries:
             state: PeriodicState = spec.state
             report = state.after_step()
-            if report is None and last and state.local() and (state.pending()
-                                                              > 0):
+            # The last iteration ends mid-period: meet now (pending local
+            # steps imply the warm-up is over).
+            if report is None and last and state.pending() > 0:
                 report = state.sync()
             if report is not None:
                 seconds += report.seconds
