@@ -286,14 +286,17 @@ def test_nodes_get_the_multi_node_environment():
 
 
 @needs_netns
-def test_a_failing_node_stops_the_others_and_everything_goes():
+def test_a_failing_node_stops_the_others_and_everything_goes(tmp_path):
     # node0 ignores SIGTERM and leaves a process in a session of its own
     # (as torchrun's workers are): SIGKILL and the namespace sweep get
-    # them. node2 dies of SIGTERM.
+    # them. node2 dies of SIGTERM. node1 fails once both are set up (a
+    # fixed delay races a loaded machine's slow start).
     marker = _unique_seconds()
+    up = tmp_path / 'up'
     command = (f'case $NODE_RANK in 0) trap "" TERM; setsid sleep {marker} &'
-               f' sleep {marker}; wait;; 1) sleep 0.5; exit 3;; '
-               f'*) exec sleep {marker};; esac')
+               f' touch {up}0; sleep {marker}; wait;; 1) for i in $(seq 600);'
+               f' do [ -e {up}0 ] && [ -e {up}2 ] && exit 3; sleep 0.05;'
+               f' done; exit 4;; *) touch {up}2; exec sleep {marker};; esac')
     start = time.monotonic()
     with ec.EmulatedCluster(3) as cluster:
         result = ec.run_on_nodes(cluster, command, grace=1)
@@ -678,9 +681,15 @@ def test_link_bytes_reports_what_crossed_each_nodes_link():
 
 @needs_tool
 def test_tool_exits_with_the_failing_nodes_code_and_cleans_up(tmp_path):
-    out = _tool('--nodes', '2', '--bandwidth', '20', '--log-dir',
-                str(tmp_path / 'logs'), '--', 'bash', '-c',
-                'echo started; [ $NODE_RANK = 1 ] && exit 5; sleep 60')
+    # Node 1 fails only once node 0 has printed: otherwise, on a loaded
+    # machine, node 1 could exit before node 0's shell ran at all.
+    up = tmp_path / 'node0-up'
+    out = _tool(
+        '--nodes', '2', '--bandwidth', '20', '--log-dir',
+        str(tmp_path / 'logs'), '--', 'bash', '-c',
+        f'echo started; if [ $NODE_RANK = 1 ]; then for i in $(seq 600); '
+        f'do [ -e {up} ] && exit 5; sleep 0.05; done; exit 6; fi; '
+        f'touch {up}; sleep 60')
     assert out.returncode == 5, out.stderr
     header = out.stdout.splitlines()
     assert header[0].startswith('Emulated cluster: 2 nodes on this host')
