@@ -171,10 +171,10 @@ def read_config(parser,
 
 def cfg_options(parser, items: Optional[Sequence[str]]) -> Optional[dict]:
     """``--cfg-options KEY=VALUE ...`` as ``tools/train.py`` reads them
-    (MMEngine's ``DictAction``: values parsed as Python literals, lists
-    and tuples included), or a usage error naming the item: one without
-    ``=``, or a value ``DictAction`` cannot read (unbalanced brackets,
-    which it reports with an ``assert``: a traceback, were it not caught).
+    (:func:`~mmcv_custom.launching.cfg_options.parse_cfg_option`: MMEngine's
+    ``DictAction``, and a ``dict(...)`` read as the dict it writes), or a
+    usage error naming the item: one without ``=``, or a value neither can
+    read.
 
     Args:
         parser (argparse.ArgumentParser): The tool's parser.
@@ -186,17 +186,12 @@ def cfg_options(parser, items: Optional[Sequence[str]]) -> Optional[dict]:
     """
     if not items:
         return None
-    from mmengine.config import DictAction
-    action = DictAction(option_strings=['--cfg-options'], dest='options')
+    from mmcv_custom.launching.cfg_options import parse_cfg_option
     merged = {}
     for item in items:
-        if '=' not in item:
-            parser.error(f'--cfg-options {item!r}: expected KEY=VALUE')
-        parsed = argparse.Namespace()
         try:
-            action(parser, parsed, [item])
-        except (AssertionError, ValueError, SyntaxError) as e:
-            parser.error(f'--cfg-options {item!r}: cannot read its value '
-                         f'({e})')
-        merged.update(parsed.options)
+            key, value = parse_cfg_option(item)
+        except ValueError as e:
+            parser.error(f'--cfg-options {e}')
+        merged[key] = value
     return merged

@@ -27,7 +27,8 @@ from .registry import COMM_HOOK_STATES
 from .telemetry import CommCounter
 
 __all__ = [
-    'MAX_OUTER_LR', 'check_inner', 'prepare_periodic', 'periodic_layout_error'
+    'MAX_OUTER_LR', 'check_inner', 'prepare_periodic', 'periodic_layout_error',
+    'periodic_ranks_per_node'
 ]
 
 #: Beyond it the outer step moves the model further past the nodes' average
@@ -207,6 +208,19 @@ def periodic_layout_error(checked, world_size: int, launched) -> Optional[str]:
             and layout.num_nodes == 1):
         return _one_node_error(layout)
     return None
+
+
+def periodic_ranks_per_node(checked, world_size: int, launched) -> int:
+    """The ranks of a node ``checked`` (a periodic config) would run with
+    on ``world_size`` ranks the launcher placed as ``launched``: each
+    keeps the slice of DiLoCo's state that is its share of the node. 1
+    where the layout is unknown or cannot hold (the larger state; the
+    layout's problem is :func:`periodic_layout_error`'s to say)."""
+    try:
+        layout = _stated_or_launched(checked, world_size, launched)
+    except (TypeError, ValueError):
+        return 1
+    return 1 if layout is None else layout.ranks_per_node
 
 
 def _level_groups(layout, levels: dict) -> dict:

@@ -77,21 +77,19 @@ class PeriodicStateKeeper(HookStateKeeper):
                 f'{state.period} steps{start} keep their places)')
 
     @classmethod
-    def file_bytes(cls, params, state_kwargs: dict) -> int:
-        """The rank's trainable parameters and about two copies of them
-        for the optimizer's state (AdamW's moments, in fp32); DiLoCo adds
-        its global parameters, momentum and error feedback, up to three
-        fp32 copies (a rank saves only its slice: fewer with several ranks
-        a node)."""
-        trainable = [p for p in params if p.requires_grad]
-        values = sum(p.numel() for p in trainable)
-        total = sum(p.numel() * p.element_size() for p in trainable)
-        total += 8 * values
-        if 'outer_lr' in state_kwargs:
-            total += 4 * values * (
-                3 if state_kwargs.get('outer_format', 'int8') == 'int8'
-                and state_kwargs.get('error_feedback', True) else 2)
-        return total
+    def file_bytes(cls,
+                   params,
+                   state_kwargs: dict,
+                   *,
+                   optimizer_states: int = 2) -> int:
+        """The rank's trainable parameters, in their dtype, and
+        ``optimizer_states`` copies of them for the optimizer (AdamW's two
+        moments by default): every rank's differ within a period. DiLoCo's
+        state of the rank's slice and the inner exchange's are their
+        records' to count (the preflight adds them)."""
+        trainable = sum(p.numel() * p.element_size() for p in params
+                        if p.requires_grad)
+        return trainable * (1 + optimizer_states)
 
     def __init__(self, state: PeriodicState, names: Dict[torch.Tensor,
                                                          str]) -> None:

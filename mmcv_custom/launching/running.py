@@ -56,10 +56,11 @@ def read_dicts(value: Any) -> Any:
     as that dict, in lists and tuples too.
 
     MMEngine's ``DictAction`` reads numbers, booleans, lists and tuples but
-    keeps ``dict(...)`` as a string, which the config's user then refuses
-    (``visualizer.vis_backends=[dict(type='TensorboardVisBackend')]``: a
-    ``TypeError`` from the visualizer). It splits on every comma, so a
-    dict written this way holds one key.
+    keeps a ``dict(...)`` of one key as a string, which the config's user
+    then refuses (``visualizer.vis_backends=[dict(type='TensorboardVis
+    Backend')]``: a ``TypeError`` from the visualizer). The tools'
+    parser (:mod:`.cfg_options`) reads dicts itself; this still reads
+    options a caller parsed with ``DictAction``.
     """
     if isinstance(value, (list, tuple)):
         return type(value)(read_dicts(v) for v in value)

@@ -13,13 +13,14 @@ import os
 import sys
 from typing import Callable
 
-from mmengine.config import Config, DictAction
+from mmengine.config import Config
 from mmengine.logging import print_log
 
 from ..engine.process_group import is_launch_rank0
 from ..integrity import CheckpointDamagedError
 from ..integrity.checkpoint import is_sharded_checkpoint
 from ..integrity.sharded_checkpoint import consolidated_file
+from .cfg_options import CfgOptionsAction
 from .console import ToolConsole, report_failure
 from .cpu_start import uses_fsdp2
 from .lifetime import die_with_launcher
@@ -36,7 +37,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser,
     """``--cfg-options`` (described by the tool) and ``--launcher``, as
     MMSegmentation's tools take them."""
     parser.add_argument(
-        '--cfg-options', nargs='+', action=DictAction, help=cfg_options_help)
+        '--cfg-options',
+        nargs='+',
+        action=CfgOptionsAction,
+        help=cfg_options_help)
     parser.add_argument(
         '--launcher',
         choices=['none', 'pytorch', 'slurm', 'mpi'],

@@ -728,3 +728,59 @@ def test_a_periodic_hook_on_the_launchers_nodes(monkeypatch):
         load_config(FCN, {'comm_hook': dict(type='allreduce')}), 2, 'pytorch')
     # Each rank's parameters and optimizer state, and DiLoCo's outer state.
     assert size.hook_state > 2 * plain.weights
+
+
+def test_a_periodic_hooks_files_count_the_nodes_slices(monkeypatch):
+    """Every rank's file holds its parameters and optimizer state
+    (AdamW: two copies); DiLoCo's three fp32 copies are split over a
+    node's ranks; the inner exchange's state is counted once for each
+    exchange the run keeps (inside the node; over every rank during
+    start_iter)."""
+    torchrun = LAUNCH_ENV['pytorch']
+    for name, value in ((torchrun.rank, '0'), (torchrun.world, '4'),
+                        (torchrun.local, '0'), (torchrun.local_world, '2')):
+        monkeypatch.setenv(name, value)
+
+    def state(**hook):
+        cfg = load_config(FCN, {'comm_hook': hook})
+        return preflight_module.checkpoint_size(cfg, 4, 'pytorch').hook_state
+
+    cfg = load_config(FCN, {'comm_hook': dict(type='allreduce')})
+    assert cfg.optim_wrapper.optimizer.type == 'AdamW'
+    values = preflight_module.checkpoint_size(cfg, 4, 'pytorch').optimizer // 8
+    own = 3 * 4 * values  # the fp32 parameters and AdamW's two moments
+
+    def slice_of(ranks):
+        return -(-values // ranks)
+
+    # 2 nodes x 2 ranks (the launcher's layout): each rank keeps half.
+    assert state(type='diloco', period=5) == 4 * (own + 12 * slice_of(2))
+    assert state(
+        type='diloco', period=5, outer_format='bf16') == 4 * (
+            own + 8 * slice_of(2))
+    # int8 inside the node keeps its residual (4 B a value) per rank.
+    assert state(
+        type='diloco', period=5, inner=dict(type='int8_compress')) == 4 * (
+            own + 12 * slice_of(2) + 4 * values)
+    assert state(type='post_local_sgd', period=5) == 4 * own
+    # ... and a second one where start_iter exchanges over every rank.
+    assert state(
+        type='post_local_sgd',
+        period=5,
+        start_iter=10,
+        inner=dict(type='int8_compress')) == 4 * (
+            own + 2 * 4 * values)
+    # On 4 nodes of one rank each keeps the whole of DiLoCo's state.
+    monkeypatch.setenv(torchrun.local_world, '1')
+    assert state(type='diloco', period=5) == 4 * (own + 12 * values)
+    # The optimizer's copies as the config's optimizer keeps them: SGD
+    # without momentum none, even where the checkpoint saves none.
+    sgd = {'optim_wrapper.optimizer': dict(type='SGD', lr=0.01)}
+    cfg = load_config(
+        FCN, {
+            'comm_hook': dict(type='post_local_sgd', period=5),
+            'default_hooks.checkpoint.save_optimizer': False,
+            **sgd
+        })
+    assert preflight_module.checkpoint_size(
+        cfg, 4, 'pytorch').hook_state == 4 * 4 * values

@@ -39,11 +39,13 @@ _OPTIMIZER_STATES = {
 }
 
 
-def _optimizer_states(cfg: Config) -> int:
+def _optimizer_states(cfg: Config, saved_only: bool = True) -> int:
     """Tensors the checkpoint saves per trainable parameter for the
-    optimizer (0 when unknown: the estimate stays a lower bound)."""
+    optimizer (0 when unknown: the estimate stays a lower bound; 0 too
+    where the CheckpointHook saves no optimizer, unless ``saved_only`` is
+    False: the periodic hooks' files keep it whatever that says)."""
     checkpoint_hook = (cfg.get('default_hooks') or {}).get('checkpoint') or {}
-    if checkpoint_hook.get('save_optimizer', True) is False:
+    if saved_only and checkpoint_hook.get('save_optimizer', True) is False:
         return 0
     optimizer = (cfg.get('optim_wrapper') or {}).get('optimizer') or {}
     kind = optimizer.get('type', '')
@@ -136,7 +138,47 @@ def _hook_state_bytes(cfg: Config,
     keeper = checked.record.state_keeper
     if keeper is None:
         return 0
+    if checked.record.periodic:
+        return world_size * _periodic_state_bytes(cfg, checked, params,
+                                                  world_size, launcher)
     return world_size * keeper.file_bytes(params, dict(checked.state_kwargs))
+
+
+class _Slice(NamedTuple):
+    """A rank's slice of the flat parameters, as a record's
+    ``state_bytes`` reads a bucket."""
+    numel: int
+    itemsize: int = 4
+
+
+def _periodic_state_bytes(cfg: Config, checked, params, world_size: int,
+                          launcher: str) -> int:
+    """One rank's file for ``post_local_sgd``/``diloco``: its own
+    parameters and optimizer state (every rank's differ within a period),
+    the algorithm's state of its slice of the node (its record's
+    ``state_bytes``: DiLoCo's fp32 global parameters, momentum and error
+    feedback; the node's ranks split them, on the launcher's layout or the
+    one the config states), and the inner exchange's state once for each
+    exchange it keeps (inside the node with several ranks a node; over
+    every rank during ``start_iter``)."""
+    from ...comm.local_sgd import periodic_ranks_per_node
+    from ...engine.process_group import LAUNCH_ENV, launcher_layout
+    launched = (
+        launcher_layout(launcher)[1] if launcher in LAUNCH_ENV else None)
+    per_node = periodic_ranks_per_node(checked, world_size, launched)
+    kwargs = dict(checked.state_kwargs)
+    record = checked.record
+    total = record.state_keeper.file_bytes(
+        params, kwargs, optimizer_states=_optimizer_states(cfg, False))
+    values = sum(p.numel() for p in params if p.requires_grad)
+    total += record.state_bytes([_Slice(ceil_div(values, per_node))], kwargs)
+    inner = checked.inner
+    inner_keeper = None if inner is None else inner.record.state_keeper
+    if inner_keeper is not None:
+        copies = (per_node > 1) + (kwargs.get('start_iter', 0) > 0)
+        total += copies * inner_keeper.file_bytes(params,
+                                                  dict(inner.state_kwargs))
+    return total
 
 
 def checkpoint_size(cfg: Config,
