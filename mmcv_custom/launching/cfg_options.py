@@ -20,10 +20,30 @@ from mmengine.config import DictAction
 __all__ = ['CfgOptionsAction', 'parse_cfg_option']
 
 
-def _how(key: str) -> str:
-    return (f"write its strings in quotes and quote the whole item for the "
-            f"shell (\"{key}=dict(type='name', period=25)\"), or set each "
-            f"key alone ({key}.type=name {key}.period=25)")
+class _QuoteNames(ast.NodeTransformer):
+    """Bare words as strings (``type=diloco`` -> ``type='diloco'``),
+    ``dict`` itself and ``True``/``False``/``None`` left alone."""
+
+    def visit_Call(self, node: ast.Call) -> ast.Call:
+        node.keywords = [self.visit(k) for k in node.keywords]
+        node.args = [self.visit(a) for a in node.args]
+        return node
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.copy_location(ast.Constant(node.id), node)
+
+
+def _how(key: str, value: str) -> str:
+    """How to write ``value``: itself with its bare words quoted where
+    that makes it a literal, else an example."""
+    try:
+        tree = _QuoteNames().visit(ast.parse(value.strip(), mode='eval'))
+        _literal(tree.body)
+        example = f'{key}={ast.unparse(tree.body)}'
+    except (SyntaxError, ValueError):
+        example = f"{key}=dict(type='name', period=25)"
+    return (f'write strings in quotes and quote the whole item for the '
+            f'shell: "{example}"')
 
 
 def _literal(node: ast.AST) -> Any:
@@ -72,7 +92,7 @@ def parse_cfg_option(item: str) -> Tuple[str, Any]:
         except (SyntaxError, ValueError) as e:
             why = e.msg if isinstance(e, SyntaxError) else str(e)
             raise ValueError(f'{item!r}: cannot read its value ({why}); '
-                             f'{_how(key)}') from None
+                             f'{_how(key, value)}') from None
     try:
         return key, DictAction._parse_iterable(value)
     except (AssertionError, ValueError, SyntaxError, RecursionError) as e:
@@ -83,7 +103,8 @@ def parse_cfg_option(item: str) -> Tuple[str, Any]:
 class CfgOptionsAction(argparse.Action):
     """``--cfg-options``: each ``KEY=VALUE`` read by
     :func:`parse_cfg_option` into one dict, as ``DictAction`` collects
-    them; a value it cannot read is a usage error (exit 2) naming it."""
+    them; a value it cannot read is a usage error (exit 2, one line)
+    naming it."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         options = copy.copy(getattr(namespace, self.dest, None) or {})
@@ -91,6 +112,10 @@ class CfgOptionsAction(argparse.Action):
             try:
                 key, value = parse_cfg_option(item)
             except ValueError as e:
-                parser.error(f'{option_string or "--cfg-options"} {e}')
+                # One line, as the tools' other usage errors: the usage
+                # text says nothing about a value.
+                parser.exit(
+                    2, f'{parser.prog}: error: '
+                    f'{option_string or "--cfg-options"} {e}\n')
             options[key] = value
         setattr(namespace, self.dest, options)

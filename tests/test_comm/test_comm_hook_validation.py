@@ -134,6 +134,21 @@ def test_bad_values_are_rejected_with_key_rule_and_value(cfg, error, message):
     assert str(info.value) == message
 
 
+@pytest.mark.parametrize('name,hint',
+                         [('DiLoCo', " (did you mean 'diloco'?)"),
+                          ('bf16', " (did you mean 'bf16_compress'?)"),
+                          ('powersgd', " (did you mean 'powerSGD' or "
+                           "'batched_powerSGD'?)"),
+                          ('local_sgd', " (did you mean 'post_local_sgd'?)"),
+                          ('nope', '')])
+def test_an_unknown_type_names_the_close_ones(name, hint):
+    with pytest.raises(KeyError) as info:
+        check_comm_hook_cfg(dict(type=name))
+    assert info.value.args[0].startswith(
+        f"comm_hook type {name!r} is not in the mmcv_custom::DDP "
+        f'communication hook registry{hint}. Valid types: allreduce, ')
+
+
 def test_every_problem_is_named_at_once():
     # One problem: its own error, as before.
     with pytest.raises(TypeError, match=r"unexpected keys \['rank'\]"):

@@ -565,11 +565,10 @@ def test_custom_hooks_are_checked_with_the_rest(tmp_path):
         work_dir=str(tmp_path / 'work'))
     assert [str(p) for p in preflight(cfg, 'train')] == [
         "custom_hooks[0] should be a hook config such as dict(type='...'), "
-        "but got 'dict(type=EMAHook)'. Fix: --cfg-options reads a dict "
-        'inside a list only with quoted values and one key (custom_hooks='
-        '"[dict(type=\'EMAHook\')]"); otherwise it stays a string: set '
-        "custom_hooks in a config that inherits this one (_base_ = ['...'] "
-        "and custom_hooks = [dict(type='...')])",
+        "but got 'dict(type=EMAHook)'. Fix: give dicts, not strings: "
+        "custom_hooks = [dict(type='EMAHook')] in a config (one that "
+        "inherits this one: _base_ = ['...']), or --cfg-options "
+        '"custom_hooks=[dict(type=\'EMAHook\')]"',
         "custom_hooks[1]: 'CommHookRegistrationHoook' is not a registered "
         "hook (did you mean 'CommHookRegistrationHook'?). Fix: correct the "
         'type, or import the module that registers it in custom_imports',
@@ -639,9 +638,10 @@ def test_the_tools_name_a_config_they_cannot_read(tmp_path):
          f'test.py: error: config {broken}: cannot read it as a config '
          "(SyntaxError: '(' was never closed"),
         (['train.py', MLP, '--cfg-options', 'custom_hooks=[dict(type=X)]'],
-         "train.py: error: custom_hooks[0] should be a hook config such as "
-         "dict(type='...'), but got 'dict(type=X)'. Fix: --cfg-options "
-         'reads a dict inside a list only with quoted values and one key'),
+         "train.py: error: --cfg-options 'custom_hooks=[dict(type=X)]': "
+         'cannot read its value (X is not a literal); write strings in '
+         'quotes and quote the whole item for the shell: '
+         '"custom_hooks=[dict(type=\'X\')]"'),
     ]
     env = {
         k: v

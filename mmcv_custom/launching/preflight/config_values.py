@@ -84,10 +84,9 @@ def checked_comm_hook(cfg: Config, launcher: Optional[str] = None) -> tuple:
 
 
 _CLI_DICT_FIX = (
-    "--cfg-options reads a dict inside a list only with quoted values and "
-    "one key (custom_hooks=\"[dict(type='EMAHook')]\"); otherwise it stays "
-    "a string: set custom_hooks in a config that inherits this one "
-    "(_base_ = ['...'] and custom_hooks = [dict(type='...')])")
+    "give dicts, not strings: custom_hooks = [dict(type='EMAHook')] in a "
+    "config (one that inherits this one: _base_ = ['...']), or "
+    "--cfg-options \"custom_hooks=[dict(type='EMAHook')]\"")
 
 
 def custom_hooks_problems(cfg: Config, registered: bool) -> List[Problem]:
