@@ -13,9 +13,14 @@ read is a usage error that names the item and how to write it.
 import argparse
 import ast
 import copy
+import os
 from typing import Any, Tuple
 
 from mmengine.config import DictAction
+
+from ..engine.process_group import LAUNCH_ENV
+from .preflight.problems import PreflightError, Problem
+from .preflight.report import exit_on_problems
 
 __all__ = ['CfgOptionsAction', 'parse_cfg_option']
 
@@ -100,11 +105,23 @@ def parse_cfg_option(item: str) -> Tuple[str, Any]:
                          f'({str(e) or "unbalanced brackets"})') from None
 
 
+def _exit_on_usage(prog: str, message: str) -> None:
+    """Exit 2 with ``prog: error: message``, said once per node: every
+    rank of ``dist_train.sh`` parses the same command line before any
+    process group exists (the preflight's rule; the launcher is read from
+    the environment, since ``--launcher`` may not be parsed yet). The
+    usage text is left out: it says nothing about a value."""
+    launcher = next(
+        (name for name, env in LAUNCH_ENV.items() if env.local in os.environ),
+        'none')
+    exit_on_problems(PreflightError([Problem(message)]), prog, launcher)
+
+
 class CfgOptionsAction(argparse.Action):
     """``--cfg-options``: each ``KEY=VALUE`` read by
     :func:`parse_cfg_option` into one dict, as ``DictAction`` collects
-    them; a value it cannot read is a usage error (exit 2, one line)
-    naming it."""
+    them; a value it cannot read is a usage error (exit 2, one line a
+    node) naming it."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         options = copy.copy(getattr(namespace, self.dest, None) or {})
@@ -112,10 +129,7 @@ class CfgOptionsAction(argparse.Action):
             try:
                 key, value = parse_cfg_option(item)
             except ValueError as e:
-                # One line, as the tools' other usage errors: the usage
-                # text says nothing about a value.
-                parser.exit(
-                    2, f'{parser.prog}: error: '
-                    f'{option_string or "--cfg-options"} {e}\n')
+                _exit_on_usage(parser.prog,
+                               f'{option_string or "--cfg-options"} {e}')
             options[key] = value
         setattr(namespace, self.dest, options)

@@ -186,6 +186,71 @@ def test_fp16_wrapper_overflows_on_raw_values_above_fp16_range():
     assert torch.isfinite(got[2:]).all()
 
 
+# Parameters of the range-guard test, by size, each above the bucket cap
+# (131 fp32 elements) and so in a bucket of its own, and what rank 0
+# plants in it (the other rank plants finite values): NaN mid-way, -inf
+# in the last element (past the vector lanes), +inf first, fp16's largest
+# value (finite: its mean fits), and NaN in a bf16 parameter (a bucket
+# sent as it is).
+_PLANTED_BAD = {
+    700: ('nan', 350),
+    137: ('-inf', 136),
+    515: ('inf', 0),
+    300: (65504.0, 7),
+    64: ('nan', 10),
+}
+
+
+def _nonfinite_buckets(rank, world_size):
+    params = nn.ParameterList(
+        nn.Parameter(
+            torch.zeros(n, dtype=torch.bfloat16 if n == 64 else None))
+        for n in _PLANTED_BAD)
+
+    class Net(nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.params = params
+
+        def forward(self, xs):
+            return sum((p * x).sum().float() for p, x in zip(self.params, xs))
+
+    state = half.CompressState(None, check_finite=True)
+    ddp = DDP(Net(), bucket_cap_mb=0.0005)
+    ddp.register_comm_hook(state, fp16_compress_hook)
+    xs = []
+    for p, (value, at) in zip(params, _PLANTED_BAD.values()):
+        x = torch.randn(p.numel()).to(p.dtype)
+        if rank == 0:
+            x[at] = float(value)
+        elif value == 65504.0:
+            x[at] = value
+        xs.append(x)
+    found = []
+    for _ in range(2):  # buckets are laid out again after the first step
+        ddp.zero_grad()
+        ddp(xs).backward()
+        found.append(
+            sorted(p.numel() for _, params in state.pop_nonfinite()
+                   for p in params))
+    return found, [p.grad.clone() for p in params]
+
+
+def test_range_guard_finds_nan_and_inf_anywhere_in_a_bucket():
+    """check_finite looks at every element (min and max over the bucket)
+    and flags NaN and both infinities, not fp16's largest finite value."""
+    found, grads = run_ranks(_nonfinite_buckets)[0]
+    bad = sorted(n for n, (value, _) in _PLANTED_BAD.items()
+                 if value != 65504.0)
+    assert found[-1] == bad
+    by_size = dict(zip(_PLANTED_BAD, grads))
+    assert torch.isnan(by_size[700][350]) and torch.isnan(by_size[64][10])
+    assert by_size[137][136] == -float('inf')
+    assert by_size[515][0] == float('inf')
+    assert by_size[300][7] == 65504.0 and torch.isfinite(by_size[300]).all()
+
+
 def _check_in_place(rank, world_size, which):
     seen = []
     inner = {
