@@ -17,7 +17,6 @@ gives the checked, read-only :class:`CommHookConfig` that a run hands on
 from a checked config, without checking it again.
 """
 import dataclasses
-import difflib
 import inspect
 from types import MappingProxyType
 from typing import (Any, Callable, Dict, List, Mapping, Optional, Sequence,
@@ -38,7 +37,7 @@ from .auto import AUTO, check_auto_cfg
 from .half_notes import describe_sent_as_they_are
 from .local_sgd import check_inner, prepare_periodic
 from .records import HookRecord, record_of
-from .registry import COMM_HOOK_STATES, COMM_HOOKS
+from .registry import COMM_HOOK_STATES, COMM_HOOKS, did_you_mean
 from .telemetry import CommCounter, add_baseline_count, add_sent_count
 from .topology import Topology, check_topology, resolve_topology
 
@@ -117,26 +116,6 @@ def _valid_types() -> str:
     return ', '.join(sorted(COMM_HOOKS.module_dict)) + f' (or {AUTO!r})'
 
 
-def _close_types(name: str) -> str:
-    """`` (did you mean 'diloco'?)`` for a name that differs from a
-    registered one in case or a few letters (``'DiLoCo'``, ``'bf16'``);
-    empty where none is close."""
-    if not isinstance(name, str):
-        return ''
-    names = {n.lower(): n for n in list(COMM_HOOKS.module_dict) + [AUTO]}
-    close = [
-        names[n] for n in difflib.get_close_matches(
-            name.lower(), sorted(names), n=2, cutoff=0.6)
-    ]
-    if not close and len(name) >= 3:
-        close = [
-            n for low, n in sorted(names.items())
-            if low.startswith(name.lower())
-        ]
-    return (f" (did you mean {' or '.join(map(repr, close[:2]))}?)"
-            if close else '')
-
-
 def lookup_hook(hook_type: Any) -> Callable:
     """The hook function a config's ``type`` names: a name registered in
     :data:`~.registry.COMM_HOOKS`, a dotted import path, or the callable
@@ -167,7 +146,7 @@ def lookup_hook(hook_type: Any) -> Callable:
         raise KeyError(
             f"comm_hook type {hook_type!r} is not in the "
             f'{COMM_HOOKS.scope}::{COMM_HOOKS.name} registry'
-            f'{_close_types(hook_type)}. Valid types: '
+            f'{did_you_mean(hook_type, extra=(AUTO, ))}. Valid types: '
             f'{_valid_types()}. Register your own with '
             '@COMM_HOOKS.register_module(), or give an import path such as '
             "'my_pkg.hooks.my_hook'.")

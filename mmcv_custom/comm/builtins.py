@@ -90,7 +90,8 @@ def _periodic_bytes(cost: PeriodicCost) -> Callable:
     """``model_bytes`` of a periodic hook: what a rank sends across nodes
     per step, averaged over the period: its cost record's collectives
     across nodes (``cost.sync_sends``, on ``world_size`` nodes of one rank
-    each) by the one counting rule, once every ``period`` steps. The
+    each) by the one counting rule, ``fragments`` times (1: plain) every
+    ``period`` steps. The
     exchange inside the node every step and the buffers come on top."""
 
     def model_bytes(params, state_kwargs: dict, half: bool,
@@ -101,7 +102,11 @@ def _periodic_bytes(cost: PeriodicCost) -> Callable:
         numel = sum(p.numel() for p in params)
         cross = [(kind, nbytes) for kind, nbytes, level in cost.sync_sends(
             numel, 1, world_size, settings) if level == 'cross']
-        return int(sent_bytes(cross, world_size) / (settings['period'] or 1))
+        # One synchronisation is one fragment's (the streaming form
+        # synchronises `fragments` of them a period).
+        return int(
+            sent_bytes(cross, world_size) * settings.get('fragments', 1) /
+            (settings['period'] or 1))
 
     return model_bytes
 

@@ -125,6 +125,39 @@ def _check_diloco_args(args: dict) -> None:
         require_int('block_size', args['block_size'], minimum=1)
     if args['error_feedback'] is not None:
         require_bool('error_feedback', args['error_feedback'])
+    _check_streaming(args)
+
+
+def _check_streaming(args: dict) -> None:
+    """The streaming form's keys: each fragment needs its own step of
+    the period, and its exchange must be applied before the next
+    fragment's place."""
+    require_int('fragments', args['fragments'], minimum=1)
+    require_int('overlap', args['overlap'], minimum=0)
+    period = args.get('period')
+    if isinstance(period, int) and args['fragments'] > period:
+        raise ValueError(
+            f"fragments should be at most period={period} (each fragment "
+            f"synchronises at its own step of the period), but got "
+            f"{args['fragments']}")
+    if isinstance(period, int) and args['overlap'] and (
+            args['overlap'] >= period // args['fragments']):
+        raise ValueError(
+            f"overlap should be below period // fragments = "
+            f"{period // args['fragments']} (a fragment's exchange is "
+            f"applied before the next fragment's place), but got "
+            f"{args['overlap']}")
+    if args['mix'] is None:
+        return
+    require_real('mix', args['mix'], minimum=0)
+    if args['mix'] >= 1:
+        raise ValueError('mix should be in [0, 1) (the share of the local '
+                         f'values kept; the paper uses 0.5), but got '
+                         f"{args['mix']!r}")
+    if not args['overlap']:
+        raise ValueError('mix applies with overlap > 0 only (without it '
+                         'the fragment takes the global values as they '
+                         'are): remove mix, or give overlap')
 
 
 @COMM_HOOK_STATES.register_module(name='post_local_sgd')
@@ -152,11 +185,17 @@ def _diloco_state(process_group: Optional[dist.ProcessGroup],
                   nesterov: bool = True,
                   outer_format: str = 'int8',
                   block_size: Optional[int] = None,
-                  error_feedback: Optional[bool] = None) -> DiLoCoState:
+                  error_feedback: Optional[bool] = None,
+                  fragments: int = 1,
+                  overlap: int = 0,
+                  mix: Optional[float] = None) -> DiLoCoState:
     """The config's optimizer inside the node through ``inner`` (default
     ``allreduce``); every ``period`` steps the pseudo-gradient averaged
     across nodes in ``outer_format`` and applied by Nesterov SGD
-    (``outer_lr``, ``outer_momentum``: the paper's 0.7 and 0.9)."""
+    (``outer_lr``, ``outer_momentum``: the paper's 0.7 and 0.9); in
+    ``fragments`` at staggered steps, each exchange ``overlap`` steps
+    beside the training and mixed in by ``mix`` (0.5), the streaming
+    form."""
     return DiLoCoState(
         process_group,
         period,
@@ -166,7 +205,10 @@ def _diloco_state(process_group: Optional[dist.ProcessGroup],
         nesterov=nesterov,
         outer_format=outer_format,
         block_size=256 if block_size is None else block_size,
-        error_feedback=True if error_feedback is None else error_feedback)
+        error_feedback=True if error_feedback is None else error_feedback,
+        fragments=fragments,
+        overlap=overlap,
+        mix=0.5 if mix is None else mix)
 
 
 _PERIOD_HELP = ('the optimizer steps between synchronisations across '

@@ -14,15 +14,23 @@ the other nodes (level ``'cross'``, a ring of ``M``), then the node
 all-gathers the slices in fp32 (level ``'intra'``). The inner exchange is
 the inner hook's own :class:`~.cost_records.CostRecord` over the node's
 ``G`` ranks. Standard library only, like :mod:`.cost_records`.
+
+DiLoCo's streaming form (``fragments`` F, ``overlap`` tau) splits the
+rank's slice into F contiguous parts, each synchronised once a period at
+its own step: so "one synchronisation" here is one fragment's (1/F of the
+slice; F of them a period send what the plain form sends once), and with
+``overlap`` its exchange across nodes stays in flight for tau steps, its
+buffers kept beside the forward and backward
+(:attr:`PeriodicCost.sync_inflight_bytes`).
 """
 import dataclasses
-from typing import Any, Callable, List, Mapping, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 from ..hooks.util import ceil_div
 
 __all__ = [
-    'PeriodicCost', 'slice_numel', 'POST_LOCAL_SGD_COST', 'DILOCO_COST',
-    'SYNC_LEVEL_BYTES'
+    'PeriodicCost', 'slice_numel', 'fragment_numel', 'POST_LOCAL_SGD_COST',
+    'DILOCO_COST', 'SYNC_LEVEL_BYTES'
 ]
 
 #: ``sync_sends(numel, ranks_per_node, num_nodes, settings)``: the
@@ -46,6 +54,19 @@ def slice_numel(numel: int, ranks_per_node: int) -> int:
     return ceil_div(numel, ranks_per_node)
 
 
+def fragment_numel(numel: int, ranks_per_node: int, fragments: int = 1) -> int:
+    """The values one synchronisation moves: one of ``fragments`` equal
+    parts of the rank's slice (:func:`slice_numel`), the last one short;
+    the largest is counted. With one fragment, the slice."""
+    return ceil_div(slice_numel(numel, ranks_per_node), fragments)
+
+
+def _chunk(numel: int, ranks_per_node: int, settings: Mapping) -> int:
+    # One synchronisation's part of the slice (a hook without fragments:
+    # the slice).
+    return fragment_numel(numel, ranks_per_node, settings.get('fragments', 1))
+
+
 @dataclasses.dataclass(frozen=True)
 class PeriodicCost:
     """What the cost model knows about a periodic hook.
@@ -61,11 +82,20 @@ class PeriodicCost:
             synchronisation allocates at once on a rank beside what is
             kept from step to step. It runs after the optimizer step, when
             the activations are freed, so it needs that room then.
+        sync_inflight_bytes (Callable, optional): The same arguments: the
+            bytes one exchange across nodes holds while in flight (what it
+            receives). With ``overlap`` > 0 they stay allocated for that
+            many steps, beside the forward and backward. None: never in
+            flight.
         settings (Mapping): The state keys that change the bytes, with the
             defaults the state takes (``period`` has none: the config must
             give it, so every setting of the model names one).
         detail (str): Appended to the name in tables, formatted with the
             settings.
+        extra_detail (Mapping): Setting -> its words, formatted with the
+            settings and added inside ``detail``'s parentheses only where
+            the setting is not its default (so the default's label stays
+            as it was).
         caveat (str): What to know before choosing it.
         min_nodes (int): The fewest nodes it runs on (``post_local_sgd``
             refuses one: it would be plain DDP). Defaults to 1.
@@ -75,15 +105,17 @@ class PeriodicCost:
     sync_buffer_bytes: SyncWork
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     detail: str = '(period {period})'
+    extra_detail: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    sync_inflight_bytes: Optional[SyncWork] = None
     caveat: str = ''
     min_nodes: int = 1
 
 
-def _gather(numel: int, ranks_per_node: int) -> List[Tuple[str, float, str]]:
-    # The node's ranks gather their fp32 slices (none with one rank).
+def _gather(chunk: int, ranks_per_node: int) -> List[Tuple[str, float, str]]:
+    # The node's ranks gather their fp32 slices (or fragments of them; none
+    # with one rank).
     if ranks_per_node == 1:
         return []
-    chunk = slice_numel(numel, ranks_per_node)
     return [('all_gather', SYNC_LEVEL_BYTES * chunk, 'intra')]
 
 
@@ -92,7 +124,7 @@ def _local_sgd_sends(numel, ranks_per_node, num_nodes, settings):
     peers; then the node's gather."""
     chunk = slice_numel(numel, ranks_per_node)
     cross = [('all_reduce', 4 * chunk, 'cross')] if num_nodes > 1 else []
-    return cross + _gather(numel, ranks_per_node)
+    return cross + _gather(chunk, ranks_per_node)
 
 
 def _diloco_sends(numel, ranks_per_node, num_nodes, settings):
@@ -103,8 +135,9 @@ def _diloco_sends(numel, ranks_per_node, num_nodes, settings):
     part, an all-reduce ``2 (M - 1) / M`` times its tensor: so int8 sends
     less than bf16 on 2 or 3 nodes, 1.6% more on 4 (the scales) and more
     beyond, and less than fp32 up to 7 nodes. Then the node's gather of the
-    new global slice."""
-    chunk = slice_numel(numel, ranks_per_node)
+    new global slice. In the streaming form, all of it for one fragment of
+    the slice."""
+    chunk = _chunk(numel, ranks_per_node, settings)
     fmt = settings['outer_format']
     cross: List[Tuple[str, float, str]] = []
     if num_nodes > 1 and fmt == 'int8':
@@ -113,35 +146,38 @@ def _diloco_sends(numel, ranks_per_node, num_nodes, settings):
                   'cross')]
     elif num_nodes > 1:
         cross = [('all_reduce', (4 if fmt == 'fp32' else 2) * chunk, 'cross')]
-    return cross + _gather(numel, ranks_per_node)
+    return cross + _gather(chunk, ranks_per_node)
 
 
-def _write_back(numel: int, ranks_per_node: int) -> float:
-    # The node's slices gathered piece by piece (write 4 a value, with
-    # several ranks; the rank's own slice padded: read and write 4 a value
-    # of it), all copied into the parameters (read 4, write up to 4).
-    chunk = slice_numel(numel, ranks_per_node)
-    gathered = 4 * numel + 8 * chunk if ranks_per_node > 1 else 0
-    return float(gathered + 8 * numel)
+def _write_back(numel: int, ranks_per_node: int, chunk: int) -> float:
+    # The node's slices (of ``chunk`` values, a fragment's in the streaming
+    # form: the node's G of them cover at most ``numel``) gathered piece by
+    # piece (write 4 a value, with several ranks; the rank's own padded:
+    # read and write 4 a value of it), all copied into the parameters (read
+    # 4, write up to 4).
+    covered = min(numel, ranks_per_node * chunk)
+    gathered = 4 * covered + 8 * chunk if ranks_per_node > 1 else 0
+    return float(gathered + 8 * covered)
 
 
 def _local_sgd_codec_bytes(numel, ranks_per_node, num_nodes, settings):
     # The slice read from the parameters and made fp32 (read up to 4, write
     # 4, concatenated: 8 more), divided (8): 24 a value of the slice.
     chunk = slice_numel(numel, ranks_per_node)
-    return 24.0 * chunk + _write_back(numel, ranks_per_node)
+    return 24.0 * chunk + _write_back(numel, ranks_per_node, chunk)
 
 
 def _diloco_codec_bytes(numel, ranks_per_node, num_nodes, settings):
     # Per value of the slice: the slice made fp32 (16), the delta (12), its
     # average (bf16's cast and back 12, int8's quantization with the
     # residual 14 and the M copies dequantized 5 M, fp32's division 8), the
-    # momentum (12), the Nesterov step (12) and the global update (12).
-    chunk = slice_numel(numel, ranks_per_node)
+    # momentum (12), the Nesterov step (12) and the global update (12); of
+    # one fragment of the slice in the streaming form.
+    chunk = _chunk(numel, ranks_per_node, settings)
     fmt = settings['outer_format']
     average = {'fp32': 8, 'bf16': 12}.get(fmt, 14 + 5 * num_nodes)
-    return float(
-        (16 + 12 + average + 36) * chunk) + _write_back(numel, ranks_per_node)
+    return float((16 + 12 + average + 36) * chunk) + _write_back(
+        numel, ranks_per_node, chunk)
 
 
 def _gather_pieces(chunk: int, ranks_per_node: int) -> int:
@@ -163,9 +199,23 @@ def _local_sgd_buffers(numel, ranks_per_node, num_nodes, settings):
 def _diloco_buffers(numel, ranks_per_node, num_nodes, settings):
     # The slice, the delta and the Nesterov step in fp32 (int8's M
     # received copies, a byte a value each, are freed before the gather),
-    # and what the gather holds.
-    chunk = slice_numel(numel, ranks_per_node)
+    # and what the gather holds; of one fragment in the streaming form.
+    chunk = _chunk(numel, ranks_per_node, settings)
     return 4 * (3 * chunk + _gather_pieces(chunk, ranks_per_node))
+
+
+def _diloco_inflight(numel, ranks_per_node, num_nodes, settings):
+    # What the exchange across nodes receives into while in flight: int8's
+    # values from each of the M nodes (a byte each) and their fp32 block
+    # scales; bf16's or fp32's all-reduced tensor. None on one node.
+    if num_nodes == 1:
+        return 0
+    chunk = _chunk(numel, ranks_per_node, settings)
+    fmt = settings['outer_format']
+    if fmt == 'int8':
+        return num_nodes * (
+            chunk + 4 * ceil_div(chunk, settings['block_size']))
+    return (4 if fmt == 'fp32' else 2) * chunk
 
 
 #: ``post_local_sgd``: the parameters averaged across nodes in fp32.
@@ -186,8 +236,16 @@ DILOCO_COST = PeriodicCost(
     sync_sends=_diloco_sends,
     sync_codec_bytes=_diloco_codec_bytes,
     sync_buffer_bytes=_diloco_buffers,
-    settings=dict(period=None, outer_format='int8', block_size=256),
+    settings=dict(
+        period=None,
+        outer_format='int8',
+        block_size=256,
+        fragments=1,
+        overlap=0),
     detail='(period {period}, {outer_format})',
+    extra_detail=dict(
+        fragments='fragments {fragments}', overlap='overlap {overlap}'),
+    sync_inflight_bytes=_diloco_inflight,
     caveat=('the nodes train apart between synchronisations; every period '
             'steps the pseudo-gradient is averaged across nodes and applied '
             'by an outer Nesterov SGD; keeps the global parameters and the '

@@ -6,8 +6,9 @@ hook's state from the config's other keys (see :mod:`.states`). Users add
 their own with ``@COMM_HOOKS.register_module()``, and give a hook its
 :class:`~.records.HookRecord` with ``record=``, as the built-ins have theirs.
 """
+import difflib
 import logging
-from typing import Callable, List, Optional, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 from mmengine.logging import print_log
 from mmengine.registry import Registry
@@ -17,7 +18,9 @@ from .records import (HOOK_RECORDS, HookRecord, add_builtin_records, hook_name,
                       is_builtin_hook, register_hook_record,
                       unregister_hook_record)
 
-__all__ = ['COMM_HOOKS', 'COMM_HOOK_STATES', 'CommHookRegistry']
+__all__ = [
+    'COMM_HOOKS', 'COMM_HOOK_STATES', 'CommHookRegistry', 'did_you_mean'
+]
 
 
 class CommHookRegistry(Registry):
@@ -109,3 +112,24 @@ COMM_HOOK_STATES = Registry(
 add_builtin_records(BUILTIN_HOOKS)
 for _builtin in BUILTIN_HOOKS:
     COMM_HOOKS.register_module(name=_builtin.name, module=_builtin.hook)
+
+
+def did_you_mean(name: Any, extra: Sequence[str] = ()) -> str:
+    """`` (did you mean 'diloco'?)`` for a hook type that differs from a
+    registered one (or one of ``extra``) in case or a few letters
+    (``'DiLoCo'``, ``'bf16'``), or begins one; empty where none is
+    close."""
+    if not isinstance(name, str):
+        return ''
+    names = {n.lower(): n for n in list(COMM_HOOKS.module_dict) + list(extra)}
+    close = [
+        names[n] for n in difflib.get_close_matches(
+            name.lower(), sorted(names), n=2, cutoff=0.6)
+    ]
+    if not close and len(name) >= 3:
+        close = [
+            n for low, n in sorted(names.items())
+            if low.startswith(name.lower())
+        ]
+    return (f" (did you mean {' or '.join(map(repr, close[:2]))}?)"
+            if close else '')

@@ -101,14 +101,23 @@ class PeriodicSync:
         after = (f'after optimizer step {state.start_iter} + k x '
                  f'{state.period}' if state.start_iter else
                  f'every {state.period} optimizer steps')
+        stream = ''
+        if getattr(state, 'streaming', False):
+            stream = (f', in {state.fragments} fragment'
+                      f'{"s" if state.fragments > 1 else ""} at staggered '
+                      'steps of the period' +
+                      (f', each exchange running beside the next '
+                       f'{state.overlap} step'
+                       f'{"s" if state.overlap > 1 else ""} and mixed in '
+                       f'with mix={state.mix}' if state.overlap else ''))
         runner.logger.info(
             f'{kind}: the model is synchronised across the '
             f'{state.num_nodes} node{"s" if state.num_nodes > 1 else ""} '
-            f'{after} and at the last iteration; DDP\'s buffer broadcast '
-            'before each forward is off, and the floating-point buffers '
-            '(BatchNorm statistics) are averaged over all ranks at each '
-            'synchronisation; each rank saves its own parameters, buffers '
-            'and optimizer state beside each checkpoint.')
+            f'{after}{stream} and at the last iteration; DDP\'s buffer '
+            'broadcast before each forward is off, and the floating-point '
+            'buffers (BatchNorm statistics) are averaged over all ranks at '
+            'each synchronisation; each rank saves its own parameters, '
+            'buffers and optimizer state beside each checkpoint.')
         if state.num_nodes == 1:
             runner.logger.warning(
                 f'{kind} on one node: DiLoCo with one worker, a Lookahead '
@@ -169,12 +178,13 @@ class PeriodicSync:
         for _, _, spec, counter in self.entries:
             state: PeriodicState = spec.state
             report = state.after_step()
-            # The last iteration ends mid-period: meet now (pending local
-            # steps imply the warm-up is over).
-            if report is None and last and state.pending() > 0:
-                report = state.sync()
             if report is not None:
                 seconds += report.seconds
+            # The last iteration ends mid-period (or, streaming, with
+            # fragments synchronised steps ago): meet now (pending local
+            # steps imply the warm-up is over).
+            if last and state.pending() > 0:
+                seconds += state.sync().seconds
             sent = state.pop_sent()
             cross += state.pop_cross()
             if counter is not None:

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import int8_codec
+from . import diloco_stream, int8_codec
 from .topology import NodeGroups
 from .util import ceil_div
 
@@ -134,7 +134,7 @@ class PeriodicState:
         self.start_iter = start_iter
         #: Optimizer steps done (:meth:`after_step`).
         self.steps = 0
-        #: Steps at the last synchronisation.
+        #: Steps at the last synchronisation across every node.
         self.synced_at = 0
         self.groups: Optional[NodeGroups] = None
         #: Smaller groups of nodes (:class:`LocalSGDState`).
@@ -227,7 +227,8 @@ class PeriodicState:
             cross += self._average_buffers(level)
         else:
             intra += self._average_buffers(level)
-        self.synced_at = self.steps
+        if level is None:  # a group of nodes' average leaves the others
+            self.synced_at = self.steps
         self._sync_bytes += cross + intra
         self._cross_bytes += cross
         return SyncReport(int(cross), int(intra), time.perf_counter() - began)
@@ -264,13 +265,20 @@ class PeriodicState:
     def _flat_slice(self) -> torch.Tensor:
         """This rank's slice of the parameters, flat, in fp32 (a copy)."""
         part = self.my_slice()
+        return self._flat_range(part.start, part.stop)
+
+    def _flat_range(self, start: int, stop: int) -> torch.Tensor:
+        """The flat parameters' values ``[start, stop)`` in fp32 (a
+        copy)."""
         pieces, at = [], 0
         for p in self.params():
             n = p.numel()
-            lo, hi = max(part.start, at), min(part.stop, at + n)
+            lo, hi = max(start, at), min(stop, at + n)
             if lo < hi:
                 pieces.append(p.detach().reshape(-1)[lo - at:hi - at].float())
             at += n
+            if at >= stop:
+                break
         if not pieces:
             return torch.zeros(0, device=self._device())
         return torch.cat(pieces)
@@ -434,6 +442,14 @@ class DiLoCoState(PeriodicState):
         block_size (int): int8's values per scale.
         error_feedback (bool): With int8: what rounding drops is added to
             the next pseudo-gradient.
+        fragments (int): The streaming form (:mod:`.diloco_stream`): the
+            slice synchronised in this many fragments at staggered steps
+            of each period. 1: all at once.
+        overlap (int): Optimizer steps each fragment's exchange runs
+            beside the training before it is applied (below ``period //
+            fragments``). 0: at once.
+        mix (float): With ``overlap``: the share of the local values kept
+            when the fragment's new global ones are applied, in [0, 1).
     """
 
     algorithm = 'diloco'
@@ -447,8 +463,17 @@ class DiLoCoState(PeriodicState):
                  nesterov: bool = True,
                  outer_format: str = 'int8',
                  block_size: int = 256,
-                 error_feedback: bool = True) -> None:
+                 error_feedback: bool = True,
+                 fragments: int = 1,
+                 overlap: int = 0,
+                 mix: float = 0.5) -> None:
         super().__init__(process_group, period, start_iter)
+        self.fragments = fragments
+        self.overlap = overlap
+        self.mix = mix
+        #: Fragments' exchanges sent and not yet applied (the streaming
+        #: form's :class:`~.diloco_stream.InFlight`).
+        self.in_flight: list = []
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         self.nesterov = nesterov
@@ -462,10 +487,47 @@ class DiLoCoState(PeriodicState):
         self.residual: Optional[torch.Tensor] = None
 
     def __repr__(self) -> str:
+        stream = (f', fragments={self.fragments}, overlap={self.overlap}, '
+                  f'mix={self.mix}' if self.streaming else '')
         return (f'DiLoCoState(period={self.period}, start_iter='
                 f'{self.start_iter}, outer_lr={self.outer_lr}, '
                 f'outer_momentum={self.outer_momentum}, nesterov='
-                f'{self.nesterov}, outer_format={self.outer_format!r})')
+                f'{self.nesterov}, outer_format={self.outer_format!r}'
+                f'{stream})')
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the streaming form runs (fragments or overlap)."""
+        return self.fragments > 1 or self.overlap > 0
+
+    def after_step(self) -> Optional[SyncReport]:
+        if not self.streaming:
+            return super().after_step()
+        self.steps += 1
+        done = diloco_stream.stream_step(self)
+        if done is None:
+            return None
+        cross, intra, seconds = done
+        self._sync_bytes += cross + intra
+        self._cross_bytes += cross
+        return SyncReport(int(cross), int(intra), seconds)
+
+    def pending(self) -> int:
+        if not self.streaming:
+            return super().pending()
+        return diloco_stream.stream_pending(self)
+
+    def sync(self, level: Optional[int] = None) -> SyncReport:
+        """As :meth:`PeriodicState.sync`; the streaming form applies
+        its exchanges in flight first, then synchronises every fragment."""
+        if not self.streaming:
+            return super().sync(level)
+        intra, seconds = diloco_stream.flush(self)
+        self._sync_bytes += intra
+        report = super().sync(level)
+        return report._replace(
+            intra_bytes=report.intra_bytes + intra,
+            seconds=report.seconds + seconds)
 
     def start(self) -> None:
         """Take the global parameters from the model as it is now (every

@@ -16,6 +16,7 @@ from typing import Dict, Optional
 
 import torch
 
+from . import diloco_stream
 from .local_sgd import DiLoCoState, PeriodicState
 from .state import HookStateKeeper
 
@@ -39,6 +40,11 @@ def _settings(state: PeriodicState) -> dict:
             outer_format=state.outer_format,
             block_size=state.block_size,
             error_feedback=state.error_feedback)
+        if state.streaming:  # a plain run's files keep their settings
+            out.update(
+                fragments=state.fragments,
+                overlap=state.overlap,
+                mix=state.mix)
     return out
 
 
@@ -135,6 +141,10 @@ class PeriodicStateKeeper(HookStateKeeper):
                 momentum=_cpu(state.momentum),
                 residual=(
                     None if state.residual is None else _cpu(state.residual)))
+            if state.streaming:
+                # The exchanges in flight, waited for: a resumed run
+                # applies the same values at the same steps.
+                out['in_flight'] = diloco_stream.pending_results(state)
         return out
 
     def check_state_dict(self, saved) -> None:
@@ -179,6 +189,13 @@ class PeriodicStateKeeper(HookStateKeeper):
                     f"its outer state covers {saved['outer'].get('slice')} "
                     f'of the parameters, this rank\'s slice is '
                     f'{[part.start, part.stop]}')
+        for pending in saved.get('in_flight') or []:
+            span = diloco_stream.fragment_span(state, pending['fragment'])
+            if pending['result'].numel() != span.stop - span.start:
+                raise ValueError(
+                    f"its exchange in flight of fragment "
+                    f"{pending['fragment']} holds {pending['result'].numel()}"
+                    f' values, the fragment has {span.stop - span.start}')
         inner = saved.get('inner') or {}
         for key, keeper in self._inners():
             keeper.check_state_dict(inner.get(key))
@@ -207,6 +224,8 @@ class PeriodicStateKeeper(HookStateKeeper):
                 state.momentum = outer['momentum'].to(device)
                 state.residual = (None if outer['residual'] is None else
                                   outer['residual'].to(device))
+            diloco_stream.restore_pending(state, saved.get('in_flight', []),
+                                          device)
         inner = saved.get('inner') or {}
         for key, keeper in self._inners():
             keeper.load_state_dict(inner[key])
@@ -219,5 +238,6 @@ class PeriodicStateKeeper(HookStateKeeper):
         state.steps = state.synced_at = steps_done
         if isinstance(state, DiLoCoState):
             state.global_params = state.momentum = state.residual = None
+            state.in_flight = []
         for _, keeper in self._inners():
             keeper.start_fresh(steps_done)

@@ -16,6 +16,7 @@ from mmcv_custom.analysis import cost as cc
 from mmcv_custom.analysis.cost.hooks import uncosted_lines
 from mmcv_custom.analysis.plugins import PLUGIN_HINT
 from mmcv_custom.analysis.registered import registered_hooks
+from mmcv_custom.comm.periodic_costs import fragment_numel
 from tests.tool_utils import load_script, usage_error_line, usage_errors
 
 ROOT = osp.dirname(osp.dirname(osp.dirname(osp.abspath(__file__))))
@@ -319,8 +320,8 @@ def test_periodic_synchronisation_bytes_by_hand():
     with pytest.raises(
             ValueError,
             match=r"settings should be among "
-            r"\['block_size', 'outer_format', 'period'\], but "
-            r"got \['rank'\]"):
+            r"\['block_size', 'fragments', 'outer_format', 'overlap', "
+            r"'period'\], but got \['rank'\]"):
         cc.PeriodicHookCost('diloco', 2, 2, period=5, rank=1)
     with pytest.raises(
             ValueError, match='period should be an int >= 1, but '
@@ -403,6 +404,157 @@ def test_periodic_memory_counts_the_slice_and_the_sync_buffers():
     assert (view.bucket_bytes, view.transient_bytes) == (0, 4 * (7 * 650))
 
 
+def _streaming(**settings):
+    # diloco (period 10) on 2 nodes x 2 ranks with streaming settings.
+    return cc.PeriodicHookCost('diloco', 2, 2, period=10, **settings)
+
+
+#: A slow link and a slower HBM, so every part of a synchronisation shows.
+SLOW = dict(
+    backward_s=1.0,
+    compute_step_s=2.0,
+    constants=cc.LinkConstants(1e-3, 0.5, intra_alpha_s=1e-3),
+    codec=cc.GpuCodec(hbm_Bps=1e6))
+
+
+def test_streaming_defaults_project_exactly_as_before():
+    """fragments=1 and overlap=0 given are the plain hook: the same label,
+    config, collectives, step (the by-hand numbers of the plain test) and
+    memory, to the bit."""
+    plain, given = _streaming(), _streaming(fragments=1, overlap=0)
+    assert given.label() == plain.label() == 'diloco (period 10, int8)'
+    assert given.config_keys() == dict(period=10)
+    buckets = cc.ddp_buckets(PERIODIC_PARAMS)
+    cluster = cc.Cluster(2, 2, 8e3, 8e6)
+    assert given.sync_collectives(1300) == plain.sync_collectives(1300)
+    got, want = (
+        cc.predict_step(h, buckets, cluster, **SLOW) for h in (given, plain))
+    assert got == want
+    assert got.syncs == 1
+    sync = (2e-3 + 2 * (650 + 12) / 1000 / 0.5 + 1e-3 + 2600 / 1e6 / 0.5 +
+            ((16 + 12 + 14 + 10 + 36 + 8) * 650 + 12 * 1300) / 1e6)
+    assert _close(got.sync_s, sync)
+    assert _close(got.sync_step_s - got.step_s, sync * 0.9)
+    facts = dict(param_bytes=4600)
+    assert cc.hook_memory(given, buckets,
+                          facts) == cc.hook_memory(plain, buckets, facts)
+
+
+def test_streaming_sends_the_same_bytes_a_period_in_fragments():
+    """fragments=4: each synchronisation moves a quarter of the rank's
+    800-value slice (200 values; int8's one scale a fragment, as the
+    slice's 4 blocks), so a period sends and carries what the plain form
+    does, and without overlap (and latency) the average step is the same;
+    the step that synchronises takes a quarter."""
+    params = [cc.ParamSpec((1600, ), 'float32')]
+    buckets = cc.ddp_buckets(params)
+    cluster = cc.Cluster(2, 2, 8e3, 8e6)
+    step = dict(SLOW, constants=cc.LinkConstants(0.0, 0.5, intra_alpha_s=0.0))
+    for fmt in ('fp32', 'bf16', 'int8'):
+        plain = _streaming(outer_format=fmt)
+        four = _streaming(outer_format=fmt, fragments=4)
+        assert four.label() == f'diloco (period 10, {fmt}, fragments 4)'
+        assert four.config_keys() == dict(
+            period=10,
+            fragments=4,
+            **({} if fmt == 'int8' else dict(outer_format=fmt)))
+        assert [c.nbytes * 4 for c in four.sync_collectives(1600)
+                ] == [c.nbytes for c in plain.sync_collectives(1600)]
+        got, want = (
+            cc.predict_step(h, buckets, cluster, **step)
+            for h in (four, plain))
+        assert got.syncs == 4
+        for field in ('sent_bytes', 'node_bytes', 'step_s', 'exposed_s',
+                      'codec_s', 'wire_s', 'comm_s'):
+            assert _close(getattr(got, field), getattr(want, field)), field
+        assert _close(got.sync_s, want.sync_s / 4)
+        assert _close(got.sync_step_s - got.step_s,
+                      want.sync_s / 4 * (1 - 4 / 10))
+    # Not a multiple: the largest fragment is counted (ceil(650 / 4)).
+    assert fragment_numel(1300, 2, 4) == 163
+    assert _streaming(
+        outer_format='bf16',
+        fragments=4).sync_collectives(1300)[0] == cc.Collective(
+            'all_reduce', 2 * 163, 0, 'cross')
+
+
+def test_streaming_overlap_hides_up_to_tau_steps():
+    """overlap=tau hides the exchange across nodes up to tau of the
+    step's own time (compute and the inner exchange): partly with tau 1
+    (2.65 s across, against a 2 s step), wholly with tau 2, where the
+    local work and the gather inside the node stay exposed."""
+    buckets = cc.ddp_buckets(PERIODIC_PARAMS)
+    cluster = cc.Cluster(2, 2, 8e3, 8e6)
+    plain = cc.predict_step(_streaming(), buckets, cluster, **SLOW)
+    inner = cc.predict_step(cc.AllReduceCost(), buckets,
+                            cc.Cluster(1, 2, 8e6, 8e6), **SLOW)
+    own = 2.0 + inner.exposed_s
+    cross = 2e-3 + 2 * (650 + 12) / 1000 / 0.5
+    assert cross > own
+    one = cc.predict_step(_streaming(overlap=1), buckets, cluster, **SLOW)
+    assert one.label == 'diloco (period 10, int8, overlap 1)'
+    assert _close(one.sync_s, plain.sync_s - own)
+    assert _close(one.step_s, plain.step_s - own / 10)
+    two = cc.predict_step(_streaming(overlap=2), buckets, cluster, **SLOW)
+    assert _close(two.sync_s, plain.sync_s - cross)
+    assert _close(
+        two.sync_s, 1e-3 + 2600 / 1e6 / 0.5 +
+        ((16 + 12 + 14 + 10 + 36 + 8) * 650 + 12 * 1300) / 1e6)
+    assert _close(two.step_s, 2.0 + inner.exposed_s + two.sync_s / 10)
+    # The bytes are the same: only the time is hidden.
+    assert (two.sent_bytes, two.node_bytes) == (plain.sent_bytes,
+                                                plain.node_bytes)
+    # The hook's rule: overlap below period // fragments, fragments >= 1.
+    with pytest.raises(
+            ValueError, match=r'below period // fragments \(2\), '
+            'but got 2'):
+        _streaming(fragments=4, overlap=2)
+    with pytest.raises(ValueError, match='fragments should be an int >= 1'):
+        _streaming(fragments=0)
+    # periodic_costs leaves out the combinations the hook refuses.
+    assert list(
+        cc.periodic_costs(
+            2,
+            2,
+            periods=(10, ),
+            names=['diloco'],
+            fragments=(1, 4),
+            overlap=(0, 3))) == [
+                'diloco (period 10, int8)',
+                'diloco (period 10, int8, overlap 3)',
+                'diloco (period 10, int8, fragments 4)'
+            ]
+
+
+def test_streaming_memory_keeps_the_inflight_buffers():
+    """With overlap the fragment's receive buffers stay allocated across
+    steps, beside the activations: int8's values from each of the 2 nodes
+    and their scales, bf16's or fp32's tensor; a quarter of them with 4
+    fragments, whose synchronisation's buffers are a quarter too."""
+    buckets = cc.ddp_buckets(PERIODIC_PARAMS)
+    facts = dict(param_bytes=4600)
+
+    def memory(**settings):
+        return cc.hook_memory(_streaming(**settings), buckets, facts)
+
+    for fmt, inflight in (('int8', 2 * (650 + 4 * 3)), ('bf16', 2 * 650),
+                          ('fp32', 4 * 650)):
+        plain, kept = memory(outer_format=fmt), memory(
+            outer_format=fmt, overlap=1)
+        assert kept.state_bytes - plain.state_bytes == inflight
+        assert kept.total - plain.total == inflight
+        assert kept.transient_bytes == plain.transient_bytes
+    four = memory(fragments=4, overlap=1)
+    assert four.state_bytes - memory().state_bytes == 2 * (163 + 4)
+    view = cc.hook_memory(
+        _streaming(fragments=4), buckets,
+        dict(facts, gradient_as_bucket_view=True))
+    assert view.transient_bytes == 4 * (3 * 163 + 163 + 3 * 163)
+    # One node: nothing crosses, nothing in flight.
+    alone = cc.PeriodicHookCost('diloco', 4, 1, period=10, overlap=1)
+    assert cc.hook_memory(alone, buckets, facts).state_bytes == 3 * 4 * 325
+
+
 def test_recommendation_weighs_periodic_hooks_only_by_class():
     """On a slow link the periodic hooks are the fastest, but the default
     --max-loss (quantized_ef) never names them; --max-loss periodic does,
@@ -483,6 +635,26 @@ def test_cli_projects_the_periodic_hooks(tmp_path, capsys):
     assert rates['best'] == 'diloco (period 10, int8)'
     assert rates['classes']['diloco (period 10, bf16)'] == 'periodic'
     assert rates['hooks']['diloco (period 10, int8)']['period'] == 10
+    # The streaming form: a row each, a fragment's bytes, and the note.
+    tool.main([
+        '--config', tiny, '--hooks', 'diloco', '--periods', '10', '--nodes',
+        '2', '--gpus-per-node', '2', '--gbps', '0.1', '--outer-formats',
+        'bf16', '--fragments', '1', '2', '--overlap', '0', '4'
+    ])
+    text = capsys.readouterr().out.splitlines()
+    rows = [
+        x for x in text[text.index('### Periodic synchronisation'):]
+        if x.startswith('| diloco (period 10')
+    ]
+    assert [r.split(' | ')[0] for r in rows] == [
+        '| diloco (period 10, bf16)', '| diloco (period 10, bf16, overlap 4)',
+        '| diloco (period 10, bf16, fragments 2)',
+        '| diloco (period 10, bf16, fragments 2, overlap 4)'
+    ]
+    assert rows[2].split(' | ')[6:8] == ['0.39 MB', '0.78 MB']
+    assert float(rows[1].split(' | ')[5]) < float(rows[0].split(' | ')[5])
+    assert ': a projection that assumes the link runs beside the compute' in (
+        text[text.index(rows[-1]) + 2])
     tool.main([
         '--config', TINY_FSDP2, '--hooks', 'allreduce', 'diloco', '--nodes',
         '2', '--gpus-per-node', '2', '--gbps', '1'
@@ -1555,6 +1727,16 @@ def bench_file(tmp_path):
         (['--hooks', 'allreduce', '--periods', '100'], '--periods sets '
          'post_local_sgd and diloco, but --hooks leaves them out: add '
          'post_local_sgd or diloco to --hooks, or drop --periods'),
+        (['--fragments', '0'], '--fragments should be ints >= 1 (parts of '
+         'the slice synchronised apart), but got 0'),
+        (['--overlap', '-1'], '--overlap should be ints >= 0 (optimizer '
+         "steps a fragment's exchange runs beside), but got -1"),
+        (['--periods', '8', '--fragments', '4', '--overlap', '2'
+          ], '--overlap 2 should be below period // fragments for some of '
+         '--periods 8 and --fragments 4: diloco refuses every combination'),
+        (['--hooks', 'post_local_sgd', '--overlap', '5'], '--overlap sets '
+         'diloco, but --hooks leaves it out: add diloco to --hooks, or drop '
+         '--overlap'),
     ],
     ids=[
         'nodes', 'gbps', 'eta', 'eta-above-1', 'cfg-options', 'alpha',
@@ -1564,7 +1746,8 @@ def bench_file(tmp_path):
         'min-gain-percent', 'max-loss', 'gpu', 'tflops', 'gpu-mem-0',
         'gpu-mem-negative', 'gpu-mem-inf', 'gpu-mem-unit', 'periods-0',
         'outer-format', 'outer-formats-without-diloco',
-        'periods-without-periodic'
+        'periods-without-periodic', 'fragments-0', 'overlap-negative',
+        'overlap-refused', 'overlap-without-diloco'
     ])
 def test_bad_arguments_are_usage_errors(tool_args, args, message):
     code, last = tool_args(args)

@@ -54,6 +54,24 @@ _INNER = ("a per-step hook such as dict(type='allreduce'), "
      ValueError, "comm_hook diloco: error_feedback applies to "
      "outer_format='int8' only, but outer_format='bf16': remove "
      'error_feedback, or send int8'),
+    (dict(type='diloco', period=4, fragments=0), ValueError,
+     'comm_hook diloco: fragments should be an int >= 1, but got 0'),
+    (dict(type='diloco', period=4, fragments=5), ValueError,
+     'comm_hook diloco: fragments should be at most period=4 (each fragment '
+     'synchronises at its own step of the period), but got 5'),
+    (dict(type='diloco', period=4, overlap=1.5), TypeError,
+     'comm_hook diloco: overlap should be an int >= 0, but got float: 1.5'),
+    (dict(type='diloco', period=8, fragments=4, overlap=2), ValueError,
+     'comm_hook diloco: overlap should be below period // fragments = 2 (a '
+     "fragment's exchange is applied before the next fragment's place), but "
+     'got 2'),
+    (dict(type='diloco', period=8, fragments=2, mix=0.5), ValueError,
+     'comm_hook diloco: mix applies with overlap > 0 only (without it the '
+     'fragment takes the global values as they are): remove mix, or give '
+     'overlap'),
+    (dict(type='diloco', period=8, overlap=2, mix=1), ValueError,
+     'comm_hook diloco: mix should be in [0, 1) (the share of the local '
+     'values kept; the paper uses 0.5), but got 1'),
     (dict(type='diloco', period=4, inner='allreduce'), TypeError,
      f'comm_hook diloco: inner should be {_INNER} (the exchange inside each '
      "node), but got str: 'allreduce'"),
@@ -121,6 +139,9 @@ def test_a_key_of_the_other_algorithm_is_unknown():
         comm_hook_config(dict(type='diloco', period=4, group_periods={2: 2}))
     with pytest.raises(TypeError, match=r"got unexpected keys \['outer_lr'\]"):
         comm_hook_config(dict(type='post_local_sgd', period=4, outer_lr=0.7))
+    with pytest.raises(
+            TypeError, match=r"got unexpected keys \['fragments'\]"):
+        comm_hook_config(dict(type='post_local_sgd', period=4, fragments=2))
 
 
 def test_every_mistake_of_one_config_is_named_at_once():

@@ -254,6 +254,29 @@ def test_post_local_sgd_resumes_mid_period_bit_for_bit(tmp_path):
             assert torch.equal(resumed[key][rank], whole[key][rank])
 
 
+def test_streaming_diloco_resumes_with_an_exchange_in_flight(tmp_path):
+    """Two fragments at steps 2 and 4 of each period of 4, each applied a
+    step later and mixed in: the checkpoint at 4 saves fragment 1's
+    exchange sent after step 4 (applied after 5) with the state; the
+    resumed run ends with the same bits, and the last iteration leaves
+    every rank the common model."""
+    stream = dict(DILOCO, period=4, fragments=2, overlap=1)
+    whole = run_ranks(_train, str(tmp_path / 'whole'), stream, 10)[0]
+    assert ('diloco: the model is synchronised across the 2 nodes every 4 '
+            'optimizer steps, in 2 fragments at staggered steps of the '
+            'period, each exchange running beside the next 1 step and mixed '
+            'in with mix=0.5 and at the last iteration') in '\n'.join(
+                _messages(whole, 'INFO'))
+    assert whole['same'] == [False] * 9 + [True]
+    part = str(tmp_path / 'part')
+    run_ranks(_train, part, stream, 10, False, 4)
+    resumed = run_ranks(_train, part, stream, 10, True)[0]
+    assert resumed['same'] == whole['same'][4:]
+    for key in ('params', 'buffers'):
+        for rank in range(2):
+            assert torch.equal(resumed[key][rank], whole[key][rank])
+
+
 def test_diloco_starts_afresh_from_another_hooks_checkpoint(tmp_path):
     """int8_compress's state is not diloco's: every rank goes on from the
     checkpoint's weights, and the periods keep their places (the next

@@ -23,6 +23,13 @@ LOCAL_SGD = dict(type='post_local_sgd', period=PERIOD, start_iter=2)
 DILOCO_FP32 = dict(type='diloco', period=PERIOD, outer_format='fp32')
 # The outer step that is the nodes' plain average.
 DILOCO_AVERAGE = dict(DILOCO_FP32, outer_lr=1.0, outer_momentum=0.0)
+# The streaming form: 2 fragments, each exchange applied a step later.
+STREAM = dict(
+    type='diloco',
+    period=4,
+    fragments=2,
+    overlap=1,
+    inner=dict(type='int8_compress', block_size=32))
 
 
 def _net():
@@ -159,13 +166,28 @@ def _four_ranks(rank, world_size):
         missing=_refusal(keeper, missing),
         garbage=_refusal(keeper, None))
     out['inner_saved'] = sorted(out['diloco']['saved']['inner'])
-    for case in ('local_sgd', 'diloco'):
+    # Streaming DiLoCo: 2 fragments at steps 2 and 4 of each period of 4,
+    # each applied a step later; saved after step 6, with fragment 0's
+    # exchange in flight; the last step synchronises every fragment.
+    out['stream'], stream_run = _round_trip(rank, STREAM, 6, 11)
+    out['stream_in_flight'] = [(p['fragment'], p['apply_at'])
+                               for p in out['stream']['saved']['in_flight']]
+    stream_run.state.sync()
+    out['stream_final'] = _params(stream_run.net)
+    out['stream_average'] = dict(
+        history=_Run(dict(DILOCO_AVERAGE, period=4, fragments=2), 2).train(
+            rank, 4))
+    for case in ('local_sgd', 'diloco', 'stream'):
         out[case].pop('saved')
     # The hierarchical form on 4 nodes of one rank: pairs of nodes every
     # 2 steps, all 4 every 4.
     run = _Run(dict(type='post_local_sgd', period=4, group_periods={2: 2}), 1)
     out['hierarchy'] = dict(
-        history=run.train(rank, 8), describe=run.spec.describe())
+        history=run.train(rank, 6), describe=run.spec.describe())
+    # After step 6 only the pairs met: a run ending there still has to
+    # bring all nodes together.
+    out['hierarchy']['pending'] = run.state.pending()
+    out['hierarchy']['history'] += run.train(rank, 2)
     try:
         _Run(dict(type='post_local_sgd', period=4, group_periods={2: 3}), 1)
     except ValueError as e:
@@ -440,7 +462,7 @@ def test_diloco_on_two_nodes_of_two_with_int8_inside(four):
                 assert r['report'] == (gathered + 4 * buffers, 4 * half)
 
 
-@pytest.mark.parametrize('case', ['local_sgd', 'diloco'])
+@pytest.mark.parametrize('case', ['local_sgd', 'diloco', 'stream'])
 def test_resumed_mid_period_bit_for_bit(four, case):
     """Saved mid-period, restored into a fresh model (other weights) and
     optimizer (no state): the rest of the run (two more syncs) the same
@@ -488,6 +510,7 @@ def test_hierarchical_post_local_sgd_averages_pairs_then_all(four):
     every rank."""
     runs = four['hierarchy']
     assert 'group_periods={2: 2}' in runs[0]['describe']
+    assert [r['pending'] for r in runs] == [2] * 4
     for step in range(8):
         after = [r['history'][step]['after'] for r in runs]
         before = [r['history'][step]['before'] for r in runs]
@@ -509,3 +532,44 @@ def test_hierarchical_post_local_sgd_averages_pairs_then_all(four):
         'should divide the 4 nodes into several whole groups (4 nodes x 1 '
         'rank (ranks (0,) on node 0, (1,) on node 1, ...))'
     ] * 4
+
+
+def test_streaming_saves_the_exchange_in_flight_and_ends_common(four):
+    """Saved after step 6, where fragment 0's exchange (sent after step 6)
+    is applied after step 7: the file holds its result (the resumed run
+    above applies the same bits); after the last synchronisation every
+    rank holds the same parameters."""
+    assert four['stream_in_flight'] == [[(0, 7)]] * 4
+    final = four['stream_final']
+    for other in final[1:]:
+        assert torch.equal(other, final[0])
+    # Reports at the sends (after steps 2, 4, 6, ...) and the applies a
+    # step later: every step from the second.
+    history = four['stream'][0]['history']
+    assert [h['steps'] for h in history if h['report'] is not None] == \
+        list(range(2, 12))
+
+
+def test_streaming_fragments_meet_at_their_own_steps(four):
+    """``outer_lr=1``, no momentum, no overlap: a fragment's
+    synchronisation is the nodes' average of it. Each rank's slice is
+    half the node's (2 ranks a node), each fragment half of that: after
+    step 2 fragment 0 of both slices is the mean of the nodes and the
+    same on every rank, fragment 1 still the node's own; after step 4
+    fragment 1 too."""
+    runs = four['stream_average']
+    numel = runs[0]['history'][0]['before'].numel()
+    chunk = -(-numel // 2)
+    size = -(-chunk // 2)
+    first = torch.zeros(numel, dtype=torch.bool)
+    for start in (0, chunk):
+        first[start:min(start + size, numel)] = True
+    second = ~first
+    for step, met, apart in ((2, first, second), (4, second, first)):
+        before = [r['history'][step - 1]['before'] for r in runs]
+        after = [r['history'][step - 1]['after'] for r in runs]
+        mean = (before[0] + before[2]) / 2  # ranks 0 and 2: the two nodes
+        for a in after:
+            torch.testing.assert_close(a[met], mean[met], rtol=0, atol=1e-6)
+        assert torch.equal(after[0][apart], before[0][apart])
+        assert not torch.equal(after[0][apart], after[2][apart])

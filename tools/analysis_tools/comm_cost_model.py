@@ -41,9 +41,9 @@ named as unknown, with how to give it one. The periodic hooks
 (``post_local_sgd``, ``diloco``: the gradients exchanged inside the node
 every step, the model across nodes every period steps) are projected at
 each of ``--periods`` and, for ``diloco``, each of ``--outer-formats``,
-in a table of their own: the average step and the step that
-synchronises; ``--recommend`` weighs them only where ``--max-loss``
-admits their class, ``periodic``.
+``--fragments`` and ``--overlap`` (streaming), in a table of their own:
+the average step and the step that synchronises; ``--recommend`` weighs
+them only where ``--max-loss`` admits their class, ``periodic``.
 
 Arguments are checked before any work starts: a bad value is a usage error
 (exit code 2) naming it and the valid ones.
@@ -67,6 +67,7 @@ import sys
 from mmcv_custom.analysis import cost, filter_tool_warnings
 from mmcv_custom.analysis.cli import cfg_options, check_output, read_config
 from mmcv_custom.analysis.cost.options import (add_projection_options,
+                                               add_streaming_options,
                                                check_projection_options)
 from mmcv_custom.analysis.plugins import add_import_option, plugin_parser
 from mmcv_custom.analysis.registered import registered_hooks
@@ -169,6 +170,7 @@ def _parser() -> argparse.ArgumentParser:
         help='what diloco\'s pseudo-gradient crosses the nodes as, each a '
         f'row at each period: {", ".join(OUTER_FORMATS)} (default: int8, '
         'its default)')
+    add_streaming_options(proj)
     # The settings each periodic hook's cost takes, for their checks.
     parser.set_defaults(
         periodic_settings={

@@ -14,10 +14,11 @@ from typing import Dict, NamedTuple, Optional
 
 from mmcv_custom.comm.accuracy import ACCURACY_CLASSES, CLASS_WORDS
 from .measurements import step_from_log
+from .periodic import DEFAULT_PERIODS
 
 __all__ = [
     'GpuPreset', 'GPU_PRESETS', 'PROJECTION_OPTIONS', 'add_projection_options',
-    'check_projection_options', 'describe_hardware'
+    'add_streaming_options', 'check_projection_options', 'describe_hardware'
 ]
 
 
@@ -119,6 +120,23 @@ _AT_LEAST_0 = ('--alpha-us', '--intra-alpha-us', '--backward-s',
                '--compute-step-s')
 
 
+def add_streaming_options(group) -> None:
+    """``--fragments`` and ``--overlap``: DiLoCo's streaming settings,
+    each value a row of the periodic table at each period and outer format
+    (checked by :func:`check_projection_options`)."""
+    for flag, what in (('--fragments', 'parts of the slice synchronised at '
+                        'staggered steps (default: 1)'),
+                       ('--overlap', 'optimizer steps each fragment\'s '
+                        'exchange across nodes runs beside (default: 0; '
+                        'below period // fragments)')):
+        group.add_argument(
+            flag,
+            nargs='+',
+            type=int,
+            metavar='N',
+            help=f"diloco's streaming form, each a row: {what}")
+
+
 def add_projection_options(group) -> None:
     """Add the plain options, ``--gpu``, ``--max-loss`` and ``--min-gain``
     to ``group`` (an argparse parser or group)."""
@@ -216,13 +234,17 @@ def check_projection_options(parser: argparse.ArgumentParser,
 
 def _check_periodic_options(parser: argparse.ArgumentParser,
                             args: argparse.Namespace) -> None:
-    """``--periods`` ints >= 1, and neither it nor ``--outer-formats``
-    given where ``--hooks`` leaves out every hook they set (never accepted
-    and ignored). ``args.periodic_settings``: each periodic hook whose
-    record states a cost, with its settings (the tool's)."""
+    """``--periods`` and ``--fragments`` ints >= 1, ``--overlap`` ints >=
+    0 of which one at least is below ``period // fragments`` for some
+    period and fragments given (the hook's rule; the others are left out),
+    and none of them nor ``--outer-formats`` given where ``--hooks`` leaves
+    out every hook they set (never accepted and ignored).
+    ``args.periodic_settings``: each periodic hook whose record states a
+    cost, with its settings (the tool's)."""
     settings = getattr(args, 'periodic_settings', None) or {}
     for flag, key in (('--periods', 'period'), ('--outer-formats',
-                                                'outer_format')):
+                                                'outer_format'),
+                      ('--fragments', 'fragments'), ('--overlap', 'overlap')):
         hooks = [name for name, keys in settings.items() if key in keys]
         if (getattr(args, flag[2:].replace('-', '_'), None) is not None
                 and args.hooks and not set(hooks) & set(args.hooks)):
@@ -234,6 +256,24 @@ def _check_periodic_options(parser: argparse.ArgumentParser,
         if period < 1:
             parser.error(f'--periods should be ints >= 1 (optimizer steps '
                          f'between synchronisations), but got {period}')
+    fragments = getattr(args, 'fragments', None) or (1, )
+    overlap = getattr(args, 'overlap', None) or (0, )
+    for n in fragments:
+        if n < 1:
+            parser.error(f'--fragments should be ints >= 1 (parts of the '
+                         f'slice synchronised apart), but got {n}')
+    for n in overlap:
+        if n < 0:
+            parser.error(f'--overlap should be ints >= 0 (optimizer steps a '
+                         f'fragment\'s exchange runs beside), but got {n}')
+    periods = getattr(args, 'periods', None) or DEFAULT_PERIODS
+    if not any(o < p // f for p in periods for f in fragments
+               for o in overlap):
+        parser.error(f'--overlap {" ".join(map(str, overlap))} should be '
+                     'below period // fragments for some of --periods '
+                     f'{" ".join(map(str, periods))} and --fragments '
+                     f'{" ".join(map(str, fragments))}: diloco refuses '
+                     'every combination')
 
 
 def describe_hardware(gpu: str, given: Optional[dict] = None) -> str:

@@ -14,11 +14,24 @@ is the inner hook's step plus ``sync / period`` (the average step), and
 the step that synchronises is the inner hook's plus the whole ``sync``
 (:attr:`~.recommend.StepPrediction.sync_step_s`).
 
+DiLoCo's streaming form (``fragments`` F, ``overlap`` tau) runs F
+synchronisations a period, each of one fragment of the slice (1/F of the
+bytes). With tau > 0 a fragment's exchange across nodes is started after
+the optimizer step and waited for tau steps later, so up to tau times the
+step's own time (compute and the inner exchange) of it is hidden, if the
+link runs beside the compute: exposed ``max(0, cross - tau * step)`` a
+fragment; its local work and the gather inside the node stay exposed.
+The average step adds ``F * exposed / period``; the step that
+synchronises, one fragment's whole exposed time (its local work counted
+on one step: an upper bound). The in-flight fragment's receive buffers
+are kept from step to step, in the memory per GPU.
+
 :func:`periodic_costs` makes one :class:`PeriodicHookCost` per hook,
 period and (``diloco``) outer format, for one node layout;
 :func:`periodic_table` is the projection's table of them.
 """
 import dataclasses
+import itertools
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from mmcv_custom.comm.accuracy import accuracy_of
@@ -60,6 +73,14 @@ class Sync(NamedTuple):
             (what the run's ``cross_MB`` adds up over the period).
         node_bytes (float): Bytes through each node link, each way.
         collectives (int): How many.
+        cross_s (float): The part of :attr:`seconds` across nodes (what an
+            overlap may hide). Defaults to 0.
+        cross_wire_s (float): The part of :attr:`wire_s` across nodes.
+            Defaults to 0.
+        per_period (int): Synchronisations a period (``fragments``; each
+            field above is one's). Defaults to 1.
+        overlap (int): Steps its exchange across nodes runs beside.
+            Defaults to 0: none.
     """
     seconds: float
     codec_s: float
@@ -67,6 +88,20 @@ class Sync(NamedTuple):
     sent_bytes: float
     node_bytes: float
     collectives: int
+    cross_s: float = 0.0
+    cross_wire_s: float = 0.0
+    per_period: int = 1
+    overlap: int = 0
+
+    def exposed_s(self, step_s: float) -> float:
+        """One synchronisation's time that steps of ``step_s`` (compute
+        and the inner exchange) do not hide: its exchange across nodes
+        less ``overlap`` steps, at least 0, and the rest whole."""
+        return self.seconds - min(self.cross_s, self.overlap * step_s)
+
+    def exposed_wire_s(self, step_s: float) -> float:
+        """As :meth:`exposed_s`, of :attr:`wire_s`."""
+        return self.wire_s - min(self.cross_wire_s, self.overlap * step_s)
 
 
 #: A per-step hook's: none.
@@ -86,12 +121,16 @@ class PeriodicHookCost(HookCost):
             inside the node every step. Defaults to ``'allreduce'``.
         record (HookRecord, optional): Defaults to the registered hook's.
         **settings: The cost record's settings (``period``, which has no
-            default; ``outer_format``, ``block_size``).
+            default; ``outer_format``, ``block_size``, ``fragments``,
+            ``overlap``).
 
     Raises:
         KeyError: ``name`` is not registered.
         ValueError: Its record states no ``PeriodicCost``; a setting is
-            not one of its; ``period`` is missing or below 1.
+            not one of its; ``period`` is missing or below 1; ``fragments``
+            below 1; ``overlap`` below 0 or not below ``period //
+            fragments`` (the hook's own rule: a fragment's exchange ends
+            before its next one starts).
     """
 
     form = 'periodic'
@@ -124,6 +163,16 @@ class PeriodicHookCost(HookCost):
                              'synchronisations) should be given: the hook '
                              'has no default')
         require_count('period', self.settings['period'])
+        self.fragments = self.settings.get('fragments', 1)
+        self.overlap = self.settings.get('overlap', 0)
+        require_count('fragments', self.fragments)
+        spacing = self.settings['period'] // self.fragments
+        if (isinstance(self.overlap, bool)
+                or not isinstance(self.overlap, int)
+                or not 0 <= self.overlap < spacing):
+            raise ValueError(
+                f'{name}: overlap should be an int >= 0 and below period // '
+                f'fragments ({spacing}), but got {self.overlap!r}')
         self.name = name
         self.record = record
         self.cost = cost
@@ -143,6 +192,13 @@ class PeriodicHookCost(HookCost):
 
     def label(self) -> str:
         text = f'{self.name} {self.cost.detail.format(**self.settings)}'
+        extra = [
+            words.format(**self.settings)
+            for k, words in self.cost.extra_detail.items()
+            if self.settings[k] != self.cost.settings[k]
+        ]
+        if extra:
+            text = f'{text[:-1]}, {", ".join(extra)})'
         if self.inner.name != DEFAULT_INNER_TYPE:
             text += f' (inner {self.inner.label()})'
         return text
@@ -198,9 +254,9 @@ class PeriodicHookCost(HookCost):
 
     def synchronisation(self, buckets, cluster: Cluster, constants,
                         codec) -> Sync:
-        """The synchronisation's time and bytes on ``cluster``; its local
-        work at the HBM rate of ``codec`` (a :class:`GpuCodec`'s, else
-        the default GPU's)."""
+        """One synchronisation's (one fragment's) time and bytes on
+        ``cluster``; its local work at the HBM rate of ``codec`` (a
+        :class:`GpuCodec`'s, else the default GPU's)."""
         self._check(cluster.world_size)
         numel = sum(b.numel for b in buckets)
         collectives = self.sync_collectives(numel)
@@ -208,24 +264,35 @@ class PeriodicHookCost(HookCost):
         hbm = (codec if isinstance(codec, GpuCodec) else GpuCodec()).hbm_Bps
         local = self.cost.sync_codec_bytes(numel, self.ranks_per_node,
                                            self.num_nodes, self.settings) / hbm
+        link = [
+            t.seconds(cluster, constants.alpha_s, constants.eta,
+                      constants.intra_alpha_s) for t in loads
+        ]
+        cross = [c.level != 'intra' for c in collectives]
         return Sync(
-            seconds=local + sum(
-                t.seconds(cluster, constants.alpha_s, constants.eta,
-                          constants.intra_alpha_s) for t in loads),
+            seconds=local + sum(link),
             codec_s=local,
             wire_s=sum(t.seconds(cluster) for t in loads),
             sent_bytes=sum(
                 reduced_bytes(c.kind, c.nbytes, group_size(c, cluster))
                 for c in collectives if c.level != 'intra'),
             node_bytes=sum(t.node_bytes for t in loads),
-            collectives=len(collectives))
+            collectives=len(collectives),
+            cross_s=sum(s for s, c in zip(link, cross) if c),
+            cross_wire_s=sum(
+                t.seconds(cluster) for t, c in zip(loads, cross) if c),
+            per_period=self.fragments,
+            overlap=self.overlap)
 
     def gpu_memory(self, buckets: Sequence[Bucket], facts):
         """Per GPU under DDP: as any hook's (:func:`~.memory.ddp_memory`),
         its state that of the rank's slice (its record's ``state_bytes``
         of one fp32 bucket of the slice: DiLoCo's global parameters, outer
         momentum and int8's residual), plus the inner hook's state (of
-        every gradient) and, apart, what the synchronisation needs beyond
+        every gradient) and, with ``overlap``, the in-flight fragment's
+        receive buffers (kept beside the forward and backward; its
+        record's ``sync_inflight_bytes``) and, apart, what the
+        synchronisation (one fragment's) needs beyond
         it: its buffers, less the gradients the optimizer wrapper's
         ``zero_grad`` (``set_to_none``, torch's default) has freed before
         it where they are tensors of their own (DDP's buckets are not
@@ -242,6 +309,10 @@ class PeriodicHookCost(HookCost):
         inner = getattr(self.inner, 'record', None)
         kept = (None if inner is None else hook_state_bytes(
             inner, buckets, self.inner.settings))
+        if kept is not None and self.overlap and self.cost.sync_inflight_bytes:
+            kept += int(
+                self.cost.sync_inflight_bytes(numel, self.ranks_per_node,
+                                              self.num_nodes, self.settings))
         return dataclasses.replace(
             memory,
             state_bytes=None if own is None or kept is None else own + kept,
@@ -259,15 +330,20 @@ def periodic_costs(
         periods: Optional[Sequence[int]] = None,
         outer_formats: Optional[Sequence[str]] = None,
         inner: str = DEFAULT_INNER_TYPE,
-        names: Optional[Sequence[str]] = None) -> Dict[str, PeriodicHookCost]:
+        names: Optional[Sequence[str]] = None,
+        fragments: Optional[Sequence[int]] = None,
+        overlap: Optional[Sequence[int]] = None
+) -> Dict[str, PeriodicHookCost]:
     """Every registered periodic hook whose record states a
     ``PeriodicCost`` (of ``names``, default all), at each of ``periods``
-    (default :data:`DEFAULT_PERIODS`) and, where it takes one, each of
-    ``outer_formats`` (default: the hook's own, int8 for ``diloco``),
-    keyed by :attr:`PeriodicHookCost.key`, for nodes of ``ranks_per_node``
-    ranks. A hook is left out on fewer nodes than it runs on
-    (``PeriodicCost.min_nodes``: ``post_local_sgd`` refuses one, where it
-    would be plain DDP)."""
+    (default :data:`DEFAULT_PERIODS`) and, where it takes them, each of
+    ``outer_formats`` (default: the hook's own, int8 for ``diloco``), of
+    ``fragments`` and of ``overlap`` (the streaming form's; default: the
+    hook's own, 1 and 0), keyed by :attr:`PeriodicHookCost.key`, for
+    nodes of ``ranks_per_node`` ranks. A hook is left out on fewer nodes
+    than it runs on (``PeriodicCost.min_nodes``: ``post_local_sgd``
+    refuses one, where it would be plain DDP), and so is a combination it
+    refuses (``overlap`` not below ``period // fragments``)."""
     out: Dict[str, PeriodicHookCost] = {}
     periods = DEFAULT_PERIODS if periods is None else periods
     for hook in registered_hooks():
@@ -276,14 +352,20 @@ def periodic_costs(
                 or (names is not None and hook.name not in names)
                 or num_nodes < cost.min_nodes):
             continue
-        formats = [None]
-        if 'outer_format' in cost.settings:
-            formats = outer_formats or [cost.settings['outer_format']]
+        # Each setting's values to project (None: not one of the hook's).
+        choices = [(key, (given or [cost.settings[key]])
+                    if key in cost.settings else [None])
+                   for key, given in (('outer_format', outer_formats),
+                                      ('fragments', fragments), ('overlap',
+                                                                 overlap))]
         for period in periods:
-            for fmt in formats:
+            for values in itertools.product(*(v for _, v in choices)):
                 given = dict(period=period)
-                if fmt is not None:
-                    given['outer_format'] = fmt
+                given.update((key, v) for (key, _), v in zip(choices, values)
+                             if v is not None)
+                spacing = period // given.get('fragments', 1)
+                if given.get('overlap', 0) >= spacing:
+                    continue
                 one = PeriodicHookCost(hook.name, ranks_per_node, num_nodes,
                                        inner, hook.record, **given)
                 out[one.key] = one
@@ -350,10 +432,12 @@ def periodic_table(gbps: Sequence[float], recs,
             # A compute step given as 0 (--compute-step-s 0) has no ratio.
             ratio = (f'{p.step_s / p.compute_step_s:.2f}x'
                      if p.compute_step_s else 'none')
+            # Per synchronisation: a fragment's in the streaming form.
+            per = p.period / p.syncs
             lines.append(f'| {p.label} | {g:g} | {p.step_s:.3f} | {ratio} | '
                          f'{p.sync_step_s:.3f} | '
-                         f'{p.sync_s:.3f} | {size(p.sent_bytes * p.period)} | '
-                         f'{size(p.node_bytes * p.period)} | {held} |')
+                         f'{p.sync_s:.3f} | {size(p.sent_bytes * per)} | '
+                         f'{size(p.node_bytes * per)} | {held} |')
     lines += [
         '', 'average step: the step without communication, the inner '
         "hook's exchange inside the node that the backward does not hide, "
@@ -368,4 +452,15 @@ def periodic_table(gbps: Sequence[float], recs,
         'parameters, outer momentum, int8\'s residual, fp32) and the inner '
         "hook's; (does not fit) counts the synchronisation's buffers too"
     ]
+    hooks = [recs[0].hooks[k] for k in keys]
+    if any(h.fragments > 1 or h.overlap for h in hooks):
+        lines[-1] += (
+            '. Streaming (fragments F, overlap tau): F synchronisations a '
+            'period, each of 1/F of the slice (the bytes above are one\'s, F '
+            'times less; a period sends the same); with tau, each '
+            "fragment's exchange across nodes runs beside the next tau steps "
+            'and only what they do not hide is exposed (sync s; its local '
+            'work and the gather inside the node stay exposed): a projection '
+            'that assumes the link runs beside the compute. Memory counts the '
+            "in-flight fragment's receive buffers, kept across steps")
     return lines

@@ -71,8 +71,11 @@ class StepPrediction:
             (``sync_s / period``, and its bytes') included, nothing of it
             hidden by the backward (``exposed_s`` holds it; its
             few collectives are left out of ``collectives``). Defaults to
-            0: none.
+            0: none. In the streaming form, one fragment's exposed time
+            (what ``overlap`` steps do not hide).
         period (int): Steps between synchronisations. Defaults to 1.
+        syncs (int): Synchronisations a period (``fragments``). Defaults
+            to 1.
     """
     hook: str
     label: str
@@ -89,13 +92,14 @@ class StepPrediction:
     form: str = 'flat'
     sync_s: float = 0.0
     period: int = 1
+    syncs: int = 1
 
     @property
     def sync_step_s(self) -> float:
-        """The step that synchronises (one in :attr:`period`):
-        :attr:`step_s` with the whole synchronisation instead of its
-        share."""
-        return self.step_s + self.sync_s * (1 - 1 / self.period)
+        """The step that synchronises (:attr:`syncs` in :attr:`period`,
+        the worst): :attr:`step_s` with one whole synchronisation instead
+        of the period's share."""
+        return self.step_s + self.sync_s * (1 - self.syncs / self.period)
 
     @classmethod
     def of(cls, hook: HookCost, constants: LinkConstants,
@@ -151,10 +155,12 @@ def predict_step(hook: HookCost,
     busy, bound, codec_total, wire = [], [], 0.0, 0.0
     sent = node = 0.0
     # A periodic hook's synchronisation: after the optimizer step, every
-    # period steps, so its share of a step is exposed whole.
+    # period steps (per_period of them, a fragment each, in the streaming
+    # form), so its share of a step is exposed, less what the overlap hides.
     sync = hook.synchronisation(buckets, cluster, constants, codec)
     period = 1 if sync is None else hook.period
     sync = NO_SYNC if sync is None else sync
+    syncs = sync.per_period
     for bucket, collectives in zip(buckets, per_bucket):
         loads = [traffic(c, cluster) for c in collectives]
         local = codec.seconds(hook, bucket, cluster.world_size)
@@ -171,22 +177,28 @@ def predict_step(hook: HookCost,
         sent += sum(
             reduced_bytes(c.kind, c.nbytes, group_size(c, cluster))
             for c in collectives if c.level != 'intra')
+    inner = simulate_overlap(ready_s, busy, backward_s).exposed_s
+    # The step's own time (compute, overhead and the inner exchange): what
+    # an overlapped exchange across nodes runs beside, a step at a time.
+    own = compute_step_s * (
+        1 + constants.overhead_share.get(hook.name, 0.0)) + inner
+    exposed = sync.exposed_s(own)
     return StepPrediction.of(
         hook,
         constants,
         compute_step_s,
-        simulate_overlap(ready_s, busy, backward_s).exposed_s +
-        sync.seconds / period,
-        comm_s=sum(busy) + sync.seconds / period,
-        codec_s=codec_total + sync.codec_s / period,
-        wire_s=wire + sync.wire_s / period,
-        overlap_bound_s=simulate_overlap(
-            ready_s, bound, backward_s).exposed_s + sync.wire_s / period,
-        sent_bytes=sent + sync.sent_bytes / period,
-        node_bytes=node + sync.node_bytes / period,
+        inner + exposed * syncs / period,
+        comm_s=sum(busy) + sync.seconds * syncs / period,
+        codec_s=codec_total + sync.codec_s * syncs / period,
+        wire_s=wire + sync.wire_s * syncs / period,
+        overlap_bound_s=simulate_overlap(ready_s, bound, backward_s).exposed_s
+        + sync.exposed_wire_s(own) * syncs / period,
+        sent_bytes=sent + sync.sent_bytes * syncs / period,
+        node_bytes=node + sync.node_bytes * syncs / period,
         collectives=sum(len(c) for c in per_bucket),
-        sync_s=sync.seconds,
-        period=period)
+        sync_s=exposed,
+        period=period,
+        syncs=syncs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,7 +414,8 @@ class Recommendation:
         chosen = self.predictions[best]
         text = f'{rate}: use {chosen.label}: {chosen.step_s:.3f} s per step'
         if chosen.period > 1:
-            text += (f' on average (the step that synchronises, one in '
+            text += (f' on average (the step that synchronises, '
+                     f'{"one" if chosen.syncs == 1 else chosen.syncs} in '
                      f'{chosen.period}, {chosen.sync_step_s:.3f} s)')
         if self.reference in self.predictions and best != self.reference:
             ref = self.predictions[self.reference]

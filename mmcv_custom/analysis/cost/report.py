@@ -157,6 +157,8 @@ class ProjectionSettings:
             are projected at (None: :data:`~.periodic.DEFAULT_PERIODS`).
         outer_formats (tuple[str], optional): ``diloco``'s outer formats
             to project (None: its default, int8).
+        fragments, overlap (tuple[int], optional): ``diloco``'s streaming
+            settings to project (None: its defaults, 1 and 0).
     """
     config: str
     cfg_options: Optional[dict] = None
@@ -183,6 +185,8 @@ class ProjectionSettings:
     gpu_mem: Optional[float] = None
     periods: Optional[Tuple[int, ...]] = None
     outer_formats: Optional[Tuple[str, ...]] = None
+    fragments: Optional[Tuple[int, ...]] = None
+    overlap: Optional[Tuple[int, ...]] = None
 
 
 def _fsdp2_line(facts: dict, rec, why: str) -> str:
@@ -342,7 +346,9 @@ def project(settings: ProjectionSettings, constants: LinkConstants,
         settings.nodes,
         settings.periods,
         settings.outer_formats,
-        names=settings.hooks)
+        names=settings.hooks,
+        fragments=settings.fragments,
+        overlap=settings.overlap)
     unknown = uncosted_lines(settings.hooks)
     if not hooks and not periodic:
         # Only hooks without a cost: said so, with nothing to project.
