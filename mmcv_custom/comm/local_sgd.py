@@ -23,6 +23,7 @@ from ..hooks.topology import (NodeClaim, agree_on_layout, blocks_layout,
                               check_stated_layout, make_node_groups)
 from ..hooks.validation import (require_bool, require_int, require_real,
                                 with_args_check)
+from .periodic_costs import overlap_limit
 from .registry import COMM_HOOK_STATES
 from .telemetry import CommCounter
 
@@ -140,13 +141,14 @@ def _check_streaming(args: dict) -> None:
             f"fragments should be at most period={period} (each fragment "
             f"synchronises at its own step of the period), but got "
             f"{args['fragments']}")
-    if isinstance(period, int) and args['overlap'] and (
-            args['overlap'] >= period // args['fragments']):
+    limit = (
+        overlap_limit(period, args['fragments'])
+        if isinstance(period, int) else None)
+    if limit is not None and args['overlap'] and args['overlap'] >= limit:
         raise ValueError(
-            f"overlap should be below period // fragments = "
-            f"{period // args['fragments']} (a fragment's exchange is "
-            f"applied before the next fragment's place), but got "
-            f"{args['overlap']}")
+            f"overlap should be below period // fragments = {limit} (a "
+            "fragment's exchange is applied before the next fragment's "
+            f"place), but got {args['overlap']}")
     if args['mix'] is None:
         return
     require_real('mix', args['mix'], minimum=0)

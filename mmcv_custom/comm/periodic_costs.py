@@ -29,8 +29,8 @@ from typing import Any, Callable, List, Mapping, Optional, Tuple
 from ..hooks.util import ceil_div
 
 __all__ = [
-    'PeriodicCost', 'slice_numel', 'fragment_numel', 'POST_LOCAL_SGD_COST',
-    'DILOCO_COST', 'SYNC_LEVEL_BYTES'
+    'PeriodicCost', 'slice_numel', 'fragment_numel', 'overlap_limit',
+    'POST_LOCAL_SGD_COST', 'DILOCO_COST', 'SYNC_LEVEL_BYTES'
 ]
 
 #: ``sync_sends(numel, ranks_per_node, num_nodes, settings)``: the
@@ -59,6 +59,14 @@ def fragment_numel(numel: int, ranks_per_node: int, fragments: int = 1) -> int:
     parts of the rank's slice (:func:`slice_numel`), the last one short;
     the largest is counted. With one fragment, the slice."""
     return ceil_div(slice_numel(numel, ranks_per_node), fragments)
+
+
+def overlap_limit(period: int, fragments: int) -> int:
+    """What DiLoCo's ``overlap`` must stay below: the steps between two
+    fragments' places in the period, so that a fragment's exchange is
+    applied before the next fragment's place. The hook's check and the
+    cost model's both ask it."""
+    return period // fragments
 
 
 def _chunk(numel: int, ranks_per_node: int, settings: Mapping) -> int:

@@ -22,7 +22,7 @@ from ..engine.process_group import LAUNCH_ENV
 from .preflight.problems import PreflightError, Problem
 from .preflight.report import exit_on_problems
 
-__all__ = ['CfgOptionsAction', 'parse_cfg_option']
+__all__ = ['CfgOptionsAction', 'parse_cfg_option', 'read_literal']
 
 
 class _QuoteNames(ast.NodeTransformer):
@@ -76,6 +76,16 @@ def _literal(node: ast.AST) -> Any:
         raise ValueError(f'{ast.unparse(node)} is not a literal') from None
 
 
+def read_literal(text: str) -> Any:
+    """``text`` as the Python literal it writes, ``dict(k=v, ...)``
+    counting as one, nested ones too.
+
+    Raises:
+        SyntaxError, ValueError: It writes none (a name, a call).
+    """
+    return _literal(ast.parse(text.strip(), mode='eval').body)
+
+
 def _writes_a_dict(value: str) -> bool:
     return 'dict(' in value or value.lstrip().startswith('{')
 
@@ -93,7 +103,7 @@ def parse_cfg_option(item: str) -> Tuple[str, Any]:
         raise ValueError(f'{item!r}: expected KEY=VALUE')
     if _writes_a_dict(value):
         try:
-            return key, _literal(ast.parse(value.strip(), mode='eval').body)
+            return key, read_literal(value)
         except (SyntaxError, ValueError) as e:
             why = e.msg if isinstance(e, SyntaxError) else str(e)
             raise ValueError(f'{item!r}: cannot read its value ({why}); '

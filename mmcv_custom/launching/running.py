@@ -9,7 +9,6 @@ result parts kept in the work dir, and the runner and the process group
 freed in an order that cannot hang (:func:`shutdown_distributed`), also
 when the run fails.
 """
-import ast
 import contextlib
 import logging
 import os
@@ -26,6 +25,7 @@ from ..engine.process_group import is_launch_rank0
 from ..engine.validation_record import (ValidationRecordHook, last_step,
                                         run_lost_validation, trained_by_epoch,
                                         trained_steps)
+from .cfg_options import read_literal
 from .console import current_console, header_text, progress_text, summary_text
 from .warning_noise import CONFIG_NOISE, quiet
 
@@ -37,18 +37,13 @@ __all__ = [
 
 def _dict_literal(text: str) -> Optional[dict]:
     """``text`` as the dict it writes (``dict(type='X')`` or
-    ``{'type': 'X'}``, literal values only), else None."""
+    ``{'type': 'X'}``, literal values only: :func:`~.cfg_options.
+    read_literal`), else None."""
     try:
-        node = ast.parse(text.strip(), mode='eval').body
-        if isinstance(node, ast.Dict):
-            return ast.literal_eval(node)
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id == 'dict' and not node.args
-                and all(k.arg for k in node.keywords)):
-            return {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        value = read_literal(text)
     except (SyntaxError, ValueError):
-        pass
-    return None
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def read_dicts(value: Any) -> Any:

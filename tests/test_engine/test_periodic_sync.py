@@ -132,6 +132,20 @@ def _copy_run(src, dst):
     return str(dst)
 
 
+def _resumed_as_whole(resumed, whole, algorithm, work):
+    """Every rank restored its own state from the checkpoint at 4, then
+    went on as the run that did not stop: equal where it was equal, and
+    the same parameters and buffers, bit for bit, at the end."""
+    assert ('INFO', f'Restored the {algorithm} state (each rank\'s own '
+            'parameters, buffers and optimizer state, and the step in the '
+            f'period) of all 2 ranks from the files beside {work}/'
+            'iter_4.pth.') in resumed['lines']
+    assert resumed['same'] == whole['same'][4:]
+    for key in ('params', 'buffers'):
+        for rank in range(2):
+            assert torch.equal(resumed[key][rank], whole[key][rank])
+
+
 def _messages(result, level):
     return [m for lvl, m in result['lines'] if lvl == level]
 
@@ -216,14 +230,7 @@ def test_diloco_resumes_mid_period_bit_for_bit(diloco_whole, diloco_stopped,
     work = _copy_run(diloco_stopped, tmp_path / 'run')
     resumed = run_ranks(_train, work, DILOCO, 10, True)[0]
     whole = diloco_whole[0]
-    assert ('INFO', 'Restored the diloco state (each rank\'s own '
-            'parameters, buffers and optimizer state, and the step in the '
-            f'period) of all 2 ranks from the files beside {work}/'
-            'iter_4.pth.') in resumed['lines']
-    assert resumed['same'] == whole['same'][4:]
-    for key in ('params', 'buffers'):
-        for rank in range(2):
-            assert torch.equal(resumed[key][rank], whole[key][rank])
+    _resumed_as_whole(resumed, whole, 'diloco', work)
 
 
 def test_post_local_sgd_resumes_mid_period_bit_for_bit(tmp_path):
@@ -244,14 +251,7 @@ def test_post_local_sgd_resumes_mid_period_bit_for_bit(tmp_path):
     part = str(tmp_path / 'part')
     run_ranks(_train, part, LOCAL_SGD, 10, False, 4)
     resumed = run_ranks(_train, part, LOCAL_SGD, 10, True)[0]
-    assert ('INFO', 'Restored the post_local_sgd state (each rank\'s own '
-            'parameters, buffers and optimizer state, and the step in the '
-            f'period) of all 2 ranks from the files beside {part}/'
-            'iter_4.pth.') in resumed['lines']
-    assert resumed['same'] == whole['same'][4:]
-    for key in ('params', 'buffers'):
-        for rank in range(2):
-            assert torch.equal(resumed[key][rank], whole[key][rank])
+    _resumed_as_whole(resumed, whole, 'post_local_sgd', part)
 
 
 def test_streaming_diloco_resumes_with_an_exchange_in_flight(tmp_path):
@@ -271,10 +271,7 @@ def test_streaming_diloco_resumes_with_an_exchange_in_flight(tmp_path):
     part = str(tmp_path / 'part')
     run_ranks(_train, part, stream, 10, False, 4)
     resumed = run_ranks(_train, part, stream, 10, True)[0]
-    assert resumed['same'] == whole['same'][4:]
-    for key in ('params', 'buffers'):
-        for rank in range(2):
-            assert torch.equal(resumed[key][rank], whole[key][rank])
+    _resumed_as_whole(resumed, whole, 'diloco', part)
 
 
 def test_diloco_starts_afresh_from_another_hooks_checkpoint(tmp_path):

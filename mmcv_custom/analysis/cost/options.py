@@ -13,6 +13,7 @@ import math
 from typing import Dict, NamedTuple, Optional
 
 from mmcv_custom.comm.accuracy import ACCURACY_CLASSES, CLASS_WORDS
+from mmcv_custom.comm.periodic_costs import overlap_limit
 from .measurements import step_from_log
 from .periodic import DEFAULT_PERIODS
 
@@ -267,7 +268,7 @@ def _check_periodic_options(parser: argparse.ArgumentParser,
             parser.error(f'--overlap should be ints >= 0 (optimizer steps a '
                          f'fragment\'s exchange runs beside), but got {n}')
     periods = getattr(args, 'periods', None) or DEFAULT_PERIODS
-    if not any(o < p // f for p in periods for f in fragments
+    if not any(o < overlap_limit(p, f) for p in periods for f in fragments
                for o in overlap):
         parser.error(f'--overlap {" ".join(map(str, overlap))} should be '
                      'below period // fragments for some of --periods '

@@ -36,7 +36,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 from mmcv_custom.comm.accuracy import accuracy_of
 from mmcv_custom.comm.builder import hook_record
-from mmcv_custom.comm.periodic_costs import PeriodicCost, slice_numel
+from mmcv_custom.comm.periodic_costs import (PeriodicCost, overlap_limit,
+                                             slice_numel)
 from mmcv_custom.comm.records import HookRecord
 from mmcv_custom.comm.traffic import reduced_bytes
 from mmcv_custom.hooks.local_sgd import DEFAULT_INNER
@@ -166,7 +167,7 @@ class PeriodicHookCost(HookCost):
         self.fragments = self.settings.get('fragments', 1)
         self.overlap = self.settings.get('overlap', 0)
         require_count('fragments', self.fragments)
-        spacing = self.settings['period'] // self.fragments
+        spacing = overlap_limit(self.settings['period'], self.fragments)
         if (isinstance(self.overlap, bool)
                 or not isinstance(self.overlap, int)
                 or not 0 <= self.overlap < spacing):
@@ -363,8 +364,9 @@ def periodic_costs(
                 given = dict(period=period)
                 given.update((key, v) for (key, _), v in zip(choices, values)
                              if v is not None)
-                spacing = period // given.get('fragments', 1)
-                if given.get('overlap', 0) >= spacing:
+                if given.get('overlap',
+                             0) >= overlap_limit(period,
+                                                 given.get('fragments', 1)):
                     continue
                 one = PeriodicHookCost(hook.name, ranks_per_node, num_nodes,
                                        inner, hook.record, **given)
