@@ -527,12 +527,15 @@ def test_two_nodes_of_two_ranks_measure_what_crosses_each_link(tmp_path):
         for tx in rows[name]['link_tx_bytes']:
             assert tx == pytest.approx(
                 rows[name]['predicted_link_bytes'], rel=0.05)
-        # Less every packet's headers, what TCP carried is what the model
-        # derives, within issue 30's 3% (0.1-0.5% over 3 x 5 steps; up to
-        # 2% over these 2 steps: the barriers around each block of steps,
-        # gloo's framing, the odd message to the store).
-        for payload in rows[name]['link_payload_bytes']:
-            assert payload == pytest.approx(
+        # Less every packet's headers, and less what the same steps carry
+        # with a hook that sends nothing (the noop row: DDP's broadcast of
+        # rank 0's BatchNorm buffers before each forward, about 23 KB a
+        # step out of node 0, 2.5% of int8's two-level bytes, and the
+        # barriers), what TCP carried for the hook is what the model
+        # derives, within issue 30's 3%.
+        for payload, other in zip(rows[name]['link_payload_bytes'],
+                                  rows['noop']['link_payload_bytes']):
+            assert payload - other == pytest.approx(
                 rows[name]['predicted_link_bytes'], rel=0.03)
     # The hooks counted what the catalogue derives, form by form.
     assert data['collectives_mismatched'] == []
